@@ -1,0 +1,15 @@
+//! kvroute-core: the pure logic shared by the Envoy filter (wasm32-wasip1), the indexer sidecar,
+//! the engine simulator and the CLI, so that none of them can disagree with another or with vLLM.
+//!
+//! * [`hashing`]: vLLM's own prefix-cache block hash (all four `--prefix-caching-hash-algo`s) and the
+//!   64-bit value vLLM puts on the wire.
+//! * [`router_key`]: kvroute's own chained 64-bit key, independent of the engine's hash settings.
+//! * [`events`]: the KV event stream's msgpack codec, every layout vLLM has shipped.
+//! * [`request`]: an OpenAI request body to the engine's token ids (chat template + tokenizer).
+//! * [`scoring`]: the replica choice from matched blocks and load.
+
+pub mod events;
+pub mod hashing;
+pub mod request;
+pub mod router_key;
+pub mod scoring;

@@ -1,0 +1,1 @@
+//! kvroute Envoy filter.
