@@ -1,1 +1,29 @@
-//! kvroute Envoy filter.
+//! kvroute's Envoy proxy-wasm HTTP filter.
+//!
+//! Per request on a routed path: strip any client `x-envoy-original-dst-host`, buffer the body,
+//! render and tokenise the prompt with the model's real tokenizer ([`kvroute_core::request`]),
+//! compute router keys ([`kvroute_core::router_key`]), ask the indexer sidecar which replica holds
+//! the longest prefix (`POST /v1/route`), set `x-envoy-original-dst-host` for Envoy's
+//! ORIGINAL_DST cluster and resume. Anything wrong on the filter's side fails open: the header
+//! stays absent and Envoy's route sends the request to the load-balanced fallback cluster.
+//!
+//! Modules: [`config`] (plugin configuration), [`protocol`] (pure wire logic), [`models`]
+//! (per-VM tokenizer registry), [`engine`] (bridge to `kvroute_core`), [`metrics`], [`host`]
+//! (panic-free host calls), and the proxy-wasm glue in [`root_context`] and [`http_context`].
+
+pub mod config;
+pub mod engine;
+pub mod host;
+pub mod http_context;
+pub mod metrics;
+pub mod models;
+pub mod protocol;
+pub mod root_context;
+
+#[cfg(target_arch = "wasm32")]
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
+    proxy_wasm::set_root_context(|context_id| -> Box<dyn proxy_wasm::traits::RootContext> {
+        Box::new(root_context::KvRouteRoot::new(context_id))
+    });
+}}

@@ -5,6 +5,6 @@ mod decode;
 mod encode;
 mod types;
 
-// pub use decode::{decode_batch, DecodeError, DecodeLimits};
-// pub use encode::{encode_batch, WireLayout};
-// pub use types::*;
+pub use decode::{decode_batch, decode_batch_with, DecodeError, DecodeLimits};
+pub use encode::{encode_batch, encode_batch_into, WireLayout};
+pub use types::*;

@@ -101,8 +101,15 @@ pub struct BlockStored {
     pub kv_cache_spec_kind: Option<String>,
     /// Sliding window size for sliding-window groups.
     pub kv_cache_spec_sliding_window: Option<i64>,
+    /// `LOCAL` or `REMOTE` relative to the publisher (vLLM 0.33); `None` = unspecified.
+    pub locality: Option<String>,
+    /// Secondary offloading tier identifier, if one generated the event (vLLM 0.33).
+    pub ownership: Option<String>,
     /// `vllm_xargs.session_id` of the request that stored the blocks.
     pub session_id: Option<String>,
+    /// Tokens beyond each block that its hash also covered, one list per block (lookahead
+    /// hashing); `None` when disabled.
+    pub lookahead_token_ids: Option<Vec<Vec<u32>>>,
 }
 
 /// `BlockRemoved`: the engine evicted these blocks.
@@ -114,6 +121,10 @@ pub struct BlockRemoved {
     pub medium: Option<Medium>,
     /// KV cache group index.
     pub group_idx: Option<i64>,
+    /// `LOCAL` or `REMOTE` relative to the publisher (vLLM 0.33); `None` = unspecified.
+    pub locality: Option<String>,
+    /// Secondary offloading tier identifier, if one generated the event (vLLM 0.33).
+    pub ownership: Option<String>,
 }
 
 /// One KV cache event.

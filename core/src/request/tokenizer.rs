@@ -1,0 +1,498 @@
+//! [`ModelTokenizer`]: a model's tokenizer and chat template(s), plus the segment cache.
+
+use std::collections::BTreeMap;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use serde_json::{Map, Value};
+use tokenizers::{Encoding, Token, Tokenizer};
+
+use super::chat_template::ChatTemplates;
+use super::openai::{self, CompletionPrompt};
+use super::segment_cache::{SegmentCache, SegmentCacheStats, SegmentKey};
+use super::segmenter::{Piece, Segmenter};
+use super::{ChatContentFormat, Endpoint, ModelFiles, PromptTokens, RequestError};
+
+/// transformers appends this to the final message for `continue_final_message`, renders, then
+/// cuts the rendered text at it.
+const CONTINUE_FINAL_MESSAGE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+/// The special-token attributes transformers passes to every chat template.
+const SPECIAL_TOKEN_NAMES: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
+/// Settings of a [`ModelTokenizer`]; the defaults follow vLLM's defaults.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TokenizerOptions {
+    /// Upper bound on the segment cache's memory (token ids plus per-entry overhead), in bytes.
+    /// 0 disables the cache.
+    pub segment_cache_max_bytes: usize,
+    /// Upper bound on the number of cached segments. 0 disables the cache.
+    pub segment_cache_max_entries: usize,
+    /// Minimum size of a line chunk for tokenizers where cutting at line starts is exact
+    /// (Qwen2/3, Llama 3 style byte-level BPE). 0 keeps whole spans between added tokens.
+    pub line_chunk_bytes: usize,
+    /// A chat template that replaces the model's (vLLM's `--chat-template`, as template text).
+    pub chat_template: Option<String>,
+    /// Accept a `chat_template` sent in the request (vLLM's `--trust-request-chat-template`).
+    pub trust_request_chat_template: bool,
+    /// vLLM's `--chat-template-content-format`.
+    pub content_format: ChatContentFormat,
+    /// vLLM's `--default-chat-template-kwargs`.
+    pub default_chat_template_kwargs: Map<String, Value>,
+    /// vLLM's `--exclude-tools-when-tool-choice-none`.
+    pub exclude_tools_when_tool_choice_none: bool,
+    /// Most prompts accepted in one batched completion.
+    pub max_batch_prompts: usize,
+    /// Most messages accepted in one chat request.
+    pub max_messages: usize,
+}
+
+impl Default for TokenizerOptions {
+    fn default() -> Self {
+        Self {
+            segment_cache_max_bytes: 32 << 20,
+            segment_cache_max_entries: 65_536,
+            line_chunk_bytes: 2048,
+            chat_template: None,
+            trust_request_chat_template: false,
+            content_format: ChatContentFormat::Auto,
+            default_chat_template_kwargs: Map::new(),
+            exclude_tools_when_tool_choice_none: false,
+            max_batch_prompts: 1024,
+            max_messages: 100_000,
+        }
+    }
+}
+
+/// A model's tokenizer and chat template, with a bounded cache of tokenised segments.
+/// `Send + Sync`: share one per model behind an `Arc`.
+pub struct ModelTokenizer {
+    tokenizer: Tokenizer,
+    templates: Option<ChatTemplates>,
+    special_tokens: BTreeMap<String, String>,
+    segmenter: Segmenter,
+    cache: Mutex<SegmentCache>,
+    opts: TokenizerOptions,
+}
+
+impl std::fmt::Debug for ModelTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelTokenizer")
+            .field("templates", &self.templates)
+            .field("segmenter", &self.segmenter)
+            .field("opts", &self.opts)
+            .finish()
+    }
+}
+
+fn tokenizer_error(e: impl std::fmt::Display) -> RequestError {
+    RequestError::Tokenizer(e.to_string())
+}
+
+/// The string of a special-token entry in `tokenizer_config.json`: a string or `{"content"}`.
+fn token_content(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// Python's `str.isspace` for one character.
+fn py_is_space(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+impl ModelTokenizer {
+    /// Loads a model's tokenizer and chat template.
+    pub fn from_files(files: &ModelFiles, opts: TokenizerOptions) -> Result<Self, RequestError> {
+        let tokenizer_json: Value = serde_json::from_slice(&files.tokenizer_json)
+            .map_err(|e| RequestError::ModelFiles(format!("tokenizer.json is not JSON: {e}")))?;
+        let mut tokenizer = Tokenizer::from_bytes(&files.tokenizer_json)
+            .map_err(|e| RequestError::ModelFiles(format!("tokenizer.json: {e}")))?;
+        // transformers disables the file's truncation and padding unless asked per call.
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| RequestError::ModelFiles(format!("tokenizer.json: {e}")))?;
+        tokenizer.with_padding(None);
+
+        let config: Value = serde_json::from_slice(&files.tokenizer_config_json).map_err(|e| {
+            RequestError::ModelFiles(format!("tokenizer_config.json is not JSON: {e}"))
+        })?;
+        if !config.is_object() {
+            return Err(RequestError::ModelFiles(
+                "tokenizer_config.json is not an object".into(),
+            ));
+        }
+        let templates = match &opts.chat_template {
+            Some(source) => Some(ChatTemplates::single(source.clone())?),
+            None => ChatTemplates::from_tokenizer_config(&config)?,
+        };
+        let special_tokens = SPECIAL_TOKEN_NAMES
+            .iter()
+            .filter_map(|name| {
+                config
+                    .get(*name)
+                    .and_then(token_content)
+                    .map(|c| ((*name).to_owned(), c))
+            })
+            .collect();
+        let segmenter = Segmenter::from_tokenizer_json(&tokenizer_json, opts.line_chunk_bytes);
+        let cache = Mutex::new(SegmentCache::new(
+            opts.segment_cache_max_bytes,
+            opts.segment_cache_max_entries,
+        ));
+        Ok(Self {
+            tokenizer,
+            templates,
+            special_tokens,
+            segmenter,
+            cache,
+            opts,
+        })
+    }
+
+    /// The options this tokenizer was built with.
+    pub fn options(&self) -> &TokenizerOptions {
+        &self.opts
+    }
+
+    /// The special tokens from `tokenizer_config.json` that templates see, e.g.
+    /// `"eos_token" -> "<|im_end|>"`.
+    pub fn special_tokens(&self) -> &BTreeMap<String, String> {
+        &self.special_tokens
+    }
+
+    /// The id of a token (regular or added), if the vocabulary has it.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.tokenizer.token_to_id(token)
+    }
+
+    /// Whether a chat template is available.
+    pub fn has_chat_template(&self) -> bool {
+        self.templates.is_some()
+    }
+
+    /// Whether cached tokenisation cuts text at added tokens and, for known byte-level BPE
+    /// pre-tokenisers, at line starts (see the `segmenter` module).
+    pub fn segmentation(&self) -> (bool, bool) {
+        (self.segmenter.cuts(), self.segmenter.line_cuts())
+    }
+
+    /// The engine's token ids for an OpenAI request body.
+    pub fn tokenize_request(
+        &self,
+        endpoint: Endpoint,
+        body: &Value,
+    ) -> Result<PromptTokens, RequestError> {
+        match endpoint {
+            Endpoint::ChatCompletions => {
+                let (text, add_special_tokens) = self.render_chat_inner(body)?;
+                Ok(PromptTokens::Single(self.encode_text(&text, add_special_tokens)?))
+            }
+            Endpoint::Completions => {
+                let (prompt, add_special_tokens) = openai::completion_prompt(body, &self.opts)?;
+                match prompt {
+                    CompletionPrompt::Batch(items) => {
+                        let mut all = Vec::with_capacity(items.len());
+                        for item in items {
+                            all.push(self.completion_ids(item, add_special_tokens)?);
+                        }
+                        Ok(PromptTokens::Batch(all))
+                    }
+                    single => Ok(PromptTokens::Single(
+                        self.completion_ids(single, add_special_tokens)?,
+                    )),
+                }
+            }
+        }
+    }
+
+    fn completion_ids(
+        &self,
+        prompt: CompletionPrompt,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, RequestError> {
+        match prompt {
+            CompletionPrompt::Text(text) => self.encode_text(&text, add_special_tokens),
+            CompletionPrompt::Ids(ids) => Ok(ids),
+            CompletionPrompt::Batch(_) => Err(RequestError::InvalidField {
+                field: "prompt".into(),
+                reason: "nested batches are not allowed".into(),
+            }),
+        }
+    }
+
+    /// The text a `/v1/chat/completions` body renders to (before tokenisation).
+    pub fn render_chat(&self, body: &Value) -> Result<String, RequestError> {
+        self.render_chat_inner(body).map(|(text, _)| text)
+    }
+
+    fn render_chat_inner(&self, body: &Value) -> Result<(String, bool), RequestError> {
+        let req = openai::chat_request(body, &self.opts)?;
+        let request_templates = match &req.chat_template {
+            // Only reachable when the options trust request templates.
+            Some(source) => Some(self.request_template(source)?),
+            None => None,
+        };
+        let templates = request_templates
+            .as_ref()
+            .or(self.templates.as_ref())
+            .ok_or(RequestError::NoChatTemplate)?;
+        let name = templates.select(req.tools.is_some())?;
+        let source = templates.source(name);
+        let format = match self.opts.content_format {
+            ChatContentFormat::Auto => openai::detect_content_format(source),
+            other => other,
+        };
+        let mut messages = openai::normalise_messages(&req.messages, format, source)?;
+        if messages.is_empty() {
+            return Err(RequestError::InvalidField {
+                field: "messages".into(),
+                reason: "cannot apply a chat template to an empty conversation".into(),
+            });
+        }
+        let final_message = if req.continue_final_message {
+            Some(tag_final_message(&mut messages, source)?)
+        } else {
+            None
+        };
+
+        let mut ctx = Map::new();
+        for (k, v) in &self.special_tokens {
+            ctx.insert(k.clone(), Value::String(v.clone()));
+        }
+        for (k, v) in req.kwargs {
+            ctx.insert(k, v);
+        }
+        ctx.insert("messages".into(), Value::Array(messages));
+        ctx.insert("tools".into(), req.tools.unwrap_or(Value::Null));
+        ctx.insert("documents".into(), req.documents.unwrap_or(Value::Null));
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::Bool(req.add_generation_prompt),
+        );
+        let rendered = templates.render(name, &ctx)?;
+        let rendered = match final_message {
+            Some(final_message) => cut_at_tag(rendered, &final_message)?,
+            None => rendered,
+        };
+        Ok((rendered, req.add_special_tokens))
+    }
+
+    fn request_template(&self, source: &str) -> Result<ChatTemplates, RequestError> {
+        // A name of one of the model's templates, else template text (transformers' rule).
+        if let Some(own) = &self.templates {
+            let named = own.source(source);
+            if !named.is_empty() {
+                return ChatTemplates::single(named.to_owned());
+            }
+        }
+        ChatTemplates::single(source.to_owned())
+    }
+
+    /// Token ids of `text`, with the tokenizer's post-processor adding special tokens when
+    /// `add_special_tokens` (as Hugging Face `tokenizer(text, add_special_tokens=...)`).
+    /// Segments seen before come from the cache; the result equals
+    /// [`Self::encode_text_uncached`].
+    pub fn encode_text(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, RequestError> {
+        let ids = self.encode_segments(text)?;
+        if add_special_tokens {
+            self.post_process(ids)
+        } else {
+            Ok(ids)
+        }
+    }
+
+    /// Token ids of `text` tokenised in one piece, without the cache: the reference that
+    /// [`Self::encode_text`] must equal.
+    pub fn encode_text_uncached(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, RequestError> {
+        let enc = self
+            .tokenizer
+            .encode_fast(text, add_special_tokens)
+            .map_err(tokenizer_error)?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Text of token ids (special tokens kept).
+    pub fn decode(&self, ids: &[u32]) -> Result<String, RequestError> {
+        self.tokenizer.decode(ids, false).map_err(tokenizer_error)
+    }
+
+    /// Segment cache counters.
+    pub fn cache_stats(&self) -> SegmentCacheStats {
+        self.lock_cache().stats()
+    }
+
+    /// Empties the segment cache.
+    pub fn clear_cache(&self) {
+        self.lock_cache().clear();
+    }
+
+    fn lock_cache(&self) -> MutexGuard<'_, SegmentCache> {
+        // A panic while holding the lock cannot leave the LRU inconsistent enough to matter.
+        self.cache.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn encode_piece(&self, text: &str) -> Result<Vec<u32>, RequestError> {
+        self.encode_text_uncached(text, false)
+    }
+
+    fn encode_segments(&self, text: &str) -> Result<Vec<u32>, RequestError> {
+        let mut pieces: Vec<Piece<'_>> = Vec::new();
+        self.segmenter.split(text, |p| pieces.push(p));
+        let keys: Vec<Option<SegmentKey>> = pieces
+            .iter()
+            .map(|p| match p {
+                Piece::Text(t) => Some(SegmentKey::of(t)),
+                Piece::Added(_) => None,
+            })
+            .collect();
+        let mut found: Vec<Option<Arc<[u32]>>> = {
+            let mut cache = self.lock_cache();
+            keys.iter()
+                .map(|k| k.as_ref().and_then(|k| cache.get(k)))
+                .collect()
+        };
+        let mut fresh: HashMap<SegmentKey, Arc<[u32]>> = HashMap::new();
+        for ((piece, key), slot) in pieces.iter().zip(&keys).zip(found.iter_mut()) {
+            if let (Piece::Text(t), Some(key), None) = (piece, key, &slot) {
+                let ids = match fresh.get(key) {
+                    Some(ids) => ids.clone(),
+                    None => {
+                        let ids: Arc<[u32]> = self.encode_piece(t)?.into();
+                        fresh.insert(*key, ids.clone());
+                        ids
+                    }
+                };
+                *slot = Some(ids);
+            }
+        }
+        if !fresh.is_empty() {
+            let mut cache = self.lock_cache();
+            for (key, ids) in fresh {
+                cache.insert(key, ids);
+            }
+        }
+        let total = found
+            .iter()
+            .map(|f| f.as_ref().map_or(1, |ids| ids.len()))
+            .sum();
+        let mut out = Vec::with_capacity(total);
+        for (piece, ids) in pieces.iter().zip(found) {
+            match (piece, ids) {
+                (Piece::Added(id), _) => out.push(*id),
+                (Piece::Text(_), Some(ids)) => out.extend_from_slice(&ids),
+                (Piece::Text(_), None) => {
+                    return Err(RequestError::Tokenizer("segment left untokenised".into()))
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn post_process(&self, ids: Vec<u32>) -> Result<Vec<u32>, RequestError> {
+        if self.tokenizer.get_post_processor().is_none() {
+            return Ok(ids);
+        }
+        let tokens = ids
+            .into_iter()
+            .map(|id| Token::new(id, String::new(), (0, 0)))
+            .collect();
+        let enc = Encoding::from_tokens(tokens, 0);
+        let enc = self
+            .tokenizer
+            .post_process(enc, None, true)
+            .map_err(tokenizer_error)?;
+        Ok(enc.get_ids().to_vec())
+    }
+}
+
+/// Appends transformers' continuation tag to the final message's content and returns the
+/// content as it was (for the check after rendering).
+fn tag_final_message(messages: &mut [Value], template_source: &str) -> Result<String, RequestError> {
+    let invalid = |reason: &str| RequestError::InvalidField {
+        field: "continue_final_message".into(),
+        reason: reason.into(),
+    };
+    if !template_source.contains("content") {
+        return Err(invalid("the chat template does not use message content"));
+    }
+    let last = messages
+        .last_mut()
+        .and_then(Value::as_object_mut)
+        .ok_or_else(|| invalid("the conversation is empty"))?;
+    match last.get_mut("content") {
+        Some(Value::String(s)) => {
+            let original = s.clone();
+            s.push_str(CONTINUE_FINAL_MESSAGE_TAG);
+            Ok(original)
+        }
+        Some(Value::Array(parts)) => {
+            for part in parts.iter_mut().rev() {
+                if let Some(Value::String(text)) = part.get_mut("text") {
+                    let original = text.clone();
+                    text.push_str(CONTINUE_FINAL_MESSAGE_TAG);
+                    return Ok(original);
+                }
+            }
+            Err(invalid("the final message has no text to continue"))
+        }
+        _ => Err(invalid("the final message has no content to continue")),
+    }
+}
+
+/// transformers' cut of the rendered chat at the continuation tag.
+fn cut_at_tag(rendered: String, final_message: &str) -> Result<String, RequestError> {
+    let tag = CONTINUE_FINAL_MESSAGE_TAG.trim_matches(py_is_space);
+    let final_stripped = final_message.trim_matches(py_is_space);
+    if !rendered.contains(final_stripped) || !rendered.contains(tag) {
+        return Err(RequestError::InvalidField {
+            field: "continue_final_message".into(),
+            reason: "the final message does not appear in the rendered chat".into(),
+        });
+    }
+    let loc = rendered.rfind(tag).unwrap_or(0);
+    let mut out = rendered;
+    if out[loc..].starts_with(CONTINUE_FINAL_MESSAGE_TAG) {
+        out.truncate(loc);
+    } else {
+        out.truncate(loc);
+        let kept = out.trim_end_matches(py_is_space).len();
+        out.truncate(kept);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cut_at_tag_like_transformers() {
+        let r = format!("<s>user: hi{CONTINUE_FINAL_MESSAGE_TAG}</s>");
+        assert_eq!(cut_at_tag(r, "hi").expect("ok"), "<s>user: hi");
+        // A template that strips the message drops the tag's trailing space: cut and rstrip.
+        let r = "<s>user: hi  CONTINUE_FINAL_MESSAGE_TAG</s>".to_owned();
+        assert_eq!(cut_at_tag(r, "hi  ").expect("ok"), "<s>user: hi");
+        assert!(cut_at_tag("nothing".into(), "hi").is_err());
+    }
+
+    #[test]
+    fn model_tokenizer_is_send_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<ModelTokenizer>();
+    }
+}

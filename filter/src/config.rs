@@ -1,0 +1,340 @@
+//! The plugin configuration (JSON in the Wasm filter's `configuration`), parsed and validated.
+//!
+//! Every field has a default, so an empty configuration is valid. Unknown fields are rejected so
+//! that a typo fails the plugin at load instead of being silently ignored.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+/// What to do with a request body larger than `max_body_bytes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OversizedBody {
+    /// Forward it unrouted to the fallback cluster (counted as `fail_open.too_large`).
+    #[default]
+    FailOpen,
+    /// Answer 413 from the filter.
+    Reject,
+}
+
+/// Where a model's tokenizer comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenizerSource {
+    /// `GET /v1/models/{model}/tokenizer` on the indexer cluster, at VM start and on first use.
+    #[default]
+    Indexer,
+    /// The Wasm VM configuration (`vm_config.configuration`), for offline set-ups: a JSON object
+    /// `{"models": {"<name>": {"tokenizer_json": "...", "tokenizer_config_json": "...",
+    /// "block_size": 16}}}`.
+    VmConfig,
+}
+
+/// The engine's extra-key layout (vLLM >= 0.31 tags LoRA/salt/multimodal keys).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum KeyStyle {
+    /// vLLM >= 0.31.
+    #[default]
+    Tagged,
+    /// vLLM 0.15 ..= 0.30.
+    Plain,
+}
+
+/// Per-model settings. Everything is optional: what is missing is learned from the indexer.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelConfig {
+    /// KV block size (tokens). Overrides what the indexer announces.
+    pub block_size: Option<usize>,
+    /// Engine extra-key style. Overrides what the indexer announces.
+    pub extra_key_style: Option<KeyStyle>,
+    /// Where the tokenizer comes from.
+    pub tokenizer_source: TokenizerSource,
+    /// LoRA adapter name -> path, as the engine was started with (`--lora-modules`).
+    pub lora_paths: BTreeMap<String, String>,
+}
+
+/// Backoff for tokenizer fetches that failed.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetryConfig {
+    /// First delay after a failure (ms).
+    pub initial_ms: u64,
+    /// Delay cap (ms); doubles up to this.
+    pub max_ms: u64,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self {
+            initial_ms: 500,
+            max_ms: 30_000,
+        }
+    }
+}
+
+/// The whole plugin configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FilterConfig {
+    /// Envoy cluster of the indexer sidecar.
+    pub indexer_cluster: String,
+    /// `:authority` sent to the indexer.
+    pub indexer_authority: String,
+    /// Deadline of `POST /v1/route` (ms). On expiry the request fails open.
+    pub route_timeout_ms: u64,
+    /// Deadline of `POST /v1/complete` (ms).
+    pub complete_timeout_ms: u64,
+    /// Deadline of a tokenizer fetch (ms).
+    pub tokenizer_timeout_ms: u64,
+    /// Request paths (without query) that are routed; anything else passes through unrouted.
+    pub routed_paths: Vec<String>,
+    /// Largest request body the filter buffers and routes (bytes). Must stay below Envoy's
+    /// buffer limit (`per_connection_buffer_limit_bytes`) or Envoy answers 413 itself.
+    pub max_body_bytes: usize,
+    /// What to do with a larger body.
+    pub oversized_body: OversizedBody,
+    /// Add `"vllm_xargs": {"kv_cache_report_mode": "full"}` to routed bodies.
+    pub inject_kv_cache_report_mode: bool,
+    /// Add `x-kvroute-*` headers (replica, reason, matched tokens, fail-open reason) to the
+    /// upstream request and the response.
+    pub debug_headers: bool,
+    /// Report each routed request's end to the indexer (`POST /v1/complete`).
+    pub report_completion: bool,
+    /// Largest non-streaming response body scanned for `usage` (bytes); larger ones report
+    /// `cached_tokens: null`.
+    pub max_response_scan_bytes: usize,
+    /// Known models. Others are discovered from the indexer when `discover_models` is set.
+    pub models: BTreeMap<String, ModelConfig>,
+    /// Fetch the tokenizer of a model not listed in `models` on its first request.
+    pub discover_models: bool,
+    /// Most models one VM holds a tokenizer for (each Qwen3-size tokenizer costs ~100 MiB).
+    pub max_models: usize,
+    /// Tokenizer fetch backoff.
+    pub tokenizer_retry: RetryConfig,
+    /// How long a model the indexer does not know is remembered as unknown (ms).
+    pub unknown_model_retry_ms: u64,
+    /// Block size when neither the configuration nor the indexer gives one.
+    pub default_block_size: usize,
+    /// Entries of the per-model tokenizer segment cache (0 disables it).
+    pub segment_cache_entries: usize,
+}
+
+impl Default for FilterConfig {
+    fn default() -> Self {
+        Self {
+            indexer_cluster: "kvroute_indexer".into(),
+            indexer_authority: "kvroute-indexer".into(),
+            route_timeout_ms: 100,
+            complete_timeout_ms: 1_000,
+            tokenizer_timeout_ms: 30_000,
+            routed_paths: vec!["/v1/completions".into(), "/v1/chat/completions".into()],
+            max_body_bytes: 4 * 1024 * 1024,
+            oversized_body: OversizedBody::FailOpen,
+            inject_kv_cache_report_mode: false,
+            debug_headers: false,
+            report_completion: true,
+            max_response_scan_bytes: 1024 * 1024,
+            models: BTreeMap::new(),
+            discover_models: true,
+            max_models: 4,
+            tokenizer_retry: RetryConfig::default(),
+            unknown_model_retry_ms: 30_000,
+            default_block_size: 16,
+            segment_cache_entries: 4096,
+        }
+    }
+}
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    /// Not JSON, wrong types, or an unknown field.
+    #[error("kvroute configuration is not valid JSON for the schema: {0}")]
+    Json(String),
+    /// A value out of range.
+    #[error("kvroute configuration field `{field}` {problem}")]
+    Invalid {
+        /// Field path.
+        field: String,
+        /// What is wrong.
+        problem: String,
+    },
+}
+
+fn invalid(field: impl Into<String>, problem: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        problem: problem.into(),
+    }
+}
+
+const MAX_TIMEOUT_MS: u64 = 600_000;
+const MAX_BODY_LIMIT: usize = 256 * 1024 * 1024;
+const MAX_BLOCK_SIZE: usize = 4096;
+
+impl FilterConfig {
+    /// Parses and validates the plugin configuration. Empty input means all defaults.
+    pub fn parse(bytes: &[u8]) -> Result<Self, ConfigError> {
+        let trimmed = bytes.trim_ascii();
+        let cfg: FilterConfig = if trimmed.is_empty() {
+            FilterConfig::default()
+        } else {
+            serde_json::from_slice(trimmed).map_err(|e| ConfigError::Json(e.to_string()))?
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks ranges and consistency.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.indexer_cluster.trim().is_empty() {
+            return Err(invalid("indexer_cluster", "must not be empty"));
+        }
+        if self.indexer_authority.trim().is_empty() {
+            return Err(invalid("indexer_authority", "must not be empty"));
+        }
+        for (name, v) in [
+            ("route_timeout_ms", self.route_timeout_ms),
+            ("complete_timeout_ms", self.complete_timeout_ms),
+            ("tokenizer_timeout_ms", self.tokenizer_timeout_ms),
+        ] {
+            if v == 0 || v > MAX_TIMEOUT_MS {
+                return Err(invalid(name, format!("must be in 1..={MAX_TIMEOUT_MS}, got {v}")));
+            }
+        }
+        if self.routed_paths.is_empty() {
+            return Err(invalid("routed_paths", "must list at least one path"));
+        }
+        for p in &self.routed_paths {
+            if !p.starts_with('/') || p.contains('?') {
+                return Err(invalid(
+                    "routed_paths",
+                    format!("entry {p:?} must start with '/' and have no query"),
+                ));
+            }
+        }
+        if self.max_body_bytes < 1024 || self.max_body_bytes > MAX_BODY_LIMIT {
+            return Err(invalid(
+                "max_body_bytes",
+                format!("must be in 1024..={MAX_BODY_LIMIT}, got {}", self.max_body_bytes),
+            ));
+        }
+        if self.max_response_scan_bytes > MAX_BODY_LIMIT {
+            return Err(invalid("max_response_scan_bytes", "is larger than 256 MiB"));
+        }
+        if self.max_models == 0 {
+            return Err(invalid("max_models", "must be at least 1"));
+        }
+        if self.models.len() > self.max_models {
+            return Err(invalid(
+                "models",
+                format!(
+                    "lists {} models but max_models is {}",
+                    self.models.len(),
+                    self.max_models
+                ),
+            ));
+        }
+        if self.models.is_empty() && !self.discover_models {
+            return Err(invalid(
+                "models",
+                "is empty and discover_models is false: nothing could ever be routed",
+            ));
+        }
+        check_block_size("default_block_size", self.default_block_size)?;
+        for (name, m) in &self.models {
+            if name.is_empty() {
+                return Err(invalid("models", "has an empty model name"));
+            }
+            if let Some(bs) = m.block_size {
+                check_block_size(&format!("models.{name}.block_size"), bs)?;
+            }
+        }
+        let r = &self.tokenizer_retry;
+        if r.initial_ms == 0 || r.initial_ms > r.max_ms || r.max_ms > 24 * 3_600_000 {
+            return Err(invalid(
+                "tokenizer_retry",
+                "needs 0 < initial_ms <= max_ms <= 86400000",
+            ));
+        }
+        Ok(())
+    }
+
+    /// True when `path` (query and fragment ignored) is one of the routed paths.
+    pub fn routes_path(&self, path: &str) -> bool {
+        let bare = path.split(['?', '#']).next().unwrap_or(path);
+        self.routed_paths.iter().any(|p| p == bare)
+    }
+}
+
+fn check_block_size(field: &str, bs: usize) -> Result<(), ConfigError> {
+    if bs == 0 || bs > MAX_BLOCK_SIZE {
+        return Err(invalid(field, format!("must be in 1..={MAX_BLOCK_SIZE}, got {bs}")));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_configuration_means_defaults() {
+        assert_eq!(FilterConfig::parse(b"").unwrap(), FilterConfig::default());
+        assert_eq!(FilterConfig::parse(b"  {} ").unwrap(), FilterConfig::default());
+    }
+
+    #[test]
+    fn full_configuration_parses() {
+        let cfg = FilterConfig::parse(
+            br#"{"indexer_cluster":"idx","route_timeout_ms":25,"max_body_bytes":2048,
+                 "oversized_body":"reject","inject_kv_cache_report_mode":true,
+                 "models":{"qwen3":{"block_size":32,"extra_key_style":"plain",
+                 "tokenizer_source":"vm_config","lora_paths":{"a":"/p"}}},
+                 "discover_models":false}"#,
+        )
+        .unwrap();
+        assert_eq!(cfg.indexer_cluster, "idx");
+        assert_eq!(cfg.oversized_body, OversizedBody::Reject);
+        let m = &cfg.models["qwen3"];
+        assert_eq!(m.block_size, Some(32));
+        assert_eq!(m.extra_key_style, Some(KeyStyle::Plain));
+        assert_eq!(m.tokenizer_source, TokenizerSource::VmConfig);
+        assert_eq!(m.lora_paths["a"], "/p");
+    }
+
+    #[test]
+    fn typos_and_bad_values_are_refused_with_the_field_name() {
+        let e = FilterConfig::parse(br#"{"route_timeout":5}"#).unwrap_err();
+        assert!(e.to_string().contains("route_timeout"), "{e}");
+        let e = FilterConfig::parse(br#"{"route_timeout_ms":0}"#).unwrap_err();
+        assert!(e.to_string().contains("route_timeout_ms"), "{e}");
+        let e = FilterConfig::parse(br#"{"max_body_bytes":10}"#).unwrap_err();
+        assert!(e.to_string().contains("max_body_bytes"), "{e}");
+        let e = FilterConfig::parse(br#"{"routed_paths":["v1/x"]}"#).unwrap_err();
+        assert!(e.to_string().contains("routed_paths"), "{e}");
+        let e = FilterConfig::parse(br#"{"models":{"m":{"block_size":0}}}"#).unwrap_err();
+        assert!(e.to_string().contains("models.m.block_size"), "{e}");
+        let e = FilterConfig::parse(br#"{"discover_models":false}"#).unwrap_err();
+        assert!(e.to_string().contains("discover_models"), "{e}");
+        let e = FilterConfig::parse(br#"{"oversized_body":"drop"}"#).unwrap_err();
+        assert!(matches!(e, ConfigError::Json(_)));
+        let e = FilterConfig::parse(b"not json").unwrap_err();
+        assert!(matches!(e, ConfigError::Json(_)));
+        let e = FilterConfig::parse(br#"{"tokenizer_retry":{"initial_ms":10,"max_ms":5}}"#)
+            .unwrap_err();
+        assert!(e.to_string().contains("tokenizer_retry"), "{e}");
+    }
+
+    #[test]
+    fn path_matching_ignores_the_query() {
+        let cfg = FilterConfig::default();
+        assert!(cfg.routes_path("/v1/chat/completions"));
+        assert!(cfg.routes_path("/v1/completions?x=1"));
+        assert!(!cfg.routes_path("/v1/completions/extra"));
+        assert!(!cfg.routes_path("/v1/models"));
+    }
+}

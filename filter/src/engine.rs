@@ -1,0 +1,134 @@
+//! The bridge to `kvroute_core`: a loaded model (tokenizer + block size + key style) turning an
+//! OpenAI request body into router keys. The only module that calls the shared core, so the
+//! filter computes exactly what the indexer and the CLI compute.
+
+use std::collections::BTreeMap;
+
+use kvroute_core::hashing::ExtraKeyStyle;
+use kvroute_core::request::{
+    request_extras, Endpoint, ModelFiles, ModelTokenizer, PromptTokens, TokenizerOptions,
+};
+use kvroute_core::router_key::request_keys;
+use serde_json::Value;
+
+use crate::config::{FilterConfig, KeyStyle, ModelConfig};
+use crate::protocol::TokenizerBundle;
+
+/// The OpenAI endpoint a routed path serves (by suffix, so prefixed paths work too).
+pub fn endpoint_for_path(path: &str) -> Endpoint {
+    let bare = path.split(['?', '#']).next().unwrap_or(path);
+    if bare.ends_with("/chat/completions") {
+        Endpoint::ChatCompletions
+    } else {
+        Endpoint::Completions
+    }
+}
+
+/// What the indexer needs to route one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Prepared {
+    /// Router keys of the prompt's full blocks.
+    pub router_keys: Vec<u64>,
+    /// Prompt length in tokens.
+    pub num_tokens: usize,
+    /// LoRA adapter name, if any.
+    pub lora: Option<String>,
+}
+
+/// A model ready to route: its tokenizer and hashing parameters.
+pub struct LoadedModel {
+    tokenizer: ModelTokenizer,
+    /// Block size used for the keys.
+    pub block_size: usize,
+    style: ExtraKeyStyle,
+    lora_paths: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for LoadedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedModel")
+            .field("block_size", &self.block_size)
+            .finish_non_exhaustive()
+    }
+}
+
+fn key_style(s: KeyStyle) -> ExtraKeyStyle {
+    match s {
+        KeyStyle::Tagged => ExtraKeyStyle::Tagged,
+        KeyStyle::Plain => ExtraKeyStyle::Plain,
+    }
+}
+
+impl LoadedModel {
+    /// Builds the tokenizer from a bundle; configuration overrides what the bundle announces.
+    pub fn from_bundle(
+        bundle: &TokenizerBundle,
+        model_cfg: Option<&ModelConfig>,
+        cfg: &FilterConfig,
+    ) -> Result<Self, String> {
+        let files = ModelFiles {
+            tokenizer_json: bundle.tokenizer_json.clone(),
+            tokenizer_config_json: bundle.tokenizer_config_json.clone(),
+        };
+        let opts = TokenizerOptions {
+            segment_cache_entries: cfg.segment_cache_entries,
+            ..TokenizerOptions::default()
+        };
+        let tokenizer = ModelTokenizer::from_files(&files, opts).map_err(|e| e.to_string())?;
+        let block_size = model_cfg
+            .and_then(|m| m.block_size)
+            .or(bundle.block_size)
+            .unwrap_or(cfg.default_block_size);
+        let style = match model_cfg.and_then(|m| m.extra_key_style) {
+            Some(s) => key_style(s),
+            None => match bundle.extra_key_style.as_deref() {
+                Some("plain") => ExtraKeyStyle::Plain,
+                _ => ExtraKeyStyle::Tagged,
+            },
+        };
+        Ok(Self {
+            tokenizer,
+            block_size,
+            style,
+            lora_paths: model_cfg.map(|m| m.lora_paths.clone()).unwrap_or_default(),
+        })
+    }
+
+    /// Renders/tokenises the request and computes its router keys. A batch of prompts routes by
+    /// its first prompt.
+    pub fn prepare(&self, endpoint: Endpoint, body: &Value) -> Result<Prepared, String> {
+        let tokens = match self
+            .tokenizer
+            .tokenize_request(endpoint, body)
+            .map_err(|e| e.to_string())?
+        {
+            PromptTokens::Single(t) => t,
+            PromptTokens::Batch(b) => b.into_iter().next().unwrap_or_default(),
+        };
+        let lookup = |name: &str| self.lora_paths.get(name).cloned();
+        let extras = request_extras(body, &lookup);
+        let keys = request_keys(&tokens, self.block_size, &extras, self.style);
+        Ok(Prepared {
+            router_keys: keys.iter().map(|k| k.0).collect(),
+            num_tokens: tokens.len(),
+            lora: extras.lora.as_ref().map(|l| l.name.clone()),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_follow_the_path_suffix() {
+        assert!(matches!(
+            endpoint_for_path("/v1/chat/completions?x"),
+            Endpoint::ChatCompletions
+        ));
+        assert!(matches!(
+            endpoint_for_path("/openai/v1/completions"),
+            Endpoint::Completions
+        ));
+    }
+}

@@ -1,0 +1,197 @@
+//! The filter's Envoy stats. Envoy prefixes them with `wasmcustom.`, e.g.
+//! `wasmcustom.kvroute.fail_open.indexer_timeout`. Counters are process-wide (every VM defines the
+//! same names, Envoy sums them).
+
+use crate::host::{self, MetricKind};
+use crate::protocol::FailOpen;
+
+/// Counters and histograms, by event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Counter {
+    /// A request on a routed path was seen.
+    Requests,
+    /// A request got a replica from the indexer.
+    Routed,
+    /// A request on a routed path with no body (passed through).
+    NoBody,
+    /// A client-supplied `x-envoy-original-dst-host` was removed.
+    SpoofedHeaderRemoved,
+    /// An oversized body was answered with 413.
+    RejectedTooLarge,
+    /// The dst header could not be removed; the request was refused with 503.
+    StripFailedRejected,
+    /// The body was rewritten with `kv_cache_report_mode`.
+    BodyRewritten,
+    /// `POST /v1/complete` issued.
+    CompleteSent,
+    /// `POST /v1/complete` could not be issued.
+    CompleteFailed,
+    /// A model tokenizer became ready in a VM.
+    TokenizerLoaded,
+    /// A tokenizer fetch or build failed.
+    TokenizerLoadFailed,
+}
+
+impl Counter {
+    const ALL: [Counter; 11] = [
+        Counter::Requests,
+        Counter::Routed,
+        Counter::NoBody,
+        Counter::SpoofedHeaderRemoved,
+        Counter::RejectedTooLarge,
+        Counter::StripFailedRejected,
+        Counter::BodyRewritten,
+        Counter::CompleteSent,
+        Counter::CompleteFailed,
+        Counter::TokenizerLoaded,
+        Counter::TokenizerLoadFailed,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Counter::Requests => "kvroute.requests",
+            Counter::Routed => "kvroute.routed",
+            Counter::NoBody => "kvroute.no_body",
+            Counter::SpoofedHeaderRemoved => "kvroute.spoofed_header_removed",
+            Counter::RejectedTooLarge => "kvroute.rejected_too_large",
+            Counter::StripFailedRejected => "kvroute.strip_failed_rejected",
+            Counter::BodyRewritten => "kvroute.body_rewritten",
+            Counter::CompleteSent => "kvroute.complete_sent",
+            Counter::CompleteFailed => "kvroute.complete_failed",
+            Counter::TokenizerLoaded => "kvroute.tokenizer_loaded",
+            Counter::TokenizerLoadFailed => "kvroute.tokenizer_load_failed",
+        }
+    }
+}
+
+/// Histograms (microseconds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Histogram {
+    /// Body parse + template + tokenise + keys.
+    PrepareUs,
+    /// Round trip of `POST /v1/route`.
+    RouteCallUs,
+}
+
+impl Histogram {
+    const ALL: [Histogram; 2] = [Histogram::PrepareUs, Histogram::RouteCallUs];
+
+    fn name(self) -> &'static str {
+        match self {
+            Histogram::PrepareUs => "kvroute.prepare_us",
+            Histogram::RouteCallUs => "kvroute.route_call_us",
+        }
+    }
+}
+
+/// Metric ids of one VM. A metric that could not be defined is simply not recorded.
+#[derive(Debug, Clone, Default)]
+pub struct Metrics {
+    counters: Vec<Option<u32>>,
+    fail_open: Vec<Option<u32>>,
+    histograms: Vec<Option<u32>>,
+}
+
+impl Metrics {
+    /// Defines every metric; returns the names that failed (for one log line).
+    pub fn define() -> (Self, Vec<&'static str>) {
+        let mut failed = Vec::new();
+        let mut def = |kind, name: &'static str| match host::define_metric(kind, name) {
+            Ok(id) => Some(id),
+            Err(_) => {
+                failed.push(name);
+                None
+            }
+        };
+        let counters = Counter::ALL
+            .iter()
+            .map(|c| def(MetricKind::Counter, c.name()))
+            .collect();
+        let fail_open = FailOpen::ALL
+            .iter()
+            .map(|r| def(MetricKind::Counter, fail_open_name(*r)))
+            .collect();
+        let histograms = Histogram::ALL
+            .iter()
+            .map(|h| def(MetricKind::Histogram, h.name()))
+            .collect();
+        (
+            Self {
+                counters,
+                fail_open,
+                histograms,
+            },
+            failed,
+        )
+    }
+
+    /// Counts one event.
+    pub fn inc(&self, c: Counter) {
+        if let Some(Some(id)) = Counter::ALL
+            .iter()
+            .position(|x| *x == c)
+            .and_then(|i| self.counters.get(i))
+        {
+            let _ = host::increment_metric(*id, 1);
+        }
+    }
+
+    /// Counts one fail-open by reason.
+    pub fn fail_open(&self, r: FailOpen) {
+        if let Some(Some(id)) = FailOpen::ALL
+            .iter()
+            .position(|x| *x == r)
+            .and_then(|i| self.fail_open.get(i))
+        {
+            let _ = host::increment_metric(*id, 1);
+        }
+    }
+
+    /// Records a histogram value.
+    pub fn record(&self, h: Histogram, value: u64) {
+        if let Some(Some(id)) = Histogram::ALL
+            .iter()
+            .position(|x| *x == h)
+            .and_then(|i| self.histograms.get(i))
+        {
+            let _ = host::record_metric(*id, value);
+        }
+    }
+}
+
+fn fail_open_name(r: FailOpen) -> &'static str {
+    match r {
+        FailOpen::IndexerUnavailable => "kvroute.fail_open.indexer_unavailable",
+        FailOpen::IndexerTimeout => "kvroute.fail_open.indexer_timeout",
+        FailOpen::IndexerError => "kvroute.fail_open.indexer_error",
+        FailOpen::BadAnswer => "kvroute.fail_open.bad_answer",
+        FailOpen::UnknownModel => "kvroute.fail_open.unknown_model",
+        FailOpen::NotJson => "kvroute.fail_open.not_json",
+        FailOpen::NoModel => "kvroute.fail_open.no_model",
+        FailOpen::TooLarge => "kvroute.fail_open.too_large",
+        FailOpen::TokenizerNotReady => "kvroute.fail_open.tokenizer_not_ready",
+        FailOpen::TokenizeError => "kvroute.fail_open.tokenize_error",
+        FailOpen::HostcallError => "kvroute.fail_open.hostcall_error",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metric_names_match_the_reasons() {
+        for r in FailOpen::ALL {
+            assert_eq!(fail_open_name(r), format!("kvroute.fail_open.{}", r.as_str()));
+        }
+    }
+
+    #[test]
+    fn recording_without_a_host_is_harmless() {
+        let (m, failed) = Metrics::define();
+        assert_eq!(failed.len(), Counter::ALL.len() + FailOpen::ALL.len() + 2);
+        m.inc(Counter::Routed);
+        m.fail_open(FailOpen::NotJson);
+        m.record(Histogram::PrepareUs, 3);
+    }
+}

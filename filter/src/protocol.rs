@@ -1,0 +1,487 @@
+//! Pure wire logic: the indexer's JSON API, the request body rewrite and the response `usage`
+//! scan. No host calls here, so all of it is unit-tested natively.
+
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Why a request was not routed (each is one `fail_open.<reason>` counter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FailOpen {
+    /// The indexer could not be reached (connection refused, reset, cluster missing, 502/503).
+    IndexerUnavailable,
+    /// The indexer did not answer within `route_timeout_ms`.
+    IndexerTimeout,
+    /// The indexer answered with another error status.
+    IndexerError,
+    /// The indexer answered 200 with something that is not a usable route.
+    BadAnswer,
+    /// The indexer (or the configuration) does not know the model.
+    UnknownModel,
+    /// The body is not a JSON object.
+    NotJson,
+    /// The body has no string `model`.
+    NoModel,
+    /// The body is larger than `max_body_bytes`.
+    TooLarge,
+    /// The model's tokenizer is still loading (or failed to load).
+    TokenizerNotReady,
+    /// The prompt could not be rendered or tokenised.
+    TokenizeError,
+    /// A host call failed.
+    HostcallError,
+}
+
+impl FailOpen {
+    /// Every reason, for metric definition.
+    pub const ALL: [FailOpen; 11] = [
+        FailOpen::IndexerUnavailable,
+        FailOpen::IndexerTimeout,
+        FailOpen::IndexerError,
+        FailOpen::BadAnswer,
+        FailOpen::UnknownModel,
+        FailOpen::NotJson,
+        FailOpen::NoModel,
+        FailOpen::TooLarge,
+        FailOpen::TokenizerNotReady,
+        FailOpen::TokenizeError,
+        FailOpen::HostcallError,
+    ];
+
+    /// Metric suffix and debug-header value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailOpen::IndexerUnavailable => "indexer_unavailable",
+            FailOpen::IndexerTimeout => "indexer_timeout",
+            FailOpen::IndexerError => "indexer_error",
+            FailOpen::BadAnswer => "bad_answer",
+            FailOpen::UnknownModel => "unknown_model",
+            FailOpen::NotJson => "not_json",
+            FailOpen::NoModel => "no_model",
+            FailOpen::TooLarge => "too_large",
+            FailOpen::TokenizerNotReady => "tokenizer_not_ready",
+            FailOpen::TokenizeError => "tokenize_error",
+            FailOpen::HostcallError => "hostcall_error",
+        }
+    }
+}
+
+/// `POST /v1/route` body.
+#[derive(Debug, Serialize)]
+pub struct RouteRequest<'a> {
+    /// Served model name.
+    pub model: &'a str,
+    /// Chained router keys of the prompt's full blocks.
+    pub router_keys: Vec<u64>,
+    /// Prompt length in tokens.
+    pub num_tokens: usize,
+    /// Block size the keys were computed with.
+    pub block_size: usize,
+    /// Correlates with `POST /v1/complete`.
+    pub request_id: &'a str,
+    /// LoRA adapter name, if the request targets one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lora: Option<&'a str>,
+}
+
+/// The parts of a `/v1/route` answer the filter uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteAnswer {
+    /// `IP:port` of the chosen replica (validated).
+    pub endpoint: String,
+    /// Replica name, for debug headers.
+    pub replica: Option<String>,
+    /// Decision reason, for debug headers.
+    pub reason: Option<String>,
+    /// Matched GPU tokens, for debug headers.
+    pub matched_gpu_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct RawMatched {
+    #[serde(default)]
+    gpu: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct RawRouteAnswer {
+    endpoint: String,
+    #[serde(default)]
+    replica: Option<String>,
+    #[serde(default)]
+    reason: Option<String>,
+    #[serde(default)]
+    matched_tokens: Option<RawMatched>,
+}
+
+/// Classifies a `/v1/route` callout outcome. `status` is the `:status` of the answer (`None` when
+/// Envoy delivered no headers, i.e. a reset or overflow), `elapsed_ms`/`timeout_ms` tell a
+/// timeout from another failure.
+pub fn parse_route_answer(
+    status: Option<u16>,
+    body: &[u8],
+    elapsed_ms: u64,
+    timeout_ms: u64,
+) -> Result<RouteAnswer, FailOpen> {
+    let status = match status {
+        None if elapsed_ms >= timeout_ms => return Err(FailOpen::IndexerTimeout),
+        None => return Err(FailOpen::IndexerUnavailable),
+        Some(s) => s,
+    };
+    match status {
+        200 => {}
+        404 => return Err(FailOpen::UnknownModel),
+        504 => return Err(FailOpen::IndexerTimeout),
+        _ if elapsed_ms >= timeout_ms => return Err(FailOpen::IndexerTimeout),
+        502 | 503 => return Err(FailOpen::IndexerUnavailable),
+        _ => return Err(FailOpen::IndexerError),
+    }
+    let raw: RawRouteAnswer = serde_json::from_slice(body).map_err(|_| FailOpen::BadAnswer)?;
+    let endpoint = raw.endpoint.trim();
+    // ORIGINAL_DST needs a literal IP:port; anything else would make Envoy answer 503.
+    if endpoint.parse::<SocketAddr>().is_err() {
+        return Err(FailOpen::BadAnswer);
+    }
+    Ok(RouteAnswer {
+        endpoint: endpoint.to_string(),
+        replica: raw.replica,
+        reason: raw.reason,
+        matched_gpu_tokens: raw.matched_tokens.and_then(|m| m.gpu),
+    })
+}
+
+/// Parses a status header value.
+pub fn parse_status(value: Option<&str>) -> Option<u16> {
+    value.and_then(|v| v.trim().parse().ok())
+}
+
+/// A model's tokenizer as served by the indexer (`GET /v1/models/{model}/tokenizer`) or given in
+/// the VM configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenizerBundle {
+    /// `tokenizer.json` bytes.
+    pub tokenizer_json: Vec<u8>,
+    /// `tokenizer_config.json` bytes.
+    pub tokenizer_config_json: Vec<u8>,
+    /// Block size the engine runs with, if announced.
+    pub block_size: Option<usize>,
+    /// Extra-key style (`tagged`/`plain`), if announced.
+    pub extra_key_style: Option<String>,
+}
+
+/// A JSON document carried either as a string or inline as an object.
+fn json_doc_bytes(v: &Value) -> Option<Vec<u8>> {
+    match v {
+        Value::String(s) => Some(s.as_bytes().to_vec()),
+        Value::Object(_) => serde_json::to_vec(v).ok(),
+        _ => None,
+    }
+}
+
+/// Parses a tokenizer bundle object.
+pub fn parse_tokenizer_bundle(v: &Value) -> Result<TokenizerBundle, String> {
+    let obj = v.as_object().ok_or("tokenizer answer is not a JSON object")?;
+    let tokenizer_json = obj
+        .get("tokenizer_json")
+        .and_then(json_doc_bytes)
+        .ok_or("tokenizer answer has no tokenizer_json")?;
+    let tokenizer_config_json = obj
+        .get("tokenizer_config_json")
+        .and_then(json_doc_bytes)
+        .unwrap_or_else(|| b"{}".to_vec());
+    let block_size = obj
+        .get("block_size")
+        .and_then(Value::as_u64)
+        .and_then(|b| usize::try_from(b).ok())
+        .filter(|b| (1..=4096).contains(b));
+    let extra_key_style = obj
+        .get("extra_key_style")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    Ok(TokenizerBundle {
+        tokenizer_json,
+        tokenizer_config_json,
+        block_size,
+        extra_key_style,
+    })
+}
+
+/// The body of `POST /v1/complete`.
+pub fn complete_body(request_id: &str, endpoint: &str, cached_tokens: Option<u64>) -> Vec<u8> {
+    serde_json::json!({
+        "request_id": request_id,
+        "endpoint": endpoint,
+        "cached_tokens": cached_tokens,
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// Adds `"vllm_xargs": {"kv_cache_report_mode": "full"}` to a JSON object body, keeping any other
+/// `vllm_xargs`. Returns `None` when the body is left as is (not an object, or `vllm_xargs` is
+/// present but not an object, or the mode is already set).
+pub fn inject_kv_cache_report_mode(raw: &[u8], parsed: &Value) -> Option<Vec<u8>> {
+    let obj = parsed.as_object()?;
+    match obj.get("vllm_xargs") {
+        None => {
+            // Fast path: splice before the closing brace, keeping the client's bytes.
+            let end = raw.iter().rposition(|b| !b.is_ascii_whitespace())?;
+            if raw[end] != b'}' {
+                return None;
+            }
+            let mut out = Vec::with_capacity(raw.len() + 48);
+            out.extend_from_slice(&raw[..end]);
+            if !obj.is_empty() {
+                out.push(b',');
+            }
+            out.extend_from_slice(br#""vllm_xargs":{"kv_cache_report_mode":"full"}}"#);
+            Some(out)
+        }
+        Some(Value::Object(x)) => {
+            if x.get("kv_cache_report_mode").and_then(Value::as_str) == Some("full") {
+                return None;
+            }
+            let mut copy = parsed.clone();
+            let xargs = copy.get_mut("vllm_xargs")?.as_object_mut()?;
+            xargs.insert("kv_cache_report_mode".into(), Value::from("full"));
+            serde_json::to_vec(&copy).ok()
+        }
+        Some(_) => None,
+    }
+}
+
+/// `usage.prompt_tokens_details.cached_tokens` of one response object.
+pub fn cached_tokens_of(v: &Value) -> Option<u64> {
+    v.get("usage")?
+        .get("prompt_tokens_details")?
+        .get("cached_tokens")?
+        .as_u64()
+}
+
+/// `cached_tokens` of a complete non-streaming JSON response.
+pub fn cached_tokens_from_json(body: &[u8]) -> Option<u64> {
+    let v: Value = serde_json::from_slice(body).ok()?;
+    cached_tokens_of(&v)
+}
+
+/// `cached_tokens` from the tail of an SSE stream: the last `data:` event carrying `usage`.
+pub fn cached_tokens_from_sse_tail(tail: &[u8]) -> Option<u64> {
+    let text = String::from_utf8_lossy(tail);
+    text.lines()
+        .rev()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(str::trim)
+        .filter(|d| d.starts_with('{') && d.contains("\"usage\""))
+        .find_map(|d| serde_json::from_str::<Value>(d).ok().and_then(|v| cached_tokens_of(&v)))
+}
+
+/// Collects a response body for the `usage` scan with bounded memory: the whole body while it is
+/// below the limit (JSON), and always the last `tail` bytes (SSE).
+#[derive(Debug)]
+pub struct ResponseScanner {
+    limit: usize,
+    tail_cap: usize,
+    whole: Option<Vec<u8>>,
+    tail: Vec<u8>,
+    streaming: bool,
+}
+
+impl ResponseScanner {
+    /// `limit`: bytes of a JSON body kept whole; `streaming`: `text/event-stream`.
+    pub fn new(limit: usize, streaming: bool) -> Self {
+        Self {
+            limit,
+            tail_cap: 64 * 1024,
+            whole: if streaming { None } else { Some(Vec::new()) },
+            tail: Vec::new(),
+            streaming,
+        }
+    }
+
+    /// Feeds one body chunk.
+    pub fn push(&mut self, chunk: &[u8]) {
+        if self.streaming {
+            self.tail.extend_from_slice(chunk);
+            if self.tail.len() > self.tail_cap {
+                let cut = self.tail.len() - self.tail_cap;
+                self.tail.drain(..cut);
+            }
+        } else if let Some(w) = &mut self.whole {
+            if w.len() + chunk.len() > self.limit {
+                self.whole = None;
+            } else {
+                w.extend_from_slice(chunk);
+            }
+        }
+    }
+
+    /// `cached_tokens` of what was fed, if the response carried it.
+    pub fn cached_tokens(&self) -> Option<u64> {
+        if self.streaming {
+            cached_tokens_from_sse_tail(&self.tail)
+        } else {
+            self.whole.as_deref().and_then(cached_tokens_from_json)
+        }
+    }
+}
+
+/// A request id for correlation: the client's/Envoy's `x-request-id` when sane, else generated.
+pub fn request_id(header: Option<&str>, context_id: u32, now_nanos: u64) -> String {
+    match header {
+        Some(h)
+            if !h.is_empty()
+                && h.len() <= 128
+                && h.bytes().all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\') =>
+        {
+            h.to_string()
+        }
+        _ => format!("kvr-{now_nanos:x}-{context_id:x}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn route_answers_are_classified() {
+        let ok = br#"{"endpoint":"127.0.0.1:8001","replica":"r0","matched_tokens":{"gpu":48,"cpu":0,"storage":0},"reason":"prefix_hit"}"#;
+        let a = parse_route_answer(Some(200), ok, 3, 100).unwrap();
+        assert_eq!(a.endpoint, "127.0.0.1:8001");
+        assert_eq!(a.replica.as_deref(), Some("r0"));
+        assert_eq!(a.matched_gpu_tokens, Some(48));
+        assert_eq!(parse_route_answer(Some(404), b"", 1, 100), Err(FailOpen::UnknownModel));
+        assert_eq!(
+            parse_route_answer(Some(503), b"no healthy upstream", 1, 100),
+            Err(FailOpen::IndexerUnavailable)
+        );
+        assert_eq!(parse_route_answer(Some(504), b"", 100, 100), Err(FailOpen::IndexerTimeout));
+        assert_eq!(parse_route_answer(None, b"", 100, 100), Err(FailOpen::IndexerTimeout));
+        assert_eq!(parse_route_answer(None, b"", 2, 100), Err(FailOpen::IndexerUnavailable));
+        assert_eq!(parse_route_answer(Some(500), b"", 2, 100), Err(FailOpen::IndexerError));
+        assert_eq!(parse_route_answer(Some(200), b"garbage", 2, 100), Err(FailOpen::BadAnswer));
+        assert_eq!(
+            parse_route_answer(Some(200), br#"{"endpoint":"replica-0:8001"}"#, 2, 100),
+            Err(FailOpen::BadAnswer)
+        );
+        assert_eq!(
+            parse_route_answer(Some(200), br#"{"endpoint":42}"#, 2, 100),
+            Err(FailOpen::BadAnswer)
+        );
+        assert!(parse_route_answer(Some(200), br#"{"endpoint":"[::1]:9000"}"#, 2, 100).is_ok());
+    }
+
+    #[test]
+    fn status_header_parses() {
+        assert_eq!(parse_status(Some("200")), Some(200));
+        assert_eq!(parse_status(Some("x")), None);
+        assert_eq!(parse_status(None), None);
+    }
+
+    #[test]
+    fn route_request_serialises_u64_keys_exactly() {
+        let r = RouteRequest {
+            model: "m",
+            router_keys: vec![u64::MAX, 1],
+            num_tokens: 33,
+            block_size: 16,
+            request_id: "id",
+            lora: None,
+        };
+        let s = serde_json::to_string(&r).unwrap();
+        assert_eq!(
+            s,
+            r#"{"model":"m","router_keys":[18446744073709551615,1],"num_tokens":33,"block_size":16,"request_id":"id"}"#
+        );
+    }
+
+    #[test]
+    fn tokenizer_bundles_accept_strings_or_objects() {
+        let b = parse_tokenizer_bundle(&json!({
+            "model": "qwen3", "block_size": 16,
+            "tokenizer_json": "{\"a\":1}", "tokenizer_config_json": {"chat_template": "x"}
+        }))
+        .unwrap();
+        assert_eq!(b.tokenizer_json, br#"{"a":1}"#);
+        assert_eq!(b.tokenizer_config_json, br#"{"chat_template":"x"}"#);
+        assert_eq!(b.block_size, Some(16));
+        assert!(parse_tokenizer_bundle(&json!({"block_size": 16})).is_err());
+        assert!(parse_tokenizer_bundle(&json!([1])).is_err());
+    }
+
+    #[test]
+    fn injection_splices_when_there_are_no_xargs() {
+        let raw = br#"{"model":"m","prompt":"hi"}  "#;
+        let v: Value = serde_json::from_slice(raw).unwrap();
+        let out = inject_kv_cache_report_mode(raw, &v).unwrap();
+        let back: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(back["vllm_xargs"], json!({"kv_cache_report_mode": "full"}));
+        assert_eq!(back["prompt"], "hi");
+        let raw = b"{}";
+        let v: Value = serde_json::from_slice(raw).unwrap();
+        let out = inject_kv_cache_report_mode(raw, &v).unwrap();
+        assert_eq!(out, br#"{"vllm_xargs":{"kv_cache_report_mode":"full"}}"#);
+    }
+
+    #[test]
+    fn injection_keeps_other_xargs_and_leaves_odd_bodies_alone() {
+        let raw = br#"{"model":"m","vllm_xargs":{"a":1}}"#;
+        let v: Value = serde_json::from_slice(raw).unwrap();
+        let back: Value =
+            serde_json::from_slice(&inject_kv_cache_report_mode(raw, &v).unwrap()).unwrap();
+        assert_eq!(back["vllm_xargs"], json!({"a": 1, "kv_cache_report_mode": "full"}));
+        let raw = br#"{"vllm_xargs":{"kv_cache_report_mode":"full"}}"#;
+        let v: Value = serde_json::from_slice(raw).unwrap();
+        assert!(inject_kv_cache_report_mode(raw, &v).is_none());
+        let raw = br#"{"vllm_xargs":"x"}"#;
+        let v: Value = serde_json::from_slice(raw).unwrap();
+        assert!(inject_kv_cache_report_mode(raw, &v).is_none());
+        let raw = b"[1]";
+        let v: Value = serde_json::from_slice(raw).unwrap();
+        assert!(inject_kv_cache_report_mode(raw, &v).is_none());
+    }
+
+    #[test]
+    fn usage_is_found_in_json_and_sse() {
+        let body = br#"{"id":"x","choices":[],"usage":{"prompt_tokens":40,"prompt_tokens_details":{"cached_tokens":32}}}"#;
+        assert_eq!(cached_tokens_from_json(body), Some(32));
+        assert_eq!(cached_tokens_from_json(br#"{"usage":{"prompt_tokens":4}}"#), None);
+        let sse = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":16}}}\n\ndata: [DONE]\n\n";
+        assert_eq!(cached_tokens_from_sse_tail(sse), Some(16));
+        assert_eq!(cached_tokens_from_sse_tail(b"data: [DONE]\n\n"), None);
+    }
+
+    #[test]
+    fn scanner_bounds_memory() {
+        let mut s = ResponseScanner::new(16, false);
+        s.push(br#"{"usage":"#);
+        s.push(br#"{"prompt_tokens_details":{"cached_tokens":1}}}"#);
+        assert_eq!(s.cached_tokens(), None, "over the limit: gives up");
+        let mut s = ResponseScanner::new(1024, false);
+        s.push(br#"{"usage":"#);
+        s.push(br#"{"prompt_tokens_details":{"cached_tokens":1}}}"#);
+        assert_eq!(s.cached_tokens(), Some(1));
+        let mut s = ResponseScanner::new(0, true);
+        for _ in 0..10_000 {
+            s.push(b"data: {\"choices\":[{\"text\":\"aaaaaaaa\"}]}\n\n");
+        }
+        s.push(b"data: {\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":7}}}\n\ndata: [DONE]\n\n");
+        assert!(s.tail.len() <= 64 * 1024);
+        assert_eq!(s.cached_tokens(), Some(7));
+    }
+
+    #[test]
+    fn request_ids_are_sanitised() {
+        assert_eq!(request_id(Some("abc-1"), 1, 2), "abc-1");
+        assert_eq!(request_id(Some("a\"b"), 1, 255), "kvr-ff-1");
+        assert_eq!(request_id(None, 16, 1), "kvr-1-10");
+    }
+
+    #[test]
+    fn complete_body_has_the_contract_fields() {
+        let v: Value = serde_json::from_slice(&complete_body("r", "127.0.0.1:1", None)).unwrap();
+        assert_eq!(v, json!({"request_id":"r","endpoint":"127.0.0.1:1","cached_tokens":null}));
+    }
+}

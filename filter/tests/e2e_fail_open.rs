@@ -1,0 +1,245 @@
+//! Fail-open end to end: real Envoy + the real .wasm, a programmable fake indexer (serving the real
+//! Qwen3 tokenizer) and replicas. Every failure on kvroute's side must still get a 200 from a
+//! replica through the fallback cluster, counted by reason.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::{json, Value};
+
+fn completion(model: &str, prompt: &str) -> Value {
+    json!({"model": model, "prompt": prompt, "max_tokens": 2})
+}
+
+struct Stack {
+    _dir: std::path::PathBuf,
+    replicas: Vec<TestServer>,
+    indexer: FakeIndexer,
+    envoy: Envoy,
+}
+
+fn stack(name: &str, cfg: Value, tokenizer: TokenizerMode) -> Stack {
+    let dir = scratch(name);
+    let replicas = vec![echo_replica(), echo_replica()];
+    let indexer = FakeIndexer::start("qwen3", RouteMode::To(replicas[0].addr()), tokenizer);
+    let opts = EnvoyOptions::new(
+        indexer.server.port,
+        replicas.iter().map(TestServer::addr).collect(),
+        cfg,
+    );
+    let envoy = Envoy::start(name, &opts, &dir);
+    Stack {
+        _dir: dir,
+        replicas,
+        indexer,
+        envoy,
+    }
+}
+
+/// Sends a routed request and checks it reached a replica through the fallback cluster.
+fn assert_fails_open(s: &Stack, body: &[u8], reason: &str) {
+    let before = s.envoy.kv(&format!("fail_open.{reason}"));
+    let fallback_before = s.envoy.stat("cluster.kvroute_replicas_fallback.upstream_rq_total");
+    let r = http(
+        s.envoy.port,
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        body,
+    );
+    assert_eq!(r.status, 200, "{reason}: {}", r.text());
+    let served_by = r.json()["served_by"].as_u64().expect("served_by");
+    assert!(
+        s.replicas.iter().any(|x| u64::from(x.port) == served_by),
+        "{reason}: served by a replica"
+    );
+    assert_eq!(
+        r.header("x-kvroute-fail-open"),
+        Some(reason),
+        "{reason}: debug header"
+    );
+    assert_eq!(
+        s.envoy.kv(&format!("fail_open.{reason}")),
+        before + 1,
+        "{reason}: counted"
+    );
+    assert_eq!(
+        s.envoy
+            .stat("cluster.kvroute_replicas_fallback.upstream_rq_total"),
+        fallback_before + 1,
+        "{reason}: went through the fallback cluster"
+    );
+}
+
+#[test]
+fn every_indexer_failure_fails_open_to_the_fallback_cluster() {
+    let s = stack(
+        "fail-open-indexer",
+        json!({"route_timeout_ms": 300, "debug_headers": true, "models": {"qwen3": {}}}),
+        TokenizerMode::Serve,
+    );
+    s.envoy.wait_tokenizers(1);
+    let body = completion("qwen3", "hello there, general kenobi").to_string();
+
+    // Routed: the control that shows the indexer's answer is obeyed.
+    s.indexer.set_route(RouteMode::To(s.replicas[1].addr()));
+    let r = post_json(s.envoy.port, "/v1/completions", &completion("qwen3", "hi"), &[]);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["served_by"], s.replicas[1].port);
+    assert_eq!(s.envoy.kv("routed"), 1);
+
+    s.indexer.set_route(RouteMode::Slow(
+        Duration::from_millis(1500),
+        s.replicas[1].addr(),
+    ));
+    assert_fails_open(&s, body.as_bytes(), "indexer_timeout");
+    s.indexer.set_route(RouteMode::Status(500));
+    assert_fails_open(&s, body.as_bytes(), "indexer_error");
+    s.indexer.set_route(RouteMode::Status(503));
+    assert_fails_open(&s, body.as_bytes(), "indexer_unavailable");
+    s.indexer.set_route(RouteMode::Garbage);
+    assert_fails_open(&s, body.as_bytes(), "bad_answer");
+    s.indexer.set_route(RouteMode::BadEndpoint);
+    assert_fails_open(&s, body.as_bytes(), "bad_answer");
+    assert_fails_open(&s, b"{not json", "not_json");
+    assert_fails_open(&s, b"[1,2,3]", "not_json");
+    assert_fails_open(&s, br#"{"prompt":"no model"}"#, "no_model");
+    // Unknown model: the filter asks for its tokenizer (404) and then knows it is unknown.
+    let unknown = completion("no-such-model", "hi").to_string();
+    wait_for("unknown model learned", Duration::from_secs(10), || {
+        let r = http(
+            s.envoy.port,
+            "POST",
+            "/v1/completions",
+            &[("content-type", "application/json")],
+            unknown.as_bytes(),
+        );
+        assert_eq!(r.status, 200);
+        s.envoy.kv("fail_open.unknown_model") > 0
+    });
+    assert_fails_open(&s, unknown.as_bytes(), "unknown_model");
+    // Nothing panicked: the VM still routes.
+    s.indexer.set_route(RouteMode::To(s.replicas[0].addr()));
+    let r = post_json(s.envoy.port, "/v1/completions", &completion("qwen3", "hi"), &[]);
+    assert_eq!(r.json()["served_by"], s.replicas[0].port);
+    assert!(!s.envoy.log().contains("panicked"), "a VM panicked");
+}
+
+#[test]
+fn indexer_down_and_tokenizer_not_ready_fail_open() {
+    let s = stack(
+        "fail-open-tokenizer",
+        json!({"debug_headers": true, "models": {"qwen3": {}},
+               "tokenizer_retry": {"initial_ms": 100, "max_ms": 200}}),
+        TokenizerMode::Unavailable,
+    );
+    let body = completion("qwen3", "the tokenizer is still loading").to_string();
+    assert_fails_open(&s, body.as_bytes(), "tokenizer_not_ready");
+    s.indexer.set_tokenizer(TokenizerMode::Serve);
+    s.envoy.wait_tokenizers(1);
+    let r = post_json(s.envoy.port, "/v1/completions", &completion("qwen3", "hi"), &[]);
+    assert_eq!(r.json()["served_by"], s.replicas[0].port, "routed once ready");
+    assert!(s.envoy.kv("tokenizer_load_failed") >= 1);
+}
+
+#[test]
+fn dead_indexer_fails_open() {
+    // An indexer port nothing listens on: Envoy answers the callout with a local 503.
+    let dir = scratch("fail-open-dead");
+    let replicas = [echo_replica(), echo_replica()];
+    let opts = EnvoyOptions::new(
+        free_port(),
+        replicas.iter().map(TestServer::addr).collect(),
+        json!({"debug_headers": true, "discover_models": true}),
+    );
+    let envoy = Envoy::start("fail-open-dead", &opts, &dir);
+    let body = completion("qwen3", "anyone home?");
+    for _ in 0..3 {
+        let r = post_json(envoy.port, "/v1/completions", &body, &[]);
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("x-kvroute-fail-open"), Some("tokenizer_not_ready"));
+    }
+    assert_eq!(envoy.kv("fail_open.tokenizer_not_ready"), 3);
+    assert!(envoy.kv("tokenizer_load_failed") >= 1);
+}
+
+#[test]
+fn oversized_bodies_fail_open_or_get_413() {
+    let cfg = json!({"max_body_bytes": 4096, "debug_headers": true, "models": {"qwen3": {}}});
+    let s = stack("fail-open-large", cfg, TokenizerMode::Serve);
+    s.envoy.wait_tokenizers(1);
+    let big = completion("qwen3", &"word ".repeat(2000)).to_string();
+    assert_fails_open(&s, big.as_bytes(), "too_large");
+    // Without content-length (chunked): caught while buffering.
+    let before = s.envoy.kv("fail_open.too_large");
+    let mut chunked = Vec::new();
+    for part in big.as_bytes().chunks(1000) {
+        chunked.extend_from_slice(format!("{:x}\r\n", part.len()).as_bytes());
+        chunked.extend_from_slice(part);
+        chunked.extend_from_slice(b"\r\n");
+    }
+    chunked.extend_from_slice(b"0\r\n\r\n");
+    let r = http(
+        s.envoy.port,
+        "POST",
+        "/v1/completions",
+        &[
+            ("content-type", "application/json"),
+            ("transfer-encoding", "chunked"),
+        ],
+        &chunked,
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(s.envoy.kv("fail_open.too_large"), before + 1);
+    assert_eq!(
+        r.json()["body"].as_str().map(str::len),
+        Some(big.len()),
+        "the replica got the whole body"
+    );
+
+    let cfg = json!({"max_body_bytes": 4096, "oversized_body": "reject", "models": {"qwen3": {}}});
+    let s = stack("reject-large", cfg, TokenizerMode::Serve);
+    let r = http(
+        s.envoy.port,
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        big.as_bytes(),
+    );
+    assert_eq!(r.status, 413, "{}", r.text());
+    assert_eq!(s.envoy.kv("rejected_too_large"), 1);
+    assert!(s.replicas.iter().all(|x| x.hits() == 0));
+}
+
+#[test]
+fn invalid_configuration_is_refused_at_load_with_a_clear_log_line() {
+    let dir = scratch("bad-config");
+    let opts = EnvoyOptions::new(
+        free_port(),
+        vec!["127.0.0.1:1".into()],
+        json!({"route_timeout": 5}),
+    );
+    let (port, admin) = (free_port(), free_port());
+    let cfg = dir.join("bad.yaml");
+    std::fs::write(&cfg, render_envoy(&opts, port, admin)).expect("write");
+    let out = std::process::Command::new(envoy_bin())
+        .arg("-c")
+        .arg(&cfg)
+        .arg("--mode")
+        .arg("validate")
+        .arg("--disable-hot-restart")
+        .output()
+        .expect("run envoy");
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "envoy accepted a bad config:\n{log}");
+    assert!(
+        log.contains("kvroute: invalid plugin configuration") && log.contains("route_timeout"),
+        "no clear log line:\n{log}"
+    );
+}

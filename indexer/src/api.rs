@@ -1,0 +1,404 @@
+//! The HTTP API (axum), loopback by default. See `docs/indexer.md` for every endpoint.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::config::ReplicaConfig;
+use crate::membership::lock;
+use crate::route::{exact_matches, request_router_keys, route, RouteRequest};
+use crate::state::AppState;
+use crate::subscriber;
+
+/// Builds the router.
+pub fn router(state: Arc<AppState>) -> Router {
+    let limit = state.config.max_body_bytes;
+    Router::new()
+        .route("/v1/route", post(route_handler))
+        .route("/v1/complete", post(complete_handler))
+        .route("/v1/models", get(models_handler))
+        .route("/v1/models/{model}/tokenizer", get(tokenizer_handler))
+        .route("/metrics", get(metrics_handler))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz_handler))
+        .route("/debug/replicas", get(debug_replicas))
+        .route("/debug/lookup", get(debug_lookup_get).post(debug_lookup_post))
+        .route("/admin/replicas", post(admin_add))
+        .route("/admin/replicas/{name}", delete(admin_remove))
+        .route("/admin/replicas/{name}/drain", post(admin_drain))
+        .route("/admin/replicas/{name}/undrain", post(admin_undrain))
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+/// A JSON error response `{"error": message}`.
+pub fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, Json(json!({"error": message.into()}))).into_response()
+}
+
+fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Response> {
+    serde_json::from_slice(body).map_err(|e| error(StatusCode::BAD_REQUEST, format!("invalid JSON body: {e}")))
+}
+
+async fn route_handler(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let req: RouteRequest = match parse_json(&body) {
+        Ok(r) => r,
+        Err(resp) => {
+            state.metrics.count_route_error(400);
+            return resp;
+        }
+    };
+    let header_session = headers
+        .get(state.policy_state.session_header.as_str())
+        .and_then(|v| v.to_str().ok());
+    match route(&state, &req, header_session) {
+        Ok(r) => Json(r).into_response(),
+        Err(e) => {
+            let status = e.status();
+            state.metrics.count_route_error(status);
+            error(StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), e.to_string())
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CompleteRequest {
+    request_id: String,
+    #[serde(default)]
+    #[allow(dead_code)]
+    endpoint: Option<String>,
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+async fn complete_handler(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let req: CompleteRequest = match parse_json(&body) {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
+    let m = &state.metrics;
+    m.completions.fetch_add(1, Ordering::Relaxed);
+    match state.load.completed(&req.request_id) {
+        Some(p) => {
+            if let Some(reported) = req.cached_tokens {
+                m.predicted_hit_tokens.fetch_add(p.predicted_tokens, Ordering::Relaxed);
+                m.reported_hit_tokens.fetch_add(reported, Ordering::Relaxed);
+                let c = match reported.cmp(&p.predicted_tokens) {
+                    std::cmp::Ordering::Equal => &m.hit_exact,
+                    std::cmp::Ordering::Greater => &m.hit_under_predicted,
+                    std::cmp::Ordering::Less => &m.hit_over_predicted,
+                };
+                c.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        None => {
+            m.completions_unknown.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    StatusCode::NO_CONTENT.into_response()
+}
+
+async fn models_handler(State(state): State<Arc<AppState>>) -> Response {
+    let mut models: Vec<Value> = state
+        .models
+        .values()
+        .map(|m| {
+            json!({
+                "name": m.name,
+                "block_size": m.block_size(),
+                "replicas": state.fleet.of_model(&m.name).len(),
+                "tokenizer": m.model_dir.is_some(),
+            })
+        })
+        .collect();
+    models.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
+    Json(json!({"models": models})).into_response()
+}
+
+async fn tokenizer_handler(State(state): State<Arc<AppState>>, Path(model): Path<String>) -> Response {
+    let Some(m) = state.models.get(&model).cloned() else {
+        return error(StatusCode::NOT_FOUND, format!("unknown model {model:?}"));
+    };
+    let Some(dir) = m.model_dir.clone() else {
+        return error(StatusCode::NOT_FOUND, format!("model {model:?} has no model_dir configured"));
+    };
+    let read = |f: &'static str| {
+        let p = dir.join(f);
+        async move { tokio::fs::read_to_string(&p).await.map_err(|e| format!("{}: {e}", p.display())) }
+    };
+    let (tok, cfg) = match (read("tokenizer.json").await, read("tokenizer_config.json").await) {
+        (Ok(t), Ok(c)) => (t, c),
+        (Err(e), _) | (_, Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
+    };
+    Json(json!({
+        "model": model,
+        "block_size": m.block_size(),
+        "tokenizer_json": tok,
+        "tokenizer_config_json": cfg,
+    }))
+    .into_response()
+}
+
+async fn metrics_handler(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        crate::metrics::render(&state),
+    )
+        .into_response()
+}
+
+async fn readyz_handler(State(state): State<Arc<AppState>>) -> Response {
+    let mut problems = Vec::new();
+    let mut ready = true;
+    let stale_after = state.stale_after();
+    for m in state.models.values() {
+        let reps = state.fleet.of_model(&m.name);
+        if !reps.iter().any(|r| r.healthy()) {
+            ready = false;
+            problems.push(format!("model {}: no healthy replica", m.name));
+        }
+        for r in &reps {
+            if let Some(cause) = lock(&r.hash_mismatch).clone() {
+                problems.push(format!("replica {}: hash self-check mismatch, likely cause {cause}", r.name));
+            }
+            if r.stale(stale_after) {
+                problems.push(format!("replica {}: event stream stale or disconnected", r.name));
+            }
+        }
+    }
+    let status = if !ready {
+        "not_ready"
+    } else if problems.is_empty() {
+        "ready"
+    } else {
+        "degraded"
+    };
+    let code = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (code, Json(json!({"status": status, "problems": problems}))).into_response()
+}
+
+async fn debug_replicas(State(state): State<Arc<AppState>>) -> Response {
+    let stale_after = state.stale_after();
+    let list: Vec<Value> = state
+        .fleet
+        .all()
+        .iter()
+        .map(|r| {
+            let s = lock(&r.scraped).clone();
+            let streams: Vec<Value> = r
+                .streams
+                .iter()
+                .map(|st| {
+                    let ss = lock(&st.state).clone();
+                    json!({
+                        "rank": st.rank,
+                        "index_id": st.index_id,
+                        "endpoint": ss.endpoint,
+                        "replay": ss.replay,
+                        "connected": ss.connected,
+                        "last_seq": ss.last_seq,
+                        "lag_seconds": ss.lag_seconds,
+                        "silence_seconds": ss.last_message.map(|t| t.elapsed().as_secs_f64()),
+                        "batches": st.stats.batches.load(Ordering::Relaxed),
+                        "events": st.stats.events.load(Ordering::Relaxed),
+                        "gaps": st.stats.gaps.load(Ordering::Relaxed),
+                        "replays": st.stats.replays.load(Ordering::Relaxed),
+                        "resets": st.stats.resets.load(Ordering::Relaxed),
+                        "decode_errors": st.stats.garbage.load(Ordering::Relaxed),
+                        "duplicates": st.stats.duplicates.load(Ordering::Relaxed),
+                        "rejected_events": st.stats.rejected_events.load(Ordering::Relaxed),
+                        "connects": st.stats.connects.load(Ordering::Relaxed),
+                    })
+                })
+                .collect();
+            json!({
+                "name": r.name,
+                "model": r.model,
+                "endpoint": r.endpoint,
+                "healthy": r.healthy(),
+                "stale": r.stale(stale_after),
+                "draining": r.draining.load(Ordering::Relaxed),
+                "in_flight": r.in_flight.load(Ordering::Relaxed),
+                "waiting": s.waiting,
+                "running": s.running,
+                "kv_usage": s.kv_usage,
+                "process_start": s.process_start,
+                "scrape_failures": s.failures,
+                "hash_mismatch": lock(&r.hash_mismatch).clone(),
+                "streams": streams,
+            })
+        })
+        .collect();
+    Json(json!({"policy": state.policy.as_str(), "replicas": list})).into_response()
+}
+
+fn lookup_response(state: &AppState, req: &RouteRequest) -> Response {
+    let keys = match request_router_keys(state, req) {
+        Ok(k) => k,
+        Err(e) => {
+            return error(StatusCode::from_u16(e.status()).unwrap_or(StatusCode::BAD_REQUEST), e.to_string())
+        }
+    };
+    let replicas = state.fleet.of_model(&keys.model.name);
+    let usable = keys.usable();
+    let matched = exact_matches(state, &replicas, usable);
+    let bs = u64::from(keys.block_size);
+    let out: Vec<Value> = replicas
+        .iter()
+        .zip(&matched)
+        .map(|(r, m)| {
+            json!({
+                "replica": r.name,
+                "endpoint": r.endpoint,
+                "blocks": {"gpu": m.gpu, "cpu": m.cpu, "storage": m.storage, "predicted": m.predicted},
+                "tokens": {"gpu": u64::from(m.gpu) * bs, "cpu": u64::from(m.cpu) * bs, "storage": u64::from(m.storage) * bs, "predicted": u64::from(m.predicted) * bs},
+            })
+        })
+        .collect();
+    Json(json!({
+        "model": keys.model.name,
+        "block_size": keys.block_size,
+        "num_tokens": keys.num_tokens,
+        "usable_blocks": usable.len(),
+        "router_keys": keys.keys.iter().map(|k| k.0).collect::<Vec<u64>>(),
+        "replicas": out,
+    }))
+    .into_response()
+}
+
+async fn debug_lookup_post(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    match parse_json::<RouteRequest>(&body) {
+        Ok(req) => lookup_response(&state, &req),
+        Err(resp) => resp,
+    }
+}
+
+async fn debug_lookup_get(State(state): State<Arc<AppState>>, Query(q): Query<HashMap<String, String>>) -> Response {
+    let Some(model) = q.get("model") else {
+        return error(StatusCode::BAD_REQUEST, "missing ?model=");
+    };
+    let Some(keys) = q.get("keys") else {
+        return error(StatusCode::BAD_REQUEST, "missing ?keys=k1,k2,... (decimal u64 router keys)");
+    };
+    let parsed: Result<Vec<u64>, _> = keys.split(',').filter(|s| !s.is_empty()).map(|s| s.trim().parse::<u64>()).collect();
+    let Ok(router_keys) = parsed else {
+        return error(StatusCode::BAD_REQUEST, "keys must be decimal u64 values separated by commas");
+    };
+    // Every given key counts as usable: num_tokens = keys * block_size + 1.
+    let bs = state
+        .models
+        .get(model)
+        .and_then(|m| m.block_size())
+        .unwrap_or(crate::route::FALLBACK_BLOCK_SIZE) as usize;
+    let req = RouteRequest {
+        model: model.clone(),
+        num_tokens: Some(router_keys.len() * bs + 1),
+        router_keys: Some(router_keys),
+        ..Default::default()
+    };
+    lookup_response(&state, &req)
+}
+
+/// Checks `Authorization: Bearer <admin token>`.
+fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), Response> {
+    let Some(token) = &state.admin_token else {
+        return Err(error(StatusCode::FORBIDDEN, "admin API disabled: set admin_token or admin_token_env"));
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+        Ok(())
+    } else {
+        Err(error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token"))
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn admin_add(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = authorize(&state, &headers) {
+        return r;
+    }
+    let mut v: Value = match parse_json(&body) {
+        Ok(v) => v,
+        Err(r) => return r,
+    };
+    let Some(model) = v.as_object_mut().and_then(|o| o.remove("model")).and_then(|m| m.as_str().map(str::to_string)) else {
+        return error(StatusCode::BAD_REQUEST, "field `model`: required string");
+    };
+    if !state.models.contains_key(&model) {
+        return error(StatusCode::NOT_FOUND, format!("unknown model {model:?}"));
+    }
+    let cfg: ReplicaConfig = match serde_json::from_value(v) {
+        Ok(c) => c,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid replica: {e}")),
+    };
+    if let Err(e) = cfg.validate("replica") {
+        return error(StatusCode::BAD_REQUEST, e.to_string());
+    }
+    match state.fleet.add(&model, cfg) {
+        Ok(replica) => {
+            subscriber::spawn_replica(&state, &replica);
+            tracing::info!(replica = %replica.name, %model, "replica added via admin API");
+            (StatusCode::CREATED, Json(json!({"replica": replica.name, "model": model}))).into_response()
+        }
+        Err(e) => error(StatusCode::CONFLICT, e.to_string()),
+    }
+}
+
+async fn admin_remove(State(state): State<Arc<AppState>>, headers: HeaderMap, Path(name): Path<String>) -> Response {
+    if let Err(r) = authorize(&state, &headers) {
+        return r;
+    }
+    match state.fleet.remove(&name) {
+        Ok(r) => {
+            let mut idx = lock(&state.index);
+            for id in r.index_ids() {
+                idx.remove_replica(id);
+            }
+            tracing::info!(replica = %name, "replica removed via admin API");
+            StatusCode::NO_CONTENT.into_response()
+        }
+        Err(e) => error(StatusCode::NOT_FOUND, e.to_string()),
+    }
+}
+
+async fn admin_drain(State(state): State<Arc<AppState>>, headers: HeaderMap, Path(name): Path<String>) -> Response {
+    set_draining(&state, &headers, &name, true)
+}
+
+async fn admin_undrain(State(state): State<Arc<AppState>>, headers: HeaderMap, Path(name): Path<String>) -> Response {
+    set_draining(&state, &headers, &name, false)
+}
+
+fn set_draining(state: &AppState, headers: &HeaderMap, name: &str, draining: bool) -> Response {
+    if let Err(r) = authorize(state, headers) {
+        return r;
+    }
+    match state.fleet.get(name) {
+        Some(r) => {
+            r.draining.store(draining, Ordering::Relaxed);
+            tracing::info!(replica = %name, draining, "replica drain state changed via admin API");
+            StatusCode::NO_CONTENT.into_response()
+        }
+        None => error(StatusCode::NOT_FOUND, format!("no replica named {name:?}")),
+    }
+}

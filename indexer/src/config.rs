@@ -1,0 +1,580 @@
+//! The indexer's TOML configuration file: models, their replicas, the index budget, scoring
+//! weights, scraping, snapshots and the admin token. Every validation error names the offending
+//! field (`models[0].replicas[1].http`), so a broken file is fixed in one look.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use kvroute_core::hashing::{ExtraKeyStyle, HashAlgo, HashConfig};
+use kvroute_core::scoring::ScoringConfig;
+use serde::{Deserialize, Serialize};
+
+/// A configuration problem, with the dotted path of the field that caused it.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// File path.
+        path: PathBuf,
+        /// I/O error.
+        source: std::io::Error,
+    },
+    /// TOML syntax or type error (the message names the key and line).
+    #[error("config file {path}: {message}")]
+    Parse {
+        /// File path.
+        path: String,
+        /// Parser message.
+        message: String,
+    },
+    /// A field has an invalid value.
+    #[error("config field `{field}`: {message}")]
+    Invalid {
+        /// Dotted path of the field.
+        field: String,
+        /// What is wrong with it.
+        message: String,
+    },
+}
+
+fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+/// The whole file.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// HTTP listen address (the `--listen` flag overrides it). Default `127.0.0.1:8190`.
+    #[serde(default = "default_listen")]
+    pub listen: String,
+    /// Bearer token for `/admin/*`. When neither this nor `admin_token_env` is set the admin API
+    /// answers 403.
+    #[serde(default)]
+    pub admin_token: Option<String>,
+    /// Name of an environment variable holding the admin token (preferred over a token in the file).
+    #[serde(default)]
+    pub admin_token_env: Option<String>,
+    /// How often each replica's `/metrics` is scraped, in ms (0 disables scraping).
+    #[serde(default = "default_scrape_interval_ms")]
+    pub scrape_interval_ms: u64,
+    /// A stream that delivered nothing for this long while its engine reports running or waiting
+    /// requests is marked stale, in ms.
+    #[serde(default = "default_stale_after_ms")]
+    pub stale_after_ms: u64,
+    /// Largest accepted HTTP request body, in bytes.
+    #[serde(default = "default_max_body_bytes")]
+    pub max_body_bytes: usize,
+    /// The block index.
+    #[serde(default)]
+    pub index: IndexSection,
+    /// Periodic snapshots of the index.
+    #[serde(default)]
+    pub snapshot: Option<SnapshotSection>,
+    /// Event stream tuning.
+    #[serde(default)]
+    pub events: EventsSection,
+    /// Policies other than `kv`.
+    #[serde(default)]
+    pub policies: PolicySection,
+    /// Replica scoring weights (see `kvroute_core::scoring::ScoringConfig`).
+    #[serde(default)]
+    pub scoring: ScoringConfig,
+    /// Served models, each with its replicas.
+    #[serde(default)]
+    pub models: Vec<ModelConfig>,
+}
+
+fn default_listen() -> String {
+    "127.0.0.1:8190".to_string()
+}
+fn default_scrape_interval_ms() -> u64 {
+    1000
+}
+fn default_stale_after_ms() -> u64 {
+    10_000
+}
+fn default_max_body_bytes() -> usize {
+    16 * 1024 * 1024
+}
+
+/// `[index]`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct IndexSection {
+    /// Hard memory budget of the index, in bytes (default 1 GiB).
+    #[serde(default = "default_max_bytes")]
+    pub max_bytes: u64,
+    /// Lifetime of predicted entries written at decision time, in ms (default 2000).
+    #[serde(default = "default_predicted_ttl_ms")]
+    pub predicted_ttl_ms: u64,
+}
+
+impl Default for IndexSection {
+    fn default() -> Self {
+        Self {
+            max_bytes: default_max_bytes(),
+            predicted_ttl_ms: default_predicted_ttl_ms(),
+        }
+    }
+}
+fn default_max_bytes() -> u64 {
+    1 << 30
+}
+fn default_predicted_ttl_ms() -> u64 {
+    2000
+}
+
+/// `[snapshot]`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotSection {
+    /// File to write (atomically, via a temporary file and rename) and to load at start.
+    pub path: PathBuf,
+    /// Interval between snapshots, in ms (default 30000).
+    #[serde(default = "default_snapshot_interval_ms")]
+    pub interval_ms: u64,
+}
+fn default_snapshot_interval_ms() -> u64 {
+    30_000
+}
+
+/// `[events]`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventsSection {
+    /// Timeout of one connect attempt, in ms (default 250).
+    #[serde(default = "default_connect_timeout_ms")]
+    pub connect_timeout_ms: u64,
+    /// Upper bound of the reconnect backoff, in ms (default 2000).
+    #[serde(default = "default_max_backoff_ms")]
+    pub max_backoff_ms: u64,
+    /// Timeout of every read while replaying, in ms (default 2000).
+    #[serde(default = "default_replay_read_timeout_ms")]
+    pub replay_read_timeout_ms: u64,
+    /// Most batches accepted from one replay (default 200000).
+    #[serde(default = "default_replay_max_batches")]
+    pub replay_max_batches: usize,
+}
+
+impl Default for EventsSection {
+    fn default() -> Self {
+        Self {
+            connect_timeout_ms: default_connect_timeout_ms(),
+            max_backoff_ms: default_max_backoff_ms(),
+            replay_read_timeout_ms: default_replay_read_timeout_ms(),
+            replay_max_batches: default_replay_max_batches(),
+        }
+    }
+}
+fn default_connect_timeout_ms() -> u64 {
+    250
+}
+fn default_max_backoff_ms() -> u64 {
+    2000
+}
+fn default_replay_read_timeout_ms() -> u64 {
+    2000
+}
+fn default_replay_max_batches() -> usize {
+    200_000
+}
+
+/// `[policies]`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicySection {
+    /// Request header carrying the session key for `--policy session` (default `x-session-id`);
+    /// a `"session"` field in the route body wins over it.
+    #[serde(default = "default_session_header")]
+    pub session_header: String,
+    /// Session affinity lifetime, in ms (default 600000).
+    #[serde(default = "default_session_ttl_ms")]
+    pub session_ttl_ms: u64,
+    /// Most sessions remembered (default 100000).
+    #[serde(default = "default_session_max_entries")]
+    pub session_max_entries: usize,
+    /// Lifetime of a remembered (key, replica) pair for `--policy approx-prefix`, in ms (default 120000).
+    #[serde(default = "default_approx_ttl_ms")]
+    pub approx_ttl_ms: u64,
+    /// Most (key, replica) pairs remembered for `--policy approx-prefix` (default 2000000).
+    #[serde(default = "default_approx_max_entries")]
+    pub approx_max_entries: usize,
+}
+
+impl Default for PolicySection {
+    fn default() -> Self {
+        Self {
+            session_header: default_session_header(),
+            session_ttl_ms: default_session_ttl_ms(),
+            session_max_entries: default_session_max_entries(),
+            approx_ttl_ms: default_approx_ttl_ms(),
+            approx_max_entries: default_approx_max_entries(),
+        }
+    }
+}
+fn default_session_header() -> String {
+    "x-session-id".to_string()
+}
+fn default_session_ttl_ms() -> u64 {
+    600_000
+}
+fn default_session_max_entries() -> usize {
+    100_000
+}
+fn default_approx_ttl_ms() -> u64 {
+    120_000
+}
+fn default_approx_max_entries() -> usize {
+    2_000_000
+}
+
+/// `[[models]]`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Served model name (the `model` field of requests).
+    pub name: String,
+    /// Directory with `tokenizer.json` and `tokenizer_config.json` (served to the filter).
+    #[serde(default)]
+    pub model_dir: Option<PathBuf>,
+    /// Tokens per KV block; learned from the first BlockStored when not given.
+    #[serde(default)]
+    pub block_size: Option<u32>,
+    /// The engines' prefix-cache hash settings, for the online hash self-check.
+    #[serde(default)]
+    pub hash: Option<HashSection>,
+    /// LoRA adapter name -> path as loaded by the engines (the path is part of vLLM's hash).
+    #[serde(default)]
+    pub loras: BTreeMap<String, String>,
+    /// The replicas serving this model.
+    #[serde(default)]
+    pub replicas: Vec<ReplicaConfig>,
+}
+
+/// `[models.hash]`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct HashSection {
+    /// `--prefix-caching-hash-algo` of the engines: sha256, sha256_cbor, xxhash, xxhash_cbor.
+    pub algo: String,
+    /// The engines' `PYTHONHASHSEED`, when set.
+    #[serde(default)]
+    pub seed: Option<String>,
+    /// vLLM version of the engines (selects the extra-key shape), default "0.33.0".
+    #[serde(default = "default_engine_version")]
+    pub engine_version: String,
+}
+fn default_engine_version() -> String {
+    "0.33.0".to_string()
+}
+
+/// `[[models.replicas]]`, also the body of `POST /admin/replicas`.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaConfig {
+    /// Unique replica name.
+    pub name: String,
+    /// The replica's HTTP address `IP:port` (metrics, event source discovery).
+    pub http: String,
+    /// Where requests are routed, `IP:port` (default: `http`).
+    #[serde(default)]
+    pub endpoint: Option<String>,
+    /// ZeroMQ event endpoints: one per DP rank, or one for rank 0 (rank r then uses port + r).
+    /// Discovered from `GET {http}/kv_event_sources` when empty.
+    #[serde(default)]
+    pub events: Vec<String>,
+    /// ZeroMQ replay (ROUTER) endpoints, same rules as `events`.
+    #[serde(default)]
+    pub replay: Vec<String>,
+    /// Number of data-parallel ranks behind this address.
+    #[serde(default = "default_dp")]
+    pub data_parallel_size: u32,
+    /// Bind the event endpoints instead of connecting (for engines whose publisher connects out).
+    #[serde(default)]
+    pub bind: bool,
+    /// Topic to subscribe to ("" = all).
+    #[serde(default)]
+    pub topic: String,
+}
+fn default_dp() -> u32 {
+    1
+}
+
+impl Config {
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates config text; `origin` names the source in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        let cfg: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: origin.to_string(),
+            message: e.to_string(),
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks every field; errors name the field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.listen
+            .parse::<SocketAddr>()
+            .map_err(|e| invalid("listen", format!("{:?} is not IP:port ({e})", self.listen)))?;
+        if self.index.max_bytes < 1024 * 1024 {
+            return Err(invalid("index.max_bytes", "must be at least 1048576 (1 MiB)"));
+        }
+        if let Some(s) = &self.snapshot {
+            if s.interval_ms == 0 {
+                return Err(invalid("snapshot.interval_ms", "must be > 0"));
+            }
+            if s.path.as_os_str().is_empty() {
+                return Err(invalid("snapshot.path", "must not be empty"));
+            }
+        }
+        if self.events.connect_timeout_ms == 0 {
+            return Err(invalid("events.connect_timeout_ms", "must be > 0"));
+        }
+        if self.events.replay_read_timeout_ms == 0 {
+            return Err(invalid("events.replay_read_timeout_ms", "must be > 0"));
+        }
+        if let Some(var) = &self.admin_token_env {
+            if std::env::var(var).map(|v| v.is_empty()).unwrap_or(true) {
+                return Err(invalid(
+                    "admin_token_env",
+                    format!("environment variable {var} is not set or empty"),
+                ));
+            }
+        }
+        if self.admin_token.as_deref() == Some("") {
+            return Err(invalid("admin_token", "must not be empty"));
+        }
+        if self.models.is_empty() {
+            return Err(invalid("models", "at least one [[models]] entry is required"));
+        }
+        let mut model_names = std::collections::HashSet::new();
+        let mut replica_names = std::collections::HashSet::new();
+        for (mi, m) in self.models.iter().enumerate() {
+            let mf = format!("models[{mi}]");
+            if m.name.is_empty() {
+                return Err(invalid(format!("{mf}.name"), "must not be empty"));
+            }
+            if !model_names.insert(m.name.clone()) {
+                return Err(invalid(format!("{mf}.name"), format!("duplicate model {:?}", m.name)));
+            }
+            if let Some(dir) = &m.model_dir {
+                for f in ["tokenizer.json", "tokenizer_config.json"] {
+                    if !dir.join(f).is_file() {
+                        return Err(invalid(
+                            format!("{mf}.model_dir"),
+                            format!("{} has no {f}", dir.display()),
+                        ));
+                    }
+                }
+            }
+            if let Some(bs) = m.block_size {
+                if bs == 0 || bs > 1 << 20 {
+                    return Err(invalid(format!("{mf}.block_size"), "must be between 1 and 1048576"));
+                }
+            }
+            if let Some(h) = &m.hash {
+                hash_config(h).map_err(|(field, msg)| invalid(format!("{mf}.hash.{field}"), msg))?;
+            }
+            for (name, path) in &m.loras {
+                if path.is_empty() {
+                    return Err(invalid(format!("{mf}.loras.{name}"), "path must not be empty"));
+                }
+            }
+            for (ri, r) in m.replicas.iter().enumerate() {
+                let rf = format!("{mf}.replicas[{ri}]");
+                r.validate(&rf)?;
+                if !replica_names.insert(r.name.clone()) {
+                    return Err(invalid(
+                        format!("{rf}.name"),
+                        format!("duplicate replica name {:?} (names are global)", r.name),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The admin token, from `admin_token_env` or `admin_token`.
+    pub fn admin_token(&self) -> Option<String> {
+        if let Some(var) = &self.admin_token_env {
+            if let Ok(v) = std::env::var(var) {
+                if !v.is_empty() {
+                    return Some(v);
+                }
+            }
+        }
+        self.admin_token.clone()
+    }
+}
+
+/// Builds the hash configuration of a `[models.hash]` section; errors carry the sub-field name.
+pub fn hash_config(h: &HashSection) -> Result<HashConfig, (&'static str, String)> {
+    let algo: HashAlgo = h
+        .algo
+        .parse()
+        .map_err(|_| ("algo", format!("unknown algorithm {:?} (sha256, sha256_cbor, xxhash, xxhash_cbor)", h.algo)))?;
+    if !h
+        .engine_version
+        .split('.')
+        .take(2)
+        .all(|p| !p.is_empty() && p.chars().all(|c| c.is_ascii_digit()))
+    {
+        return Err(("engine_version", format!("{:?} is not a version like 0.33.0", h.engine_version)));
+    }
+    let cfg = HashConfig {
+        algo,
+        seed: h.seed.clone(),
+        style: ExtraKeyStyle::for_engine_version(&h.engine_version),
+    };
+    kvroute_core::hashing::BlockHasher::new(&cfg).map_err(|e| ("seed", e.to_string()))?;
+    Ok(cfg)
+}
+
+impl ReplicaConfig {
+    /// Checks this replica; `field` is its path in the file (or in the admin request).
+    pub fn validate(&self, field: &str) -> Result<(), ConfigError> {
+        if self.name.is_empty()
+            || !self
+                .name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        {
+            return Err(invalid(
+                format!("{field}.name"),
+                format!("{:?} must be non-empty [A-Za-z0-9._-]", self.name),
+            ));
+        }
+        self.http.parse::<SocketAddr>().map_err(|e| {
+            invalid(format!("{field}.http"), format!("{:?} is not IP:port ({e})", self.http))
+        })?;
+        if let Some(ep) = &self.endpoint {
+            ep.parse::<SocketAddr>().map_err(|e| {
+                invalid(format!("{field}.endpoint"), format!("{ep:?} is not IP:port ({e})"))
+            })?;
+        }
+        if self.data_parallel_size == 0 || self.data_parallel_size > 1024 {
+            return Err(invalid(format!("{field}.data_parallel_size"), "must be between 1 and 1024"));
+        }
+        for (name, list) in [("events", &self.events), ("replay", &self.replay)] {
+            if list.len() > 1 && list.len() != self.data_parallel_size as usize {
+                return Err(invalid(
+                    format!("{field}.{name}"),
+                    format!(
+                        "has {} entries; give one (rank 0, others at port + rank) or data_parallel_size = {}",
+                        list.len(),
+                        self.data_parallel_size
+                    ),
+                ));
+            }
+            for (i, ep) in list.iter().enumerate() {
+                parse_tcp_endpoint(ep).map_err(|m| invalid(format!("{field}.{name}[{i}]"), m))?;
+            }
+        }
+        if self.bind && self.events.is_empty() {
+            return Err(invalid(format!("{field}.events"), "bind = true needs explicit event endpoints"));
+        }
+        Ok(())
+    }
+
+    /// Routing target `IP:port`.
+    pub fn route_endpoint(&self) -> &str {
+        self.endpoint.as_deref().unwrap_or(&self.http)
+    }
+
+    /// Event endpoint of every DP rank (empty when discovery is needed).
+    pub fn event_endpoints(&self) -> Vec<String> {
+        expand_ranks(&self.events, self.data_parallel_size)
+    }
+
+    /// Replay endpoint of every DP rank (`None` where replay is not configured).
+    pub fn replay_endpoints(&self) -> Vec<Option<String>> {
+        let v = expand_ranks(&self.replay, self.data_parallel_size);
+        (0..self.data_parallel_size as usize).map(|r| v.get(r).cloned()).collect()
+    }
+}
+
+/// Splits `tcp://HOST:PORT` into host and port.
+pub fn parse_tcp_endpoint(ep: &str) -> Result<(String, u16), String> {
+    let rest = ep
+        .strip_prefix("tcp://")
+        .ok_or_else(|| format!("{ep:?} must start with tcp://"))?;
+    let (host, port) = rest
+        .rsplit_once(':')
+        .ok_or_else(|| format!("{ep:?} has no :port"))?;
+    let port: u16 = port.parse().map_err(|_| format!("{ep:?} has an invalid port"))?;
+    if host.is_empty() {
+        return Err(format!("{ep:?} has no host"));
+    }
+    Ok((host.to_string(), port))
+}
+
+/// One endpoint per rank: a full list is used as is; a single endpoint gives rank r port + r
+/// (vLLM's data-parallel rule).
+pub fn expand_ranks(list: &[String], dp: u32) -> Vec<String> {
+    if list.len() != 1 || dp <= 1 {
+        return list.to_vec();
+    }
+    let Ok((host, port)) = parse_tcp_endpoint(&list[0]) else {
+        return list.to_vec();
+    };
+    (0..dp)
+        .filter_map(|r| port.checked_add(r as u16).map(|p| format!("tcp://{host}:{p}")))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+[[models]]
+name = "qwen3"
+[[models.replicas]]
+name = "r0"
+http = "127.0.0.1:8001"
+events = ["tcp://127.0.0.1:5557"]
+"#;
+
+    #[test]
+    fn minimal_config_parses_with_defaults() {
+        let cfg = Config::parse(MINIMAL, "t").expect("valid");
+        assert_eq!(cfg.listen, "127.0.0.1:8190");
+        assert_eq!(cfg.models[0].replicas[0].route_endpoint(), "127.0.0.1:8001");
+        assert_eq!(cfg.index.max_bytes, 1 << 30);
+    }
+
+    #[test]
+    fn bad_http_names_the_field() {
+        let text = MINIMAL.replace("127.0.0.1:8001", "localhost");
+        let err = Config::parse(&text, "t").unwrap_err().to_string();
+        assert!(err.contains("models[0].replicas[0].http"), "{err}");
+    }
+
+    #[test]
+    fn unknown_key_is_rejected_with_its_name() {
+        let text = MINIMAL.replace("name = \"r0\"", "name = \"r0\"\nhttpp = \"x\"");
+        let err = Config::parse(&text, "t").unwrap_err().to_string();
+        assert!(err.contains("httpp"), "{err}");
+    }
+
+    #[test]
+    fn dp_ranks_get_consecutive_ports() {
+        let v = expand_ranks(&["tcp://10.0.0.1:5557".to_string()], 3);
+        assert_eq!(v, ["tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "tcp://10.0.0.1:5559"]);
+    }
+}

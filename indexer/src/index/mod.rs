@@ -1,0 +1,1054 @@
+//! The exact KV block index of one model: which replica holds which block, on which medium.
+//!
+//! # Model
+//!
+//! * A **block** is identified by its router key ([`RouterKey`], kvroute's chained hash of the
+//!   block's tokens and everything before it). One [`KvIndex`] node per block lists its
+//!   **holders**: `(replica slot, medium bits)` packed in 32 bits. A block on GPU and CPU of the
+//!   same replica is one holder with two medium bits; removing the GPU copy leaves the CPU one.
+//! * An **engine hash** (the 64-bit wire hash vLLM publishes) maps to the node it names, so a
+//!   `BlockStored` chains from its parent's router key and a `BlockRemoved` finds its block. The map
+//!   is shared by all replicas: an engine hash is a hash of the whole prefix, so it names one block
+//!   whatever replica reports it. Replicas whose engines hash differently (another algorithm or
+//!   seed, a LoRA adapter at another path) report other engine hashes for the same router key:
+//!   those are kept as aliases of the node.
+//! * Replica ids (`u32`, the caller's) map to dense slots so holders stay 4 bytes.
+//!
+//! # Event semantics
+//!
+//! * `BlockStored` with `parent_block_hash: None` chains from [`ROOT`]; with a parent, from the
+//!   parent's router key. **A parent this index does not know** (never stored, already removed,
+//!   evicted for budget) makes the keys uncomputable: the event is dropped, counted in
+//!   [`IndexStats::parent_unknown`], and [`IndexError::ParentUnknown`] is returned so the caller
+//!   can log it or ask for a replay. The index is unchanged.
+//! * Storing a block a replica already holds on that medium is idempotent: it refreshes recency
+//!   and counts as a refresh, never as a second copy. This is what `kv_cache_report_mode: "full"`
+//!   needs (vLLM re-announces every prefix hit as a `BlockStored` with no parent). The price: when
+//!   an engine briefly holds two physical copies of one block (two requests computed it in the
+//!   same step) and evicts one, the index forgets the block early. A false "not cached" costs one
+//!   missed hit and heals on the next store; a false "cached" would route misses forever.
+//! * `BlockRemoved` clears the medium bit of each named block for that replica; a block with no
+//!   holders left is freed. Unknown hashes are counted (`remove_unknown`), not errors.
+//! * `AllBlocksCleared` clears the replica on every medium (conservative: forgetting is cheap).
+//! * Events of another KV cache group than [`IndexConfig::group_idx`] are ignored and counted.
+//!
+//! # Memory budget
+//!
+//! [`IndexStats::bytes_estimate`] counts the allocated capacity of every structure (slab chunks,
+//! both hash tables including their control bytes, spilled holder lists, alias maps). Before any
+//! insertion that would grow an allocation, the index checks that the *new* allocation fits under
+//! [`IndexConfig::max_bytes`] next to the current ones (a table resize briefly holds both), and
+//! otherwise evicts blocks until the insertion needs no growth. Eviction is **CLOCK** (second
+//! chance), an approximation of least-recently-touched over the whole index: every event that
+//! stores, refreshes or chains from a block, and every lookup that matches it, sets its reference
+//! bit; the eviction hand clears set bits and evicts the first block whose bit is clear, with all
+//! its holders. Evictions are counted in [`IndexStats::evicted_for_budget`]. If nothing can be
+//! evicted (the budget is smaller than one allocation), the block is dropped and counted in
+//! `dropped_for_budget`. Tables grow by doubling, so the index may stop growing well before the
+//! budget when the next doubling would not fit.
+//!
+//! # Lookup
+//!
+//! [`KvIndex::lookup`] walks the request's keys in order and keeps, per replica, how far its
+//! contiguous prefix reaches and on which tier: first GPU blocks, then (sibling) predicted blocks,
+//! then CPU, then storage. Tiers only go down, as the engine serves them: vLLM takes its GPU hit
+//! first, then an offload connector loads the continuation from host memory or storage. The walk
+//! stops at the first block no replica continues, so it costs time proportional to the matched
+//! length (and the holders of those blocks), never to the request's length.
+//!
+//! # Predicted entries
+//!
+//! See [`KvIndex::insert_predicted`]: short-lived, bounded, replaced by real events, reported
+//! separately in [`ReplicaMatch::predicted`].
+
+mod predicted;
+mod slab;
+mod snapshot;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use hashbrown::HashTable;
+use kvroute_core::events::{BlockRemoved, BlockStored, KvEvent, Medium};
+use kvroute_core::router_key::{event_keys, RouterKey, RouterKeyError, ROOT};
+use serde::{Deserialize, Serialize};
+
+use predicted::{PredictedChange, PredictedStore};
+use slab::{media_of, pack, slot_of, Slab, FLAG_ALIASED, MAX_SLOTS};
+pub use snapshot::{BlockSnapshot, IndexSnapshot, SNAPSHOT_VERSION};
+
+/// A replica id as the caller numbers replicas (stable for the replica's lifetime in the index).
+pub type ReplicaId = u32;
+
+/// Medium bit of GPU memory.
+pub const MEDIA_GPU: u8 = 1;
+/// Medium bit of host (CPU) memory.
+pub const MEDIA_CPU: u8 = 2;
+/// Medium bit of storage.
+pub const MEDIA_STORAGE: u8 = 4;
+const MEDIA_ALL: u8 = MEDIA_GPU | MEDIA_CPU | MEDIA_STORAGE;
+
+/// The medium bit of `m`.
+pub fn media_bit(m: Medium) -> u8 {
+    match m {
+        Medium::Gpu => MEDIA_GPU,
+        Medium::Cpu => MEDIA_CPU,
+        Medium::Storage => MEDIA_STORAGE,
+    }
+}
+
+/// Index settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct IndexConfig {
+    /// Hard memory budget in bytes for the exact index (blocks, holders, hash maps). Default 1 GiB.
+    pub max_bytes: usize,
+    /// Most predicted (block, replica) entries kept at once. Default 262,144 (~10 MB).
+    pub max_predicted: usize,
+    /// Only events of this KV cache group are indexed (`None` on the wire counts as group 0);
+    /// `None` here indexes every group. Default `Some(0)`.
+    pub group_idx: Option<i64>,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        IndexConfig {
+            max_bytes: 1 << 30,
+            max_predicted: 1 << 18,
+            group_idx: Some(0),
+        }
+    }
+}
+
+/// Errors applying an event. The index is unchanged by an event that returns an error.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IndexError {
+    /// The `BlockStored`'s parent block is unknown, so its router keys cannot be computed.
+    #[error("replica {replica}: BlockStored parent {parent:#018x} is not in the index; {blocks} blocks dropped")]
+    ParentUnknown {
+        /// The replica.
+        replica: ReplicaId,
+        /// The parent's engine wire hash.
+        parent: u64,
+        /// Blocks in the dropped event.
+        blocks: usize,
+    },
+    /// The event is malformed (token count, extra keys).
+    #[error("replica {replica}: invalid BlockStored: {source}")]
+    InvalidEvent {
+        /// The replica.
+        replica: ReplicaId,
+        /// Why.
+        #[source]
+        source: RouterKeyError,
+    },
+    /// More replicas than a holder can name (2^24).
+    #[error("too many replicas in one index (limit {limit})")]
+    TooManyReplicas {
+        /// The limit.
+        limit: u32,
+    },
+    /// A snapshot of an unsupported version.
+    #[error("snapshot version {found} is not supported (expected {expected})")]
+    SnapshotVersion {
+        /// The snapshot's version.
+        found: u32,
+        /// The version this build reads.
+        expected: u32,
+    },
+}
+
+/// What applying one event did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct ApplyOutcome {
+    /// New (block, replica, medium) holdings.
+    pub stored: u32,
+    /// Holdings that already existed (re-announced hits): recency refreshed, not counted twice.
+    pub refreshed: u32,
+    /// Holdings removed.
+    pub removed: u32,
+    /// `BlockRemoved` hashes this replica did not hold on that medium.
+    pub remove_unknown: u32,
+    /// Blocks not stored because the budget could not make room.
+    pub dropped_for_budget: u32,
+    /// Blocks evicted (all holders) to make room.
+    pub evicted_for_budget: u32,
+    /// Predicted entries replaced by this real event.
+    pub predicted_replaced: u32,
+    /// Entries cleared (`AllBlocksCleared`).
+    pub cleared: u64,
+    /// The event was ignored (other KV cache group, unknown event type, no blocks).
+    pub ignored: bool,
+}
+
+/// Per replica: how many leading blocks of a lookup it holds, per tier (disjoint, consecutive).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ReplicaMatch {
+    /// The replica.
+    pub replica: ReplicaId,
+    /// Leading blocks in GPU memory.
+    pub gpu: u32,
+    /// Following blocks only predicted (sibling burst), treated as GPU-to-be.
+    pub predicted: u32,
+    /// Following blocks in host memory.
+    pub cpu: u32,
+    /// Following blocks on storage.
+    pub storage: u32,
+}
+
+impl ReplicaMatch {
+    /// All matched blocks.
+    pub fn total(&self) -> u32 {
+        self.gpu + self.predicted + self.cpu + self.storage
+    }
+
+    /// As the scorer's input.
+    pub fn matched(&self) -> kvroute_core::scoring::MatchedBlocks {
+        kvroute_core::scoring::MatchedBlocks {
+            gpu: self.gpu,
+            cpu: self.cpu,
+            storage: self.storage,
+            predicted: self.predicted,
+        }
+    }
+}
+
+/// Counters and sizes, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct IndexStats {
+    /// Distinct blocks (router keys) held by at least one replica.
+    pub blocks: u64,
+    /// (block, replica) entries.
+    pub entries: u64,
+    /// Replicas known to the index.
+    pub replicas: u64,
+    /// Bytes allocated by the exact index (see the module docs).
+    pub bytes_estimate: u64,
+    /// The configured budget.
+    pub max_bytes: u64,
+    /// Blocks evicted to stay under the budget.
+    pub evicted_for_budget: u64,
+    /// (block, replica) entries those evictions removed.
+    pub evicted_entries_for_budget: u64,
+    /// Blocks not stored because no room could be made.
+    pub dropped_for_budget: u64,
+    /// `BlockStored` events dropped because their parent was unknown.
+    pub parent_unknown: u64,
+    /// Blocks in those events.
+    pub parent_unknown_blocks: u64,
+    /// Invalid events rejected.
+    pub invalid_events: u64,
+    /// Events ignored (other KV cache group, unknown type).
+    pub ignored_events: u64,
+    /// New holdings stored.
+    pub stored: u64,
+    /// Holdings re-announced (refreshed, not double counted).
+    pub refreshed: u64,
+    /// Holdings removed by `BlockRemoved`.
+    pub removed: u64,
+    /// `BlockRemoved` hashes that named nothing this replica held.
+    pub remove_unknown: u64,
+    /// Entries cleared by `AllBlocksCleared` / `clear_replica`.
+    pub cleared: u64,
+    /// Engine hashes reported for a router key other than the one they were first seen with.
+    pub engine_hash_conflicts: u64,
+    /// Engine hashes kept as aliases (replicas hashing differently).
+    pub engine_hash_aliases: u64,
+    /// Live predicted entries.
+    pub predicted_entries: u64,
+    /// Approximate bytes of the predicted store (bounded by `max_predicted`, outside `max_bytes`).
+    pub predicted_bytes: u64,
+    /// Predicted entries inserted.
+    pub predicted_inserted: u64,
+    /// Predicted entries replaced by real events (the prediction came true).
+    pub predicted_replaced: u64,
+    /// Predicted entries that expired unconfirmed.
+    pub predicted_expired: u64,
+    /// Predicted entries dropped to stay under `max_predicted`.
+    pub predicted_evicted: u64,
+}
+
+/// An identity hasher: keys are already uniformly distributed 64-bit hashes.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Not used by u64/u32 keys; FNV-1a keeps it correct for anything else.
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+    fn write_u32(&mut self, v: u32) {
+        // Replica ids are small: spread them.
+        self.0 = u64::from(v).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+/// `BuildHasher` of [`IdHasher`].
+pub type IdBuildHasher = BuildHasherDefault<IdHasher>;
+
+#[derive(Debug, Clone, Copy)]
+struct SlotInfo {
+    replica: ReplicaId,
+    entries: u64,
+}
+
+/// Per-replica progress while walking a lookup.
+#[derive(Debug, Clone, Copy, Default)]
+struct Walk {
+    /// Blocks matched so far; the replica continues at block `i` only if `reach == i`.
+    reach: u32,
+    /// 0 GPU, 1 CPU, 2 storage.
+    tier: u8,
+    gpu: u32,
+    predicted: u32,
+    cpu: u32,
+    storage: u32,
+}
+
+/// The exact block index of one model. See the module docs.
+#[derive(Debug)]
+pub struct KvIndex {
+    cfg: IndexConfig,
+    slab: Slab,
+    /// Router key -> node (the table stores node ids; keys are read from the nodes).
+    by_key: HashTable<u32>,
+    /// Engine hash -> node (canonical engine hash of the node).
+    by_engine: HashTable<u32>,
+    /// Other engine hashes of a node (replicas that hash differently).
+    alias_node: HashMap<u64, u32, IdBuildHasher>,
+    node_aliases: HashMap<u32, Vec<u64>, IdBuildHasher>,
+    slot_of: HashMap<ReplicaId, u32, IdBuildHasher>,
+    slots: Vec<Option<SlotInfo>>,
+    free_slots: Vec<u32>,
+    predicted: PredictedStore,
+    /// CLOCK hand.
+    hand: u32,
+    spill_bytes: usize,
+    stats: IndexStats,
+}
+
+impl Default for KvIndex {
+    fn default() -> Self {
+        KvIndex::new(IndexConfig::default())
+    }
+}
+
+/// Bytes a hashbrown table of `u32` with `buckets` buckets allocates (data + control bytes).
+fn table_bytes_for_buckets(buckets: usize) -> usize {
+    if buckets == 0 {
+        0
+    } else {
+        buckets * 4 + buckets + 16
+    }
+}
+
+/// Buckets of a table with `capacity` (hashbrown keeps 7/8 load above 8 buckets).
+fn buckets_for_capacity(capacity: usize) -> usize {
+    if capacity == 0 {
+        0
+    } else if capacity < 8 {
+        (capacity + 1).next_power_of_two()
+    } else {
+        (capacity * 8 / 7).next_power_of_two()
+    }
+}
+
+fn table_bytes(t: &HashTable<u32>) -> usize {
+    table_bytes_for_buckets(buckets_for_capacity(t.capacity()))
+}
+
+/// Bytes the next insert into `t` would newly allocate (0 when it has room).
+fn table_growth(t: &HashTable<u32>) -> usize {
+    if t.len() < t.capacity() {
+        0
+    } else {
+        let next = (buckets_for_capacity(t.capacity()) * 2).max(4);
+        table_bytes_for_buckets(next)
+    }
+}
+
+impl KvIndex {
+    /// An empty index.
+    pub fn new(cfg: IndexConfig) -> Self {
+        let mut ix = KvIndex {
+            stats: IndexStats {
+                max_bytes: cfg.max_bytes as u64,
+                ..IndexStats::default()
+            },
+            cfg,
+            slab: Slab::default(),
+            by_key: HashTable::new(),
+            by_engine: HashTable::new(),
+            alias_node: HashMap::default(),
+            node_aliases: HashMap::default(),
+            slot_of: HashMap::default(),
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            predicted: PredictedStore::default(),
+            hand: 0,
+            spill_bytes: 0,
+        };
+        ix.refresh_bytes();
+        ix
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &IndexConfig {
+        &self.cfg
+    }
+
+    /// Counters and sizes.
+    pub fn stats(&self) -> IndexStats {
+        let mut s = self.stats;
+        s.bytes_estimate = self.bytes() as u64;
+        s.predicted_entries = self.predicted.len() as u64;
+        s.predicted_bytes = self.predicted.bytes() as u64;
+        s.replicas = self.slot_of.len() as u64;
+        s
+    }
+
+    /// Replicas known to the index with their (block) entry counts, sorted by id.
+    pub fn replicas(&self) -> Vec<(ReplicaId, u64)> {
+        let mut v: Vec<(ReplicaId, u64)> = self
+            .slots
+            .iter()
+            .flatten()
+            .map(|s| (s.replica, s.entries))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Who holds `key`, with medium bits (`MEDIA_*`), sorted by replica. For debug endpoints.
+    pub fn holders(&self, key: RouterKey) -> Vec<(ReplicaId, u8)> {
+        let Some(i) = self.find_key(key.0) else {
+            return Vec::new();
+        };
+        let mut v: Vec<(ReplicaId, u8)> = self
+            .slab
+            .get(i)
+            .holders()
+            .filter_map(|h| self.replica_of_slot(slot_of(h)).map(|r| (r, media_of(h))))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// The router key an engine hash currently names, if known.
+    pub fn key_of_engine_hash(&self, engine_hash: u64) -> Option<RouterKey> {
+        self.find_engine(engine_hash)
+            .map(|i| RouterKey(self.slab.get(i).key))
+    }
+
+    fn bytes(&self) -> usize {
+        self.slab.bytes()
+            + table_bytes(&self.by_key)
+            + table_bytes(&self.by_engine)
+            + self.spill_bytes
+            + self.alias_node.capacity() * (8 + 4 + 1 + 3)
+            + self.node_aliases.capacity() * (4 + 24 + 1 + 3)
+            + self.stats.engine_hash_aliases as usize * 8
+            + self.slots.capacity() * std::mem::size_of::<Option<SlotInfo>>()
+            + self.slot_of.capacity() * 12
+    }
+
+    fn refresh_bytes(&mut self) {
+        self.stats.bytes_estimate = self.bytes() as u64;
+    }
+
+    fn replica_of_slot(&self, slot: u32) -> Option<ReplicaId> {
+        self.slots
+            .get(slot as usize)
+            .and_then(|s| s.as_ref())
+            .map(|s| s.replica)
+    }
+
+    /// The dense slot of `replica`, registering it if new.
+    fn slot(&mut self, replica: ReplicaId) -> Result<u32, IndexError> {
+        if let Some(&s) = self.slot_of.get(&replica) {
+            return Ok(s);
+        }
+        let s = match self.free_slots.pop() {
+            Some(s) => s,
+            None => {
+                let s = self.slots.len() as u32;
+                if s >= MAX_SLOTS {
+                    return Err(IndexError::TooManyReplicas { limit: MAX_SLOTS });
+                }
+                self.slots.push(None);
+                s
+            }
+        };
+        self.slots[s as usize] = Some(SlotInfo {
+            replica,
+            entries: 0,
+        });
+        self.slot_of.insert(replica, s);
+        Ok(s)
+    }
+
+    #[inline]
+    fn find_key(&self, key: u64) -> Option<u32> {
+        let slab = &self.slab;
+        self.by_key.find(key, |&i| slab.get(i).key == key).copied()
+    }
+
+    #[inline]
+    fn find_engine(&self, h: u64) -> Option<u32> {
+        let slab = &self.slab;
+        if let Some(&i) = self.by_engine.find(h, |&i| slab.get(i).engine_hash == h) {
+            return Some(i);
+        }
+        if self.alias_node.is_empty() {
+            None
+        } else {
+            self.alias_node.get(&h).copied()
+        }
+    }
+
+    /// Applies one event from `replica` (registered on first use).
+    pub fn apply(&mut self, replica: ReplicaId, ev: &KvEvent) -> Result<ApplyOutcome, IndexError> {
+        let out = match ev {
+            KvEvent::BlockStored(st) => self.apply_stored(replica, st),
+            KvEvent::BlockRemoved(rm) => self.apply_removed(replica, rm),
+            KvEvent::AllBlocksCleared => {
+                let cleared = self.clear_replica(replica);
+                Ok(ApplyOutcome {
+                    cleared,
+                    ..ApplyOutcome::default()
+                })
+            }
+            KvEvent::Unknown(_) => {
+                self.stats.ignored_events += 1;
+                Ok(ApplyOutcome {
+                    ignored: true,
+                    ..ApplyOutcome::default()
+                })
+            }
+        };
+        self.refresh_bytes();
+        out
+    }
+
+    fn wanted_group(&self, group: Option<i64>) -> bool {
+        match self.cfg.group_idx {
+            None => true,
+            Some(g) => group.unwrap_or(0) == g,
+        }
+    }
+
+    fn ignored(&mut self) -> Result<ApplyOutcome, IndexError> {
+        self.stats.ignored_events += 1;
+        Ok(ApplyOutcome {
+            ignored: true,
+            ..ApplyOutcome::default()
+        })
+    }
+
+    fn apply_stored(
+        &mut self,
+        replica: ReplicaId,
+        st: &BlockStored,
+    ) -> Result<ApplyOutcome, IndexError> {
+        if !self.wanted_group(st.group_idx) || st.block_hashes.is_empty() {
+            return self.ignored();
+        }
+        let parent = match &st.parent_block_hash {
+            None => ROOT,
+            Some(p) => {
+                let ph = p.as_u64();
+                match self.find_engine(ph) {
+                    Some(i) => {
+                        let n = self.slab.get(i);
+                        n.touch();
+                        RouterKey(n.key)
+                    }
+                    None => {
+                        self.stats.parent_unknown += 1;
+                        self.stats.parent_unknown_blocks += st.block_hashes.len() as u64;
+                        return Err(IndexError::ParentUnknown {
+                            replica,
+                            parent: ph,
+                            blocks: st.block_hashes.len(),
+                        });
+                    }
+                }
+            }
+        };
+        let keys = match event_keys(parent, st) {
+            Ok(k) if k.len() == st.block_hashes.len() => k,
+            Ok(k) => {
+                self.stats.invalid_events += 1;
+                return Err(IndexError::InvalidEvent {
+                    replica,
+                    source: RouterKeyError::TokenCountMismatch {
+                        blocks: st.block_hashes.len(),
+                        block_size: st.block_size as usize,
+                        expected: st.block_hashes.len() * st.block_size as usize,
+                        got: k.len() * st.block_size as usize,
+                    },
+                });
+            }
+            Err(source) => {
+                self.stats.invalid_events += 1;
+                return Err(IndexError::InvalidEvent { replica, source });
+            }
+        };
+        let slot = self.slot(replica)?;
+        let bit = media_bit(st.medium.unwrap_or_default());
+        let mut out = ApplyOutcome::default();
+        for (key, h) in keys.iter().zip(&st.block_hashes) {
+            self.store_one(slot, key.0, h.as_u64(), bit, &mut out);
+        }
+        Ok(out)
+    }
+
+    /// Records that `slot` holds `key` (engine hash `eh`) on medium `bit`.
+    fn store_one(&mut self, slot: u32, key: u64, eh: u64, bit: u8, out: &mut ApplyOutcome) {
+        let idx = match self.find_key(key) {
+            Some(i) => {
+                self.note_engine_hash(i, eh);
+                i
+            }
+            None => match self.new_node(key, eh, out) {
+                Some(i) => i,
+                None => {
+                    out.dropped_for_budget += 1;
+                    self.stats.dropped_for_budget += 1;
+                    return;
+                }
+            },
+        };
+        let node = self.slab.get(idx);
+        node.touch();
+        match node.find_slot(slot) {
+            Some(pos) => {
+                let h = node.holder(pos);
+                if media_of(h) & bit != 0 {
+                    out.refreshed += 1;
+                    self.stats.refreshed += 1;
+                } else {
+                    self.slab
+                        .get_mut(idx)
+                        .set_holder(pos, pack(slot, media_of(h) | bit));
+                    out.stored += 1;
+                    self.stats.stored += 1;
+                }
+            }
+            None => {
+                let growth = node.push_growth();
+                if growth > 0 && !self.make_room(growth, Some(idx), out) {
+                    out.dropped_for_budget += 1;
+                    self.stats.dropped_for_budget += 1;
+                    self.free_if_empty(idx);
+                    return;
+                }
+                self.spill_bytes += self.slab.get_mut(idx).push(pack(slot, bit));
+                if let Some(Some(info)) = self.slots.get_mut(slot as usize) {
+                    info.entries += 1;
+                }
+                self.stats.entries += 1;
+                out.stored += 1;
+                self.stats.stored += 1;
+            }
+        }
+        if !self.predicted.is_empty() && self.predicted.remove(key, slot) {
+            out.predicted_replaced += 1;
+            self.stats.predicted_replaced += 1;
+        }
+    }
+
+    /// Links engine hash `eh` to node `idx` if it is not linked yet (an alias of another engine).
+    fn note_engine_hash(&mut self, idx: u32, eh: u64) {
+        if self.slab.get(idx).engine_hash == eh {
+            return;
+        }
+        match self.find_engine(eh) {
+            Some(j) if j == idx => {}
+            Some(_) => self.stats.engine_hash_conflicts += 1,
+            None => {
+                self.alias_node.insert(eh, idx);
+                self.node_aliases.entry(idx).or_default().push(eh);
+                self.slab.get_mut(idx).flags |= FLAG_ALIASED;
+                self.stats.engine_hash_aliases += 1;
+            }
+        }
+    }
+
+    /// Allocates a node for `key`, making room under the budget first. `None` if impossible.
+    fn new_node(&mut self, key: u64, eh: u64, out: &mut ApplyOutcome) -> Option<u32> {
+        loop {
+            let engine_free = self.find_engine(eh).is_none();
+            let growth = self.slab.alloc_growth()
+                + table_growth(&self.by_key)
+                + if engine_free { table_growth(&self.by_engine) } else { 0 };
+            if growth == 0 {
+                break;
+            }
+            if self.bytes() + growth <= self.cfg.max_bytes {
+                break;
+            }
+            if !self.evict_one(None, out) {
+                return None;
+            }
+        }
+        let idx = self.slab.alloc(key, eh)?;
+        let slab = &self.slab;
+        self.by_key
+            .insert_unique(key, idx, |&i| slab.get(i).key);
+        match self.find_engine(eh) {
+            None => {
+                let slab = &self.slab;
+                self.by_engine
+                    .insert_unique(eh, idx, |&i| slab.get(i).engine_hash);
+            }
+            Some(_) => {
+                // The engine hash already names another block: keep that mapping (this node's
+                // copy of the hash is not in the table, so freeing it leaves the other intact).
+                self.stats.engine_hash_conflicts += 1;
+            }
+        }
+        self.stats.blocks += 1;
+        Some(idx)
+    }
+
+    /// Evicts until `growth` more bytes fit under the budget. False if nothing more can go.
+    fn make_room(&mut self, growth: usize, protect: Option<u32>, out: &mut ApplyOutcome) -> bool {
+        while self.bytes() + growth > self.cfg.max_bytes {
+            if !self.evict_one(protect, out) {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// CLOCK: evicts the first live node (not `protect`) whose reference bit is clear.
+    fn evict_one(&mut self, protect: Option<u32>, out: &mut ApplyOutcome) -> bool {
+        let high = self.slab.high();
+        if high == 0 {
+            return false;
+        }
+        // Two full turns: the first may only clear reference bits.
+        for _ in 0..(2 * high as u64 + 2) {
+            if self.hand >= high {
+                self.hand = 0;
+            }
+            let i = self.hand;
+            self.hand += 1;
+            if Some(i) == protect {
+                continue;
+            }
+            let n = self.slab.get(i);
+            if !n.live() {
+                continue;
+            }
+            if n.referenced.load(std::sync::atomic::Ordering::Relaxed) != 0 {
+                n.referenced.store(0, std::sync::atomic::Ordering::Relaxed);
+                continue;
+            }
+            let holders = n.holders_len() as u64;
+            let slots: Vec<u32> = n.holders().map(slot_of).collect();
+            for s in slots {
+                if let Some(Some(info)) = self.slots.get_mut(s as usize) {
+                    info.entries = info.entries.saturating_sub(1);
+                }
+            }
+            self.stats.entries -= holders;
+            self.free_node(i);
+            self.stats.evicted_for_budget += 1;
+            self.stats.evicted_entries_for_budget += holders;
+            out.evicted_for_budget += 1;
+            return true;
+        }
+        false
+    }
+
+    /// Removes node `i` from every map and frees it (its holders must already be accounted).
+    fn free_node(&mut self, i: u32) {
+        let (key, eh, aliased) = {
+            let n = self.slab.get(i);
+            (n.key, n.engine_hash, n.flags & FLAG_ALIASED != 0)
+        };
+        let slab = &self.slab;
+        if let Ok(e) = self.by_key.find_entry(key, |&j| j == i && slab.get(j).key == key) {
+            e.remove();
+        }
+        let slab = &self.slab;
+        if let Ok(e) = self.by_engine.find_entry(eh, |&j| j == i && slab.get(j).engine_hash == eh) {
+            e.remove();
+        }
+        if aliased {
+            if let Some(aliases) = self.node_aliases.remove(&i) {
+                self.stats.engine_hash_aliases -= aliases.len() as u64;
+                for a in aliases {
+                    self.alias_node.remove(&a);
+                }
+            }
+        }
+        self.spill_bytes -= self.slab.get(i).spill_heap_bytes();
+        self.slab.release(i);
+        self.stats.blocks -= 1;
+    }
+
+    fn free_if_empty(&mut self, i: u32) {
+        if self.slab.get(i).holders_len() == 0 {
+            self.free_node(i);
+        }
+    }
+
+    fn apply_removed(
+        &mut self,
+        replica: ReplicaId,
+        rm: &BlockRemoved,
+    ) -> Result<ApplyOutcome, IndexError> {
+        if !self.wanted_group(rm.group_idx) {
+            return self.ignored();
+        }
+        let mut out = ApplyOutcome::default();
+        let Some(&slot) = self.slot_of.get(&replica) else {
+            out.remove_unknown = rm.block_hashes.len() as u32;
+            self.stats.remove_unknown += rm.block_hashes.len() as u64;
+            return Ok(out);
+        };
+        let bit = media_bit(rm.medium.unwrap_or_default());
+        for h in &rm.block_hashes {
+            if self.remove_one(slot, h.as_u64(), bit) {
+                out.removed += 1;
+                self.stats.removed += 1;
+            } else {
+                out.remove_unknown += 1;
+                self.stats.remove_unknown += 1;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Clears medium `bits` of `slot` on the block named by engine hash `eh`.
+    fn remove_one(&mut self, slot: u32, eh: u64, bits: u8) -> bool {
+        let Some(idx) = self.find_engine(eh) else {
+            return false;
+        };
+        self.remove_holder_bits(idx, slot, bits)
+    }
+
+    fn remove_holder_bits(&mut self, idx: u32, slot: u32, bits: u8) -> bool {
+        let node = self.slab.get_mut(idx);
+        let Some(pos) = node.find_slot(slot) else {
+            return false;
+        };
+        let h = node.holder(pos);
+        if media_of(h) & bits == 0 {
+            return false;
+        }
+        let left = media_of(h) & !bits;
+        if left != 0 {
+            node.set_holder(pos, pack(slot, left));
+            return true;
+        }
+        let freed = node.swap_remove(pos);
+        self.spill_bytes -= freed;
+        self.stats.entries -= 1;
+        if let Some(Some(info)) = self.slots.get_mut(slot as usize) {
+            info.entries = info.entries.saturating_sub(1);
+        }
+        self.free_if_empty(idx);
+        true
+    }
+
+    /// Forgets everything `replica` holds (engine restart, lost events). Returns the entries
+    /// removed. Walks the whole index: O(blocks), a rare operation.
+    pub fn clear_replica(&mut self, replica: ReplicaId) -> u64 {
+        let Some(&slot) = self.slot_of.get(&replica) else {
+            return 0;
+        };
+        let mut cleared = 0;
+        let has = self
+            .slots
+            .get(slot as usize)
+            .and_then(|s| s.as_ref())
+            .map_or(0, |s| s.entries);
+        if has > 0 {
+            for i in 0..self.slab.high() {
+                let n = self.slab.get(i);
+                if !n.live() || n.find_slot(slot).is_none() {
+                    continue;
+                }
+                if self.remove_holder_bits(i, slot, MEDIA_ALL) {
+                    cleared += 1;
+                }
+            }
+        }
+        self.predicted.remove_slot(slot);
+        self.stats.cleared += cleared;
+        self.refresh_bytes();
+        cleared
+    }
+
+    /// Clears `replica` and forgets it (its slot is reused). Returns the entries removed.
+    pub fn remove_replica(&mut self, replica: ReplicaId) -> u64 {
+        let cleared = self.clear_replica(replica);
+        if let Some(slot) = self.slot_of.remove(&replica) {
+            if let Some(s) = self.slots.get_mut(slot as usize) {
+                *s = None;
+            }
+            self.free_slots.push(slot);
+        }
+        cleared
+    }
+
+    /// Drops every block, replica and prediction (counters are kept).
+    pub fn clear(&mut self) {
+        self.slab.clear();
+        self.by_key = HashTable::new();
+        self.by_engine = HashTable::new();
+        self.alias_node.clear();
+        self.node_aliases.clear();
+        self.slot_of.clear();
+        self.slots.clear();
+        self.free_slots.clear();
+        self.predicted.clear();
+        self.hand = 0;
+        self.spill_bytes = 0;
+        self.stats.blocks = 0;
+        self.stats.entries = 0;
+        self.stats.engine_hash_aliases = 0;
+        self.refresh_bytes();
+    }
+
+    /// For each replica holding at least block 0 of `keys`: how many leading blocks it holds, per
+    /// tier (see the module docs). `now_ms` (the caller's monotonic clock) decides which predicted
+    /// entries are still valid. Sorted by replica id.
+    pub fn lookup(&self, keys: &[RouterKey], now_ms: u64) -> Vec<ReplicaMatch> {
+        let mut walk = vec![Walk::default(); self.slots.len()];
+        let use_predicted = !self.predicted.is_empty();
+        for (i, key) in keys.iter().enumerate() {
+            let i = i as u32;
+            let mut alive = 0u32;
+            if let Some(idx) = self.find_key(key.0) {
+                let node = self.slab.get(idx);
+                node.touch();
+                for h in node.holders() {
+                    let Some(w) = walk.get_mut(slot_of(h) as usize) else {
+                        continue;
+                    };
+                    if w.reach != i {
+                        continue;
+                    }
+                    let m = media_of(h);
+                    let cont = match w.tier {
+                        0 if m & MEDIA_GPU != 0 => {
+                            w.gpu += 1;
+                            true
+                        }
+                        0 if use_predicted && self.predicted.holds(key.0, slot_of(h), now_ms) => {
+                            w.predicted += 1;
+                            true
+                        }
+                        0 | 1 if m & MEDIA_CPU != 0 => {
+                            w.tier = 1;
+                            w.cpu += 1;
+                            true
+                        }
+                        _ if m & MEDIA_STORAGE != 0 => {
+                            w.tier = 2;
+                            w.storage += 1;
+                            true
+                        }
+                        _ => false,
+                    };
+                    if cont {
+                        w.reach = i + 1;
+                        alive += 1;
+                    }
+                }
+            }
+            if use_predicted {
+                for s in self.predicted.slots(key.0, now_ms) {
+                    if let Some(w) = walk.get_mut(s as usize) {
+                        if w.reach == i && w.tier == 0 {
+                            w.predicted += 1;
+                            w.reach = i + 1;
+                            alive += 1;
+                        }
+                    }
+                }
+            }
+            if alive == 0 {
+                break;
+            }
+        }
+        let mut out: Vec<ReplicaMatch> = walk
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.reach > 0)
+            .filter_map(|(s, w)| {
+                self.replica_of_slot(s as u32).map(|replica| ReplicaMatch {
+                    replica,
+                    gpu: w.gpu,
+                    predicted: w.predicted,
+                    cpu: w.cpu,
+                    storage: w.storage,
+                })
+            })
+            .collect();
+        out.sort_unstable_by_key(|m| m.replica);
+        out
+    }
+
+    /// Predicts that `replica` will hold `keys` on GPU until `now_ms + ttl_ms` (written when a
+    /// request is routed there, so siblings in the same burst follow it before any event). Blocks
+    /// the replica already holds on GPU are skipped. Expired entries are pruned first; the store is
+    /// bounded by [`IndexConfig::max_predicted`]. Returns the entries inserted or refreshed.
+    pub fn insert_predicted(
+        &mut self,
+        replica: ReplicaId,
+        keys: &[RouterKey],
+        now_ms: u64,
+        ttl_ms: u64,
+    ) -> Result<usize, IndexError> {
+        let slot = self.slot(replica)?;
+        let mut change = PredictedChange::default();
+        self.predicted
+            .expire(now_ms, self.cfg.max_predicted, &mut change);
+        let expires = now_ms.saturating_add(ttl_ms);
+        for key in keys {
+            let real = self.find_key(key.0).is_some_and(|i| {
+                let n = self.slab.get(i);
+                n.find_slot(slot)
+                    .is_some_and(|p| media_of(n.holder(p)) & MEDIA_GPU != 0)
+            });
+            if !real {
+                self.predicted.insert(key.0, slot, expires, &mut change);
+            }
+        }
+        self.predicted
+            .expire(now_ms, self.cfg.max_predicted, &mut change);
+        self.note_predicted(change);
+        Ok((change.inserted + change.refreshed) as usize)
+    }
+
+    /// Prunes predicted entries expired at `now_ms` (also done by `insert_predicted`).
+    pub fn expire_predicted(&mut self, now_ms: u64) {
+        let mut change = PredictedChange::default();
+        self.predicted
+            .expire(now_ms, self.cfg.max_predicted, &mut change);
+        self.note_predicted(change);
+    }
+
+    fn note_predicted(&mut self, c: PredictedChange) {
+        self.stats.predicted_inserted += c.inserted;
+        self.stats.predicted_expired += c.expired;
+        self.stats.predicted_evicted += c.evicted;
+    }
+}

@@ -1,0 +1,456 @@
+use std::collections::HashMap;
+
+use kvroute_core::events::{BlockRemoved, BlockStored, KvEvent, Medium, WireBlockHash};
+use kvroute_core::hashing::{ExtraKeyStyle, RequestExtras};
+use kvroute_core::router_key::{chain, request_keys, RouterKey, ROOT};
+
+use super::*;
+
+const BS: usize = 4;
+
+/// Tokens of block `b` of a conversation `conv`.
+fn block_tokens(conv: u32, b: usize) -> Vec<u32> {
+    (0..BS as u32).map(|t| conv * 100_000 + b as u32 * 10 + t).collect()
+}
+
+/// A fake engine hash for block `b` of `conv` on a replica hashing with `salt`.
+fn eh(conv: u32, b: usize, salt: u64) -> u64 {
+    (u64::from(conv) << 32 | b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ salt
+}
+
+fn stored(conv: u32, blocks: std::ops::Range<usize>, medium: Medium, salt: u64) -> KvEvent {
+    let parent = if blocks.start == 0 {
+        None
+    } else {
+        Some(WireBlockHash::Int(eh(conv, blocks.start - 1, salt)))
+    };
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: blocks.clone().map(|b| WireBlockHash::Int(eh(conv, b, salt))).collect(),
+        parent_block_hash: parent,
+        token_ids: blocks.clone().flat_map(|b| block_tokens(conv, b)).collect(),
+        block_size: BS as u32,
+        medium: Some(medium),
+        ..BlockStored::default()
+    })
+}
+
+fn removed(conv: u32, blocks: &[usize], medium: Medium, salt: u64) -> KvEvent {
+    KvEvent::BlockRemoved(BlockRemoved {
+        block_hashes: blocks.iter().map(|&b| WireBlockHash::Int(eh(conv, b, salt))).collect(),
+        medium: Some(medium),
+        group_idx: None,
+    })
+}
+
+/// Router keys of the first `n` blocks of `conv`, computed the way a request computes them.
+fn keys(conv: u32, n: usize) -> Vec<RouterKey> {
+    let tokens: Vec<u32> = (0..n).flat_map(|b| block_tokens(conv, b)).collect();
+    request_keys(&tokens, BS, &RequestExtras::default(), ExtraKeyStyle::Tagged)
+}
+
+fn m(replica: u32, gpu: u32, predicted: u32, cpu: u32, storage: u32) -> ReplicaMatch {
+    ReplicaMatch {
+        replica,
+        gpu,
+        predicted,
+        cpu,
+        storage,
+    }
+}
+
+fn apply(ix: &mut KvIndex, r: u32, ev: &KvEvent) -> ApplyOutcome {
+    ix.apply(r, ev).expect("event applies")
+}
+
+#[test]
+fn chaining_from_parent_matches_request_keys() {
+    let mut ix = KvIndex::default();
+    apply(&mut ix, 0, &stored(1, 0..3, Medium::Gpu, 0));
+    let out = apply(&mut ix, 0, &stored(1, 3..5, Medium::Gpu, 0));
+    assert_eq!(out.stored, 2);
+    assert_eq!(ix.lookup(&keys(1, 5), 0), vec![m(0, 5, 0, 0, 0)]);
+    // Longer request: the match stops where the replica's chain stops.
+    assert_eq!(ix.lookup(&keys(1, 9), 0), vec![m(0, 5, 0, 0, 0)]);
+    // The key of block 3 is the chain of block 2's key, as if stored in one event.
+    let k2 = ix.key_of_engine_hash(eh(1, 2, 0)).expect("block 2 known");
+    assert_eq!(
+        ix.key_of_engine_hash(eh(1, 3, 0)),
+        Some(chain(k2, &block_tokens(1, 3), None))
+    );
+    assert_eq!(ix.key_of_engine_hash(eh(1, 0, 0)), Some(chain(ROOT, &block_tokens(1, 0), None)));
+    let s = ix.stats();
+    assert_eq!((s.blocks, s.entries, s.replicas), (5, 5, 1));
+}
+
+#[test]
+fn parent_unknown_drops_the_event_and_counts_it() {
+    let mut ix = KvIndex::default();
+    let err = ix.apply(0, &stored(1, 3..5, Medium::Gpu, 0)).expect_err("no parent");
+    assert!(matches!(err, IndexError::ParentUnknown { replica: 0, blocks: 2, .. }), "{err}");
+    let s = ix.stats();
+    assert_eq!((s.blocks, s.entries, s.parent_unknown, s.parent_unknown_blocks), (0, 0, 1, 2));
+}
+
+#[test]
+fn invalid_event_is_rejected_without_change() {
+    let mut ix = KvIndex::default();
+    let KvEvent::BlockStored(mut st) = stored(1, 0..2, Medium::Gpu, 0) else {
+        unreachable!()
+    };
+    st.token_ids.pop();
+    let err = ix.apply(0, &KvEvent::BlockStored(st)).expect_err("bad token count");
+    assert!(matches!(err, IndexError::InvalidEvent { .. }));
+    assert_eq!(ix.stats().blocks, 0);
+    assert_eq!(ix.stats().invalid_events, 1);
+}
+
+#[test]
+fn removal_cuts_the_match_and_frees_blocks() {
+    let mut ix = KvIndex::default();
+    apply(&mut ix, 0, &stored(1, 0..6, Medium::Gpu, 0));
+    apply(&mut ix, 1, &stored(1, 0..6, Medium::Gpu, 0));
+    let out = apply(&mut ix, 0, &removed(1, &[3], Medium::Gpu, 0));
+    assert_eq!(out.removed, 1);
+    assert_eq!(ix.lookup(&keys(1, 6), 0), vec![m(0, 3, 0, 0, 0), m(1, 6, 0, 0, 0)]);
+    // Unknown hashes and blocks the replica does not hold are counted, not errors.
+    let out = apply(&mut ix, 0, &removed(1, &[3, 99], Medium::Gpu, 0));
+    assert_eq!((out.removed, out.remove_unknown), (0, 2));
+    apply(&mut ix, 1, &removed(1, &[0, 1, 2, 3, 4, 5], Medium::Gpu, 0));
+    apply(&mut ix, 0, &removed(1, &[0, 1, 2, 4, 5], Medium::Gpu, 0));
+    let s = ix.stats();
+    assert_eq!((s.blocks, s.entries, s.removed, s.remove_unknown), (0, 0, 12, 2));
+    assert!(ix.lookup(&keys(1, 6), 0).is_empty());
+}
+
+#[test]
+fn restart_clears_only_that_replica() {
+    let mut ix = KvIndex::default();
+    apply(&mut ix, 0, &stored(1, 0..4, Medium::Gpu, 0));
+    apply(&mut ix, 0, &stored(2, 0..2, Medium::Cpu, 0));
+    apply(&mut ix, 1, &stored(1, 0..2, Medium::Gpu, 0));
+    let out = apply(&mut ix, 0, &KvEvent::AllBlocksCleared);
+    assert_eq!(out.cleared, 6);
+    assert_eq!(ix.lookup(&keys(1, 4), 0), vec![m(1, 2, 0, 0, 0)]);
+    assert!(ix.lookup(&keys(2, 2), 0).is_empty());
+    let s = ix.stats();
+    assert_eq!((s.blocks, s.entries), (2, 2));
+    // The restarted engine starts again from block 0.
+    apply(&mut ix, 0, &stored(1, 0..1, Medium::Gpu, 0));
+    assert_eq!(ix.lookup(&keys(1, 4), 0), vec![m(0, 1, 0, 0, 0), m(1, 2, 0, 0, 0)]);
+    assert_eq!(ix.remove_replica(1), 2);
+    assert_eq!(ix.replicas(), vec![(0, 1)]);
+    assert_eq!(ix.stats().entries, 1);
+}
+
+#[test]
+fn re_announced_hits_refresh_without_double_counting() {
+    let mut ix = KvIndex::default();
+    apply(&mut ix, 0, &stored(1, 0..4, Medium::Gpu, 0));
+    // kv_cache_report_mode "full": a hit on blocks 0..3 is re-announced with no parent.
+    let out = apply(&mut ix, 0, &stored(1, 0..3, Medium::Gpu, 0));
+    assert_eq!((out.stored, out.refreshed), (0, 3));
+    let out = apply(&mut ix, 0, &stored(1, 0..4, Medium::Gpu, 0));
+    assert_eq!((out.stored, out.refreshed), (0, 4));
+    let s = ix.stats();
+    assert_eq!((s.blocks, s.entries, s.stored, s.refreshed), (4, 4, 4, 7));
+    // One removal per block is enough: presence, not copies.
+    apply(&mut ix, 0, &removed(1, &[0, 1, 2, 3], Medium::Gpu, 0));
+    assert_eq!(ix.stats().entries, 0);
+    assert!(ix.lookup(&keys(1, 4), 0).is_empty());
+}
+
+#[test]
+fn gpu_and_cpu_are_two_media_of_one_entry() {
+    let mut ix = KvIndex::default();
+    apply(&mut ix, 0, &stored(1, 0..3, Medium::Gpu, 0));
+    let out = apply(&mut ix, 0, &stored(1, 0..3, Medium::Cpu, 0));
+    assert_eq!(out.stored, 3);
+    assert_eq!(ix.stats().entries, 3);
+    assert_eq!(ix.holders(keys(1, 1)[0]), vec![(0, MEDIA_GPU | MEDIA_CPU)]);
+    assert_eq!(ix.lookup(&keys(1, 3), 0), vec![m(0, 3, 0, 0, 0)]);
+    apply(&mut ix, 0, &removed(1, &[0, 1, 2], Medium::Gpu, 0));
+    assert_eq!(ix.lookup(&keys(1, 3), 0), vec![m(0, 0, 0, 3, 0)]);
+    apply(&mut ix, 0, &removed(1, &[0, 1, 2], Medium::Cpu, 0));
+    assert_eq!(ix.stats().entries, 0);
+    assert_eq!(ix.stats().blocks, 0);
+}
+
+#[test]
+fn lookup_reports_tiers_per_replica() {
+    let mut ix = KvIndex::default();
+    // Replica 0: blocks 0-1 on GPU, 2-3 only on CPU, 4 only on storage.
+    apply(&mut ix, 0, &stored(1, 0..5, Medium::Storage, 0));
+    apply(&mut ix, 0, &stored(1, 0..4, Medium::Cpu, 0));
+    apply(&mut ix, 0, &stored(1, 0..2, Medium::Gpu, 0));
+    // Replica 1: all five on CPU. Replica 2: GPU 0-2, then nothing. Replica 3: GPU block 1 only.
+    apply(&mut ix, 1, &stored(1, 0..5, Medium::Cpu, 0));
+    apply(&mut ix, 2, &stored(1, 0..3, Medium::Gpu, 0));
+    apply(&mut ix, 3, &stored(1, 0..2, Medium::Gpu, 0));
+    apply(&mut ix, 3, &removed(1, &[0], Medium::Gpu, 0));
+    assert_eq!(
+        ix.lookup(&keys(1, 8), 0),
+        vec![m(0, 2, 0, 2, 1), m(1, 0, 0, 5, 0), m(2, 3, 0, 0, 0)]
+    );
+    // A GPU block after the CPU tier started does not count (the engine would not use it).
+    apply(&mut ix, 4, &stored(1, 0..1, Medium::Cpu, 0));
+    apply(&mut ix, 4, &stored(1, 1..2, Medium::Gpu, 0));
+    assert_eq!(ix.lookup(&keys(1, 2), 0)[4], m(4, 0, 0, 1, 0));
+    assert!(ix.lookup(&keys(7, 3), 0).is_empty());
+    assert!(ix.lookup(&[], 0).is_empty());
+}
+
+#[test]
+fn replicas_hashing_differently_share_router_keys() {
+    let mut ix = KvIndex::default();
+    apply(&mut ix, 0, &stored(1, 0..3, Medium::Gpu, 0));
+    apply(&mut ix, 1, &stored(1, 0..3, Medium::Gpu, 0xDEAD));
+    let s = ix.stats();
+    assert_eq!((s.blocks, s.entries, s.engine_hash_aliases), (3, 6, 3));
+    assert_eq!(ix.lookup(&keys(1, 3), 0), vec![m(0, 3, 0, 0, 0), m(1, 3, 0, 0, 0)]);
+    // Replica 1 chains and removes with its own hashes.
+    apply(&mut ix, 1, &stored(1, 3..4, Medium::Gpu, 0xDEAD));
+    apply(&mut ix, 1, &removed(1, &[1], Medium::Gpu, 0xDEAD));
+    assert_eq!(ix.lookup(&keys(1, 4), 0), vec![m(0, 3, 0, 0, 0), m(1, 1, 0, 0, 0)]);
+    ix.clear_replica(0);
+    ix.clear_replica(1);
+    let s = ix.stats();
+    assert_eq!((s.blocks, s.entries, s.engine_hash_aliases), (0, 0, 0));
+}
+
+#[test]
+fn other_kv_cache_groups_are_ignored() {
+    let mut ix = KvIndex::default();
+    let KvEvent::BlockStored(mut st) = stored(1, 0..2, Medium::Gpu, 0) else {
+        unreachable!()
+    };
+    st.group_idx = Some(1);
+    let out = apply(&mut ix, 0, &KvEvent::BlockStored(st.clone()));
+    assert!(out.ignored);
+    assert_eq!(ix.stats().blocks, 0);
+    st.group_idx = Some(0);
+    apply(&mut ix, 0, &KvEvent::BlockStored(st));
+    assert_eq!(ix.stats().blocks, 2);
+    assert!(apply(&mut ix, 0, &KvEvent::Unknown("Future".into())).ignored);
+}
+
+#[test]
+fn predicted_entries_expire_and_are_replaced_by_real_events() {
+    let mut ix = KvIndex::default();
+    apply(&mut ix, 0, &stored(1, 0..2, Medium::Gpu, 0));
+    // Routed a 4-block request to replica 0 at t=1000 and one to replica 1.
+    assert_eq!(ix.insert_predicted(0, &keys(1, 4), 1000, 2000).expect("predict"), 2);
+    ix.insert_predicted(1, &keys(1, 4), 1000, 2000).expect("predict");
+    assert_eq!(ix.lookup(&keys(1, 4), 1500), vec![m(0, 2, 2, 0, 0), m(1, 0, 4, 0, 0)]);
+    // The real event for replica 0 replaces its prediction.
+    let out = apply(&mut ix, 0, &stored(1, 2..4, Medium::Gpu, 0));
+    assert_eq!(out.predicted_replaced, 2);
+    assert_eq!(ix.lookup(&keys(1, 4), 1500), vec![m(0, 4, 0, 0, 0), m(1, 0, 4, 0, 0)]);
+    // Past the TTL, predictions no longer count, even before they are pruned.
+    assert_eq!(ix.lookup(&keys(1, 4), 3000), vec![m(0, 4, 0, 0, 0)]);
+    ix.expire_predicted(3000);
+    let s = ix.stats();
+    assert_eq!((s.predicted_entries, s.predicted_expired, s.predicted_replaced), (0, 4, 2));
+    assert_eq!(s.predicted_inserted, 6);
+}
+
+#[test]
+fn predicted_store_is_bounded() {
+    let mut ix = KvIndex::new(IndexConfig {
+        max_predicted: 10,
+        ..IndexConfig::default()
+    });
+    for r in 0..20 {
+        ix.insert_predicted(r, &keys(r + 100, 3), u64::from(r), 10_000).expect("predict");
+        assert!(ix.stats().predicted_entries <= 10);
+    }
+    let s = ix.stats();
+    assert_eq!(s.predicted_entries, 10);
+    assert_eq!(s.predicted_evicted, 50);
+    // The newest survive.
+    assert_eq!(ix.lookup(&keys(119, 3), 20), vec![m(19, 0, 3, 0, 0)]);
+    assert!(ix.lookup(&keys(100, 3), 20).is_empty());
+}
+
+#[test]
+fn budget_is_never_exceeded_and_hot_blocks_survive() {
+    let max_bytes = 2 << 20;
+    let mut ix = KvIndex::new(IndexConfig {
+        max_bytes,
+        ..IndexConfig::default()
+    });
+    // A hot shared prefix, re-announced by hits all along.
+    for conv in 0..4000u32 {
+        let r = conv % 8;
+        apply(&mut ix, r, &stored(0, 0..8, Medium::Gpu, 0));
+        apply(&mut ix, r, &stored(conv + 1, 0..16, Medium::Gpu, 0));
+        let s = ix.stats();
+        assert!(s.bytes_estimate <= max_bytes as u64, "{s:?}");
+    }
+    let s = ix.stats();
+    assert!(s.evicted_for_budget > 0, "{s:?}");
+    assert_eq!(s.dropped_for_budget, 0);
+    // The hot prefix is still there; the oldest conversations are gone; recent ones remain.
+    assert_eq!(ix.lookup(&keys(0, 8), 0).len(), 8);
+    assert!(ix.lookup(&keys(1, 16), 0).is_empty());
+    assert_eq!(ix.lookup(&keys(4000, 16), 0), vec![m(3999 % 8, 16, 0, 0, 0)]);
+    // Entries count matches a fresh walk of the index.
+    let walked: u64 = ix.export().blocks.iter().map(|b| b.holders.len() as u64).sum();
+    assert_eq!(walked, s.entries);
+    assert_eq!(ix.export().blocks.len() as u64, s.blocks);
+}
+
+#[test]
+fn a_budget_too_small_for_anything_drops_and_counts() {
+    let mut ix = KvIndex::new(IndexConfig {
+        max_bytes: 1000,
+        ..IndexConfig::default()
+    });
+    let out = apply(&mut ix, 0, &stored(1, 0..2, Medium::Gpu, 0));
+    assert_eq!(out.dropped_for_budget, 2);
+    let s = ix.stats();
+    assert_eq!(s.blocks, 0);
+    assert!(s.bytes_estimate <= 1000);
+}
+
+#[test]
+fn snapshot_round_trips_through_postcard() {
+    let mut ix = KvIndex::default();
+    apply(&mut ix, 0, &stored(1, 0..5, Medium::Gpu, 0));
+    apply(&mut ix, 1, &stored(1, 0..3, Medium::Cpu, 7));
+    apply(&mut ix, 2, &stored(2, 0..4, Medium::Gpu, 0));
+    for r in 3..8 {
+        apply(&mut ix, r, &stored(1, 0..2, Medium::Gpu, 0));
+    }
+    ix.remove_replica(2);
+    apply(&mut ix, 9, &stored(3, 0..1, Medium::Gpu, 0));
+    apply(&mut ix, 9, &removed(3, &[0], Medium::Gpu, 0));
+    let snap = ix.export();
+    let bytes = postcard::to_allocvec(&snap).expect("encode");
+    let back: IndexSnapshot = postcard::from_bytes(&bytes).expect("decode");
+    assert_eq!(back, snap);
+    let mut ix2 = KvIndex::import(IndexConfig::default(), &back).expect("import");
+    for conv in 1..4 {
+        assert_eq!(ix2.lookup(&keys(conv, 6), 0), ix.lookup(&keys(conv, 6), 0));
+    }
+    let (a, b) = (ix.stats(), ix2.stats());
+    assert_eq!((a.blocks, a.entries, a.engine_hash_aliases), (b.blocks, b.entries, b.engine_hash_aliases));
+    assert_eq!(ix2.replicas(), ix.replicas());
+    // Events keep applying after import: chaining and alias removal still work.
+    apply(&mut ix2, 1, &removed(1, &[0], Medium::Cpu, 7));
+    apply(&mut ix2, 0, &stored(1, 5..6, Medium::Gpu, 0));
+    assert_eq!(ix2.lookup(&keys(1, 6), 0)[0], m(0, 6, 0, 0, 0));
+    let bad = IndexSnapshot {
+        version: 99,
+        ..snap
+    };
+    assert!(matches!(
+        KvIndex::import(IndexConfig::default(), &bad),
+        Err(IndexError::SnapshotVersion { found: 99, .. })
+    ));
+}
+
+/// Tiny deterministic generator for the model-based test.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Random stores, re-announces, removals and clears against a plain map of what each replica
+/// holds: every lookup must agree with the model.
+#[test]
+fn random_operations_agree_with_a_reference_model() {
+    let mut ix = KvIndex::default();
+    // (replica, conv, block) -> medium bits
+    let mut model: HashMap<(u32, u32, usize), u8> = HashMap::new();
+    let mut rng = Rng(0x1234_5678);
+    let media = [Medium::Gpu, Medium::Cpu, Medium::Storage];
+    for step in 0..20_000 {
+        let r = rng.below(6) as u32;
+        let conv = rng.below(12) as u32;
+        let med = media[rng.below(3) as usize];
+        let bit = media_bit(med);
+        match rng.below(10) {
+            0..=4 => {
+                let start = rng.below(6) as usize;
+                let end = start + 1 + rng.below(6) as usize;
+                // The parent must be held by someone for the event to chain (else: dropped).
+                let parent_known = start == 0 || model.keys().any(|&(_, c, b)| c == conv && b == start - 1);
+                let res = ix.apply(r, &stored(conv, start..end, med, 0));
+                if parent_known {
+                    res.expect("parent known");
+                    for b in start..end {
+                        *model.entry((r, conv, b)).or_insert(0) |= bit;
+                    }
+                } else {
+                    assert!(matches!(res, Err(IndexError::ParentUnknown { .. })), "step {step}");
+                }
+            }
+            5..=8 => {
+                let b = rng.below(12) as usize;
+                ix.apply(r, &removed(conv, &[b], med, 0)).expect("remove");
+                if let Some(v) = model.get_mut(&(r, conv, b)) {
+                    *v &= !bit;
+                    if *v == 0 {
+                        model.remove(&(r, conv, b));
+                    }
+                }
+            }
+            _ => {
+                if rng.below(20) == 0 {
+                    ix.clear_replica(r);
+                    model.retain(|&(mr, _, _), _| mr != r);
+                }
+            }
+        }
+        if step % 97 == 0 {
+            for c in 0..12 {
+                let got = ix.lookup(&keys(c, 12), 0);
+                let mut want = Vec::new();
+                for rep in 0..6 {
+                    let mut w = Walk::default();
+                    for b in 0..12 {
+                        let mb = model.get(&(rep, c, b)).copied().unwrap_or(0);
+                        let ok = match w.tier {
+                            0 if mb & MEDIA_GPU != 0 => {
+                                w.gpu += 1;
+                                true
+                            }
+                            0 | 1 if mb & MEDIA_CPU != 0 => {
+                                w.tier = 1;
+                                w.cpu += 1;
+                                true
+                            }
+                            _ if mb & MEDIA_STORAGE != 0 => {
+                                w.tier = 2;
+                                w.storage += 1;
+                                true
+                            }
+                            _ => false,
+                        };
+                        if !ok {
+                            break;
+                        }
+                    }
+                    if w.gpu + w.cpu + w.storage > 0 {
+                        want.push(m(rep, w.gpu, 0, w.cpu, w.storage));
+                    }
+                }
+                assert_eq!(got, want, "step {step} conv {c}");
+            }
+            let s = ix.stats();
+            assert_eq!(s.entries as usize, {
+                let mut pairs: Vec<(u32, u32, usize)> = model.keys().copied().collect();
+                pairs.sort_unstable();
+                pairs.len()
+            });
+        }
+    }
+}

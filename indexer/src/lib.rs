@@ -1,0 +1,18 @@
+//! kvroute-indexer library: the parts of the sidecar other binaries and tests reuse.
+
+pub mod index;
+
+pub mod api;
+pub mod cli;
+pub mod config;
+pub mod load;
+pub mod membership;
+pub mod metrics;
+pub mod policies;
+pub mod route;
+pub mod scrape;
+pub mod selfcheck;
+pub mod server;
+pub mod snapshot;
+pub mod state;
+pub mod subscriber;

@@ -1,0 +1,388 @@
+//! The fleet at run time: which replicas exist, their streams (one per data-parallel rank), their
+//! load and health. Replicas come from the config file, from the admin API and, for their event
+//! endpoints, from `GET {http}/kv_event_sources`.
+//!
+//! Every stream has its own index id (`u32`), so a DP rank that restarts clears only its own
+//! entries; a replica's match is the best of its ranks. Ids are never reused in one process.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
+
+use crate::config::ReplicaConfig;
+
+/// Locks a mutex, recovering the data if a panicking thread poisoned it.
+pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Membership errors.
+#[derive(Debug, thiserror::Error)]
+pub enum MembershipError {
+    /// A replica with this name exists.
+    #[error("replica {0:?} already exists")]
+    Duplicate(String),
+    /// No replica with this name.
+    #[error("no replica named {0:?}")]
+    NotFound(String),
+    /// The model is not configured.
+    #[error("unknown model {0:?}")]
+    UnknownModel(String),
+    /// Event source discovery failed.
+    #[error("cannot discover event endpoints of {replica} from {url}: {message}")]
+    Discovery {
+        /// Replica name.
+        replica: String,
+        /// URL asked.
+        url: String,
+        /// What went wrong.
+        message: String,
+    },
+}
+
+/// Counters and state of one event stream (one replica, one DP rank).
+#[derive(Debug, Default)]
+pub struct StreamStats {
+    /// Batches applied.
+    pub batches: AtomicU64,
+    /// Events applied.
+    pub events: AtomicU64,
+    /// Sequence gaps seen.
+    pub gaps: AtomicU64,
+    /// Replays performed.
+    pub replays: AtomicU64,
+    /// Replays that failed (timeout, connect error).
+    pub replay_failures: AtomicU64,
+    /// Times this stream's entries were dropped (restart, uncoverable gap, AllBlocksCleared excluded).
+    pub resets: AtomicU64,
+    /// Payloads that failed to decode (skipped).
+    pub garbage: AtomicU64,
+    /// Duplicate batches skipped (seen live and in a replay).
+    pub duplicates: AtomicU64,
+    /// Events the index refused (e.g. unknown parent).
+    pub rejected_events: AtomicU64,
+    /// Connections made.
+    pub connects: AtomicU64,
+    /// Hash self-check candidates seen (for sampling).
+    pub hash_checks: AtomicU64,
+}
+
+/// Mutable state of one stream, guarded by a mutex.
+#[derive(Debug, Default, Clone)]
+pub struct StreamState {
+    /// Last applied sequence number.
+    pub last_seq: Option<u64>,
+    /// Connected right now.
+    pub connected: bool,
+    /// When the last message (live or replayed) arrived.
+    pub last_message: Option<Instant>,
+    /// Engine timestamp of the last batch (seconds since the epoch).
+    pub last_batch_ts: Option<f64>,
+    /// Lag of the last batch: our receive time minus the engine's timestamp, in seconds.
+    pub lag_seconds: Option<f64>,
+    /// The endpoint in use.
+    pub endpoint: String,
+    /// Replay endpoint, if any.
+    pub replay: Option<String>,
+}
+
+/// One event stream.
+#[derive(Debug)]
+pub struct Stream {
+    /// DP rank.
+    pub rank: u32,
+    /// Id of this stream's entries in the index.
+    pub index_id: u32,
+    /// Counters.
+    pub stats: StreamStats,
+    /// State.
+    pub state: Mutex<StreamState>,
+    /// Set by restart detection outside the stream task: resynchronise from seq 0.
+    pub resync: AtomicBool,
+}
+
+/// Load as scraped from the replica's `/metrics`.
+#[derive(Debug, Default, Clone)]
+pub struct ScrapedLoad {
+    /// `vllm:num_requests_waiting` (summed over engines).
+    pub waiting: f64,
+    /// `vllm:num_requests_running` (summed over engines).
+    pub running: f64,
+    /// `vllm:kv_cache_usage_perc` (max over engines, 0..1).
+    pub kv_usage: f64,
+    /// `process_start_time_seconds`.
+    pub process_start: Option<f64>,
+    /// Last successful scrape.
+    pub last_ok: Option<Instant>,
+    /// Consecutive failures.
+    pub failures: u32,
+}
+
+/// A replica of one model.
+#[derive(Debug)]
+pub struct Replica {
+    /// Unique name.
+    pub name: String,
+    /// Model served.
+    pub model: String,
+    /// Its configuration (after discovery, `events`/`replay` are filled in).
+    pub config: RwLock<ReplicaConfig>,
+    /// Routing target `IP:port`.
+    pub endpoint: String,
+    /// One stream per DP rank.
+    pub streams: Vec<Arc<Stream>>,
+    /// Accepts no new requests.
+    pub draining: AtomicBool,
+    /// Requests routed here and not yet completed.
+    pub in_flight: AtomicI64,
+    /// Scraped load.
+    pub scraped: Mutex<ScrapedLoad>,
+    /// Background tasks (subscribers), aborted on removal.
+    pub tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// Hash self-check found a mismatch (its likely cause).
+    pub hash_mismatch: Mutex<Option<String>>,
+}
+
+/// Scrape failures after which a replica counts as unhealthy.
+pub const UNHEALTHY_AFTER_FAILURES: u32 = 3;
+
+impl Replica {
+    /// Index ids of all ranks.
+    pub fn index_ids(&self) -> Vec<u32> {
+        self.streams.iter().map(|s| s.index_id).collect()
+    }
+
+    /// Routable: not draining and its metrics endpoint answers (unknown counts as healthy).
+    pub fn healthy(&self) -> bool {
+        !self.draining.load(Ordering::Relaxed)
+            && lock(&self.scraped).failures < UNHEALTHY_AFTER_FAILURES
+    }
+
+    /// The index may be out of date for this replica: a stream is disconnected, or silent for
+    /// `stale_after` while the engine reports work.
+    pub fn stale(&self, stale_after: Duration) -> bool {
+        let busy = {
+            let s = lock(&self.scraped);
+            s.running + s.waiting > 0.0
+        };
+        self.streams.iter().any(|st| {
+            let s = lock(&st.state);
+            if !s.connected {
+                return true;
+            }
+            busy && s.last_message.map(|t| t.elapsed() > stale_after).unwrap_or(true)
+        })
+    }
+}
+
+/// All replicas.
+#[derive(Debug, Default)]
+pub struct Fleet {
+    replicas: RwLock<Vec<Arc<Replica>>>,
+    next_index_id: AtomicU64,
+    /// Index ids reserved by a loaded snapshot: (replica name, rank) -> id.
+    reserved: Mutex<HashMap<(String, u32), u32>>,
+}
+
+impl Fleet {
+    /// An empty fleet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Makes `(replica, rank)` get `id` when it is added (snapshot restore); later ids start above.
+    pub fn reserve_id(&self, replica: &str, rank: u32, id: u32) {
+        lock(&self.reserved).insert((replica.to_string(), rank), id);
+        self.next_index_id
+            .fetch_max(u64::from(id) + 1, Ordering::Relaxed);
+    }
+
+    fn alloc_id(&self, replica: &str, rank: u32) -> u32 {
+        if let Some(id) = lock(&self.reserved).remove(&(replica.to_string(), rank)) {
+            return id;
+        }
+        let id = self.next_index_id.fetch_add(1, Ordering::Relaxed);
+        u32::try_from(id).unwrap_or(u32::MAX)
+    }
+
+    /// Adds a replica; its streams get index ids (the caller starts the subscribers).
+    pub fn add(&self, model: &str, cfg: ReplicaConfig) -> Result<Arc<Replica>, MembershipError> {
+        let mut reps = self.replicas.write().unwrap_or_else(|p| p.into_inner());
+        if reps.iter().any(|r| r.name == cfg.name) {
+            return Err(MembershipError::Duplicate(cfg.name));
+        }
+        let events = cfg.event_endpoints();
+        let replays = cfg.replay_endpoints();
+        let streams = (0..cfg.data_parallel_size)
+            .map(|rank| {
+                Arc::new(Stream {
+                    rank,
+                    index_id: self.alloc_id(&cfg.name, rank),
+                    stats: StreamStats::default(),
+                    state: Mutex::new(StreamState {
+                        endpoint: events.get(rank as usize).cloned().unwrap_or_default(),
+                        replay: replays.get(rank as usize).cloned().flatten(),
+                        ..Default::default()
+                    }),
+                    resync: AtomicBool::new(false),
+                })
+            })
+            .collect();
+        let replica = Arc::new(Replica {
+            name: cfg.name.clone(),
+            model: model.to_string(),
+            endpoint: cfg.route_endpoint().to_string(),
+            config: RwLock::new(cfg),
+            streams,
+            draining: AtomicBool::new(false),
+            in_flight: AtomicI64::new(0),
+            scraped: Mutex::new(ScrapedLoad::default()),
+            tasks: Mutex::new(Vec::new()),
+            hash_mismatch: Mutex::new(None),
+        });
+        reps.push(replica.clone());
+        Ok(replica)
+    }
+
+    /// Removes a replica and stops its tasks; returns it so the caller can drop its index entries.
+    pub fn remove(&self, name: &str) -> Result<Arc<Replica>, MembershipError> {
+        let mut reps = self.replicas.write().unwrap_or_else(|p| p.into_inner());
+        let pos = reps
+            .iter()
+            .position(|r| r.name == name)
+            .ok_or_else(|| MembershipError::NotFound(name.to_string()))?;
+        let r = reps.remove(pos);
+        for t in lock(&r.tasks).drain(..) {
+            t.abort();
+        }
+        Ok(r)
+    }
+
+    /// Looks a replica up by name.
+    pub fn get(&self, name: &str) -> Option<Arc<Replica>> {
+        self.all().into_iter().find(|r| r.name == name)
+    }
+
+    /// Every replica.
+    pub fn all(&self) -> Vec<Arc<Replica>> {
+        self.replicas
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Replicas of one model.
+    pub fn of_model(&self, model: &str) -> Vec<Arc<Replica>> {
+        self.all().into_iter().filter(|r| r.model == model).collect()
+    }
+
+    /// The replica that owns an index id, with the rank.
+    pub fn by_index_id(&self, id: u32) -> Option<(Arc<Replica>, u32)> {
+        self.all().into_iter().find_map(|r| {
+            r.streams
+                .iter()
+                .find(|s| s.index_id == id)
+                .map(|s| (r.clone(), s.rank))
+        })
+    }
+}
+
+/// `GET {http}/kv_event_sources` (vLLM >= 0.33): fills in `events`/`replay` of a replica that did
+/// not configure them. The answer is a JSON list (one entry per DP rank) or an object with such a
+/// list under `sources`; each entry has `endpoint` and optionally `replay_endpoint`. Wildcard hosts
+/// (`*`, `0.0.0.0`, `::`) are replaced by the replica's HTTP host.
+pub async fn discover_event_sources(
+    client: &reqwest::Client,
+    cfg: &mut ReplicaConfig,
+) -> Result<(), MembershipError> {
+    let url = format!("http://{}/kv_event_sources", cfg.http);
+    let err = |message: String| MembershipError::Discovery {
+        replica: cfg.name.clone(),
+        url: url.clone(),
+        message,
+    };
+    let resp = client
+        .get(&url)
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await
+        .map_err(|e| err(e.to_string()))?;
+    if !resp.status().is_success() {
+        return Err(err(format!("HTTP {}", resp.status())));
+    }
+    let body: serde_json::Value = resp.json().await.map_err(|e| err(e.to_string()))?;
+    let host = cfg
+        .http
+        .rsplit_once(':')
+        .map(|(h, _)| h.to_string())
+        .unwrap_or_default();
+    let (events, replay) = parse_event_sources(&body, &host).map_err(err)?;
+    cfg.data_parallel_size = u32::try_from(events.len()).unwrap_or(1).max(1);
+    cfg.events = events;
+    cfg.replay = if replay.iter().all(Option::is_some) {
+        replay.into_iter().flatten().collect()
+    } else {
+        Vec::new()
+    };
+    Ok(())
+}
+
+/// Parses a `/kv_event_sources` answer into per-rank event and replay endpoints.
+pub fn parse_event_sources(
+    body: &serde_json::Value,
+    host: &str,
+) -> Result<(Vec<String>, Vec<Option<String>>), String> {
+    let list = match body {
+        serde_json::Value::Array(a) => a.clone(),
+        serde_json::Value::Object(o) => match o.get("sources").or_else(|| o.get("data")) {
+            Some(serde_json::Value::Array(a)) => a.clone(),
+            _ => vec![body.clone()],
+        },
+        _ => return Err("expected a JSON list or object".into()),
+    };
+    let mut events = Vec::new();
+    let mut replay = Vec::new();
+    for entry in &list {
+        let ep = entry
+            .get("endpoint")
+            .and_then(|v| v.as_str())
+            .ok_or("an entry has no \"endpoint\"")?;
+        events.push(resolve_wildcard(ep, host));
+        replay.push(
+            entry
+                .get("replay_endpoint")
+                .and_then(|v| v.as_str())
+                .map(|r| resolve_wildcard(r, host)),
+        );
+    }
+    if events.is_empty() {
+        return Err("no event sources listed (are KV events enabled?)".into());
+    }
+    Ok((events, replay))
+}
+
+fn resolve_wildcard(ep: &str, host: &str) -> String {
+    for wild in ["tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:", "tcp://:::"] {
+        if let Some(port) = ep.strip_prefix(wild) {
+            return format!("tcp://{host}:{port}");
+        }
+    }
+    ep.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_sources_resolve_wildcards() {
+        let body = serde_json::json!([
+            {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"},
+            {"endpoint": "tcp://*:5558"}
+        ]);
+        let (ev, rp) = parse_event_sources(&body, "10.0.0.7").unwrap();
+        assert_eq!(ev, ["tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558"]);
+        assert_eq!(rp, [Some("tcp://10.0.0.7:5558".to_string()), None]);
+    }
+}

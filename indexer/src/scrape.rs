@@ -1,0 +1,167 @@
+//! Scrapes every replica's Prometheus `/metrics` at a fixed interval for its queue, running
+//! requests and KV usage (scoring inputs), and for `process_start_time_seconds`: a change means
+//! the engine restarted, which sequence numbers alone cannot always tell (a new engine's seq can
+//! pass the old one's), so that replica's entries are dropped and its streams resynchronised.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::membership::{lock, Replica};
+use crate::state::AppState;
+
+/// The values kvroute reads from an engine's `/metrics`.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct EngineMetrics {
+    /// Sum of `vllm:num_requests_waiting`.
+    pub waiting: f64,
+    /// Sum of `vllm:num_requests_running`.
+    pub running: f64,
+    /// Max of `vllm:kv_cache_usage_perc` (or the older `vllm:gpu_cache_usage_perc`).
+    pub kv_usage: f64,
+    /// `process_start_time_seconds`.
+    pub process_start: Option<f64>,
+}
+
+/// Parses Prometheus text exposition (only the four series kvroute needs).
+pub fn parse_metrics(text: &str) -> EngineMetrics {
+    let mut m = EngineMetrics::default();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (name, rest) = match line.find(['{', ' ']) {
+            Some(i) => (&line[..i], &line[i..]),
+            None => continue,
+        };
+        let rest = if rest.starts_with('{') {
+            match rest.rfind('}') {
+                Some(j) => &rest[j + 1..],
+                None => continue,
+            }
+        } else {
+            rest
+        };
+        let Some(value) = rest.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()) else {
+            continue;
+        };
+        if !value.is_finite() {
+            continue;
+        }
+        match name {
+            "vllm:num_requests_waiting" => m.waiting += value,
+            "vllm:num_requests_running" => m.running += value,
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
+                m.kv_usage = m.kv_usage.max(value)
+            }
+            "process_start_time_seconds" => {
+                m.process_start = Some(m.process_start.map_or(value, |p: f64| p.min(value)))
+            }
+            _ => {}
+        }
+    }
+    m
+}
+
+/// Runs forever: scrapes every replica every `scrape_interval_ms`.
+pub async fn run(state: Arc<AppState>) {
+    let interval_ms = state.config.scrape_interval_ms;
+    if interval_ms == 0 {
+        return;
+    }
+    let interval = Duration::from_millis(interval_ms);
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let replicas = state.fleet.all();
+        let timeout = interval.clamp(Duration::from_millis(200), Duration::from_secs(2));
+        let futs = replicas
+            .into_iter()
+            .map(|r| scrape_one(state.clone(), r, timeout));
+        futures::future::join_all(futs).await;
+    }
+}
+
+async fn scrape_one(state: Arc<AppState>, replica: Arc<Replica>, timeout: Duration) {
+    let http = replica
+        .config
+        .read()
+        .map(|c| c.http.clone())
+        .unwrap_or_default();
+    let url = format!("http://{http}/metrics");
+    let result = async {
+        let resp = state.http.get(&url).timeout(timeout).send().await?;
+        let resp = resp.error_for_status()?;
+        resp.text().await
+    }
+    .await;
+    match result {
+        Ok(text) => {
+            let m = parse_metrics(&text);
+            let restarted = {
+                let mut s = lock(&replica.scraped);
+                let restarted = matches!((s.process_start, m.process_start), (Some(a), Some(b)) if (a - b).abs() > 0.5);
+                s.waiting = m.waiting;
+                s.running = m.running;
+                s.kv_usage = m.kv_usage;
+                if m.process_start.is_some() {
+                    s.process_start = m.process_start;
+                }
+                s.last_ok = Some(Instant::now());
+                s.failures = 0;
+                restarted
+            };
+            if restarted {
+                state.metrics.restarts_detected.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(replica = %replica.name, "engine restart detected (process_start_time_seconds changed); resynchronising its streams");
+                for s in &replica.streams {
+                    s.resync.store(true, Ordering::Relaxed);
+                }
+            }
+        }
+        Err(e) => {
+            state.metrics.scrape_failures.fetch_add(1, Ordering::Relaxed);
+            let failures = {
+                let mut s = lock(&replica.scraped);
+                s.failures = s.failures.saturating_add(1);
+                s.failures
+            };
+            if failures == crate::membership::UNHEALTHY_AFTER_FAILURES {
+                tracing::warn!(replica = %replica.name, %url, error = %e, "replica metrics unreachable; marked unhealthy");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_vllm_metrics_with_labels_and_sums_engines() {
+        let text = r#"
+# HELP vllm:num_requests_waiting Number of requests waiting.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="qwen3"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="qwen3"} 2.0
+vllm:num_requests_running{engine="0",model_name="qwen3"} 7.0
+vllm:kv_cache_usage_perc{engine="0",model_name="qwen3"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="qwen3"} 0.5
+process_start_time_seconds 1.7e+09
+vllm:num_requests_waiting_bogus 99
+"#;
+        let m = parse_metrics(text);
+        assert_eq!(m.waiting, 5.0);
+        assert_eq!(m.running, 7.0);
+        assert_eq!(m.kv_usage, 0.5);
+        assert_eq!(m.process_start, Some(1.7e9));
+    }
+
+    #[test]
+    fn garbage_is_ignored() {
+        let m = parse_metrics("vllm:num_requests_running{ 1\nfoo bar\nvllm:num_requests_running NaN\n");
+        assert_eq!(m, EngineMetrics::default());
+    }
+}

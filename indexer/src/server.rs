@@ -1,0 +1,83 @@
+//! `kvroute-indexer serve`: builds the state, restores the snapshot, starts one subscriber per
+//! replica stream, the scraper and the snapshot writer, and serves the HTTP API until SIGINT or
+//! SIGTERM (then writes a final snapshot).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context;
+
+use crate::config::Config;
+use crate::policies::Policy;
+use crate::state::AppState;
+use crate::{api, scrape, snapshot, subscriber};
+
+/// Starts every background task and returns the state (used by `serve` and by tests).
+pub fn start(config: Config, policy: Policy) -> anyhow::Result<Arc<AppState>> {
+    let state = AppState::new(config, policy)?;
+    let restore = snapshot::load_and_reserve(&state);
+    for m in &state.config.models {
+        for r in &m.replicas {
+            state
+                .fleet
+                .add(&m.name, r.clone())
+                .with_context(|| format!("adding replica {}", r.name))?;
+        }
+    }
+    snapshot::apply_restore(&state, restore);
+    for r in state.fleet.all() {
+        subscriber::spawn_replica(&state, &r);
+    }
+    tokio::spawn(scrape::run(state.clone()));
+    tokio::spawn(snapshot::run(state.clone()));
+    Ok(state)
+}
+
+/// Runs the server until a shutdown signal.
+pub async fn serve(config: Config, policy: Policy, listen: Option<String>) -> anyhow::Result<()> {
+    let listen = listen.unwrap_or_else(|| config.listen.clone());
+    let addr: SocketAddr = listen
+        .parse()
+        .with_context(|| format!("--listen {listen:?} is not IP:port"))?;
+    let state = start(config, policy)?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    let local = listener.local_addr()?;
+    tracing::info!(listen = %local, policy = policy.as_str(), replicas = state.fleet.all().len(), "kvroute-indexer serving");
+    // Tests and scripts read this line to learn an ephemeral port.
+    println!("listening on {local}");
+    axum::serve(listener, api::router(state.clone()))
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .context("HTTP server failed")?;
+    if state.config.snapshot.is_some() {
+        match snapshot::save(&state).await {
+            Ok(()) => tracing::info!("final snapshot written"),
+            Err(e) => tracing::warn!(error = %e, "final snapshot failed"),
+        }
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    tracing::info!("shutting down");
+}

@@ -1,0 +1,180 @@
+//! The state shared by every task of a running indexer: configuration, fleet, index, load,
+//! policies and counters.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvroute_core::hashing::{ExtraKeyStyle, HashConfig};
+
+use crate::config::{hash_config, Config};
+use crate::index::{IndexConfig, KvIndex};
+use crate::load::LoadTracker;
+use crate::membership::{lock, Fleet};
+use crate::policies::{Policy, PolicyState};
+
+/// Per-model settings used at run time.
+#[derive(Debug)]
+pub struct ModelRuntime {
+    /// Served model name.
+    pub name: String,
+    /// Tokens per block; 0 until configured or learned from an event.
+    pub block_size: AtomicU32,
+    /// Tokenizer directory.
+    pub model_dir: Option<PathBuf>,
+    /// LoRA name -> path.
+    pub loras: BTreeMap<String, String>,
+    /// Engine hash settings, when the self-check is configured.
+    pub hash: Option<HashConfig>,
+    /// Extra-key shape of the engines.
+    pub style: ExtraKeyStyle,
+}
+
+impl ModelRuntime {
+    /// Block size, or `None` while unknown.
+    pub fn block_size(&self) -> Option<u32> {
+        match self.block_size.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(n),
+        }
+    }
+}
+
+/// Global counters exported on `/metrics`.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    /// Route requests answered with a replica.
+    pub routed: AtomicU64,
+    /// Route requests refused, by HTTP status.
+    pub route_errors: Mutex<BTreeMap<u16, u64>>,
+    /// Decisions by reason.
+    pub decisions: Mutex<BTreeMap<String, u64>>,
+    /// Sum of matched tokens at decision time, for requests later completed with `cached_tokens`.
+    pub predicted_hit_tokens: AtomicU64,
+    /// Sum of `cached_tokens` reported at completion.
+    pub reported_hit_tokens: AtomicU64,
+    /// Completions whose report equals / exceeds / falls short of the prediction.
+    pub hit_exact: AtomicU64,
+    /// Reported > predicted.
+    pub hit_under_predicted: AtomicU64,
+    /// Reported < predicted.
+    pub hit_over_predicted: AtomicU64,
+    /// `/v1/complete` calls.
+    pub completions: AtomicU64,
+    /// `/v1/complete` calls for an unknown request id.
+    pub completions_unknown: AtomicU64,
+    /// Hash self-checks run.
+    pub hash_checks: AtomicU64,
+    /// Hash self-check mismatches.
+    pub hash_mismatches: AtomicU64,
+    /// Engine restarts detected through `process_start_time_seconds`.
+    pub restarts_detected: AtomicU64,
+    /// Snapshots written.
+    pub snapshots_written: AtomicU64,
+    /// Snapshot write failures.
+    pub snapshot_failures: AtomicU64,
+    /// Scrape failures.
+    pub scrape_failures: AtomicU64,
+}
+
+impl Metrics {
+    /// Counts one decision.
+    pub fn count_decision(&self, reason: &str) {
+        *lock(&self.decisions).entry(reason.to_string()).or_default() += 1;
+    }
+
+    /// Counts one refused route request.
+    pub fn count_route_error(&self, status: u16) {
+        *lock(&self.route_errors).entry(status).or_default() += 1;
+    }
+}
+
+/// Everything a running indexer shares.
+pub struct AppState {
+    /// The configuration as loaded.
+    pub config: Config,
+    /// Models by name.
+    pub models: HashMap<String, Arc<ModelRuntime>>,
+    /// Replicas.
+    pub fleet: Fleet,
+    /// The exact block index (all models; entries are per stream index id).
+    pub index: Mutex<KvIndex>,
+    /// In-flight requests.
+    pub load: LoadTracker,
+    /// The routing policy.
+    pub policy: Policy,
+    /// State of the non-kv policies.
+    pub policy_state: PolicyState,
+    /// Counters.
+    pub metrics: Metrics,
+    /// HTTP client for scraping and discovery.
+    pub http: reqwest::Client,
+    /// Process start.
+    pub started: Instant,
+    /// Admin bearer token.
+    pub admin_token: Option<String>,
+}
+
+impl AppState {
+    /// Builds the state from a validated config (no replicas added yet).
+    pub fn new(config: Config, policy: Policy) -> anyhow::Result<Arc<AppState>> {
+        let mut models = HashMap::new();
+        for m in &config.models {
+            let hash = match &m.hash {
+                Some(h) => Some(hash_config(h).map_err(|(f, msg)| {
+                    anyhow::anyhow!("config field `models.{}.hash.{f}`: {msg}", m.name)
+                })?),
+                None => None,
+            };
+            let style = match &m.hash {
+                Some(h) => ExtraKeyStyle::for_engine_version(&h.engine_version),
+                None => ExtraKeyStyle::Tagged,
+            };
+            models.insert(
+                m.name.clone(),
+                Arc::new(ModelRuntime {
+                    name: m.name.clone(),
+                    block_size: AtomicU32::new(m.block_size.unwrap_or(0)),
+                    model_dir: m.model_dir.clone(),
+                    loras: m.loras.clone(),
+                    hash,
+                    style,
+                }),
+            );
+        }
+        let index = KvIndex::new(IndexConfig {
+            max_bytes: config.index.max_bytes as usize,
+            ..Default::default()
+        });
+        let policy_state = PolicyState::new(&config.policies);
+        let admin_token = config.admin_token();
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(5))
+            .build()?;
+        Ok(Arc::new(AppState {
+            config,
+            models,
+            fleet: Fleet::new(),
+            index: Mutex::new(index),
+            load: LoadTracker::new(),
+            policy,
+            policy_state,
+            metrics: Metrics::default(),
+            http,
+            started: Instant::now(),
+            admin_token,
+        }))
+    }
+
+    /// How long a silent stream of a busy engine stays fresh.
+    pub fn stale_after(&self) -> Duration {
+        Duration::from_millis(self.config.stale_after_ms)
+    }
+
+    /// Drops every index entry of one stream.
+    pub fn clear_stream(&self, index_id: u32) {
+        lock(&self.index).clear_replica(index_id);
+    }
+}

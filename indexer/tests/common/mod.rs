@@ -1,0 +1,283 @@
+//! Test helpers: a ZeroMQ publisher that speaks vLLM's KV event protocol (PUB + ROUTER replay,
+//! encoded with kvroute_core's encoder), and an in-process indexer.
+#![allow(dead_code)]
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvroute_core::events::{encode_batch, BlockStored, EventBatch, KvEvent, WireBlockHash, WireLayout};
+use kvroute_indexer::config::Config;
+use kvroute_indexer::policies::Policy;
+use kvroute_indexer::state::AppState;
+use zeromq::{Endpoint, PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+/// A replica's event publisher: PUB for live batches, ROUTER for replay, a bounded buffer.
+pub struct Publisher {
+    pub pub_port: u16,
+    pub replay_port: u16,
+    pub topic: String,
+    sock: PubSocket,
+    buffer: Arc<Mutex<VecDeque<(u64, Bytes)>>>,
+    pub next_seq: u64,
+    router_task: tokio::task::JoinHandle<()>,
+}
+
+fn port_of(ep: &Endpoint) -> u16 {
+    match ep {
+        Endpoint::Tcp(_, p) => *p,
+        _ => panic!("not tcp"),
+    }
+}
+
+impl Publisher {
+    /// Binds PUB and ROUTER (on the given ports, or ephemeral ones).
+    pub async fn start(pub_port: u16, replay_port: u16) -> Publisher {
+        let mut sock = PubSocket::new();
+        let ep = sock
+            .bind(&format!("tcp://127.0.0.1:{pub_port}"))
+            .await
+            .expect("bind PUB");
+        let pub_port = port_of(&ep);
+        let mut router = RouterSocket::new();
+        let rep = router
+            .bind(&format!("tcp://127.0.0.1:{replay_port}"))
+            .await
+            .expect("bind ROUTER");
+        let replay_port = port_of(&rep);
+        let buffer: Arc<Mutex<VecDeque<(u64, Bytes)>>> = Arc::default();
+        let buf = buffer.clone();
+        let topic = "kv-events".to_string();
+        let t = topic.clone();
+        let router_task = tokio::spawn(async move {
+            loop {
+                let Ok(msg) = router.recv().await else { continue };
+                let frames = msg.into_vec();
+                if frames.len() != 3 || frames[2].len() != 8 {
+                    continue;
+                }
+                let id = frames[0].clone();
+                let start = u64::from_be_bytes(frames[2][..].try_into().unwrap());
+                let items: Vec<(u64, Bytes)> = buf
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .filter(|(s, _)| *s >= start)
+                    .cloned()
+                    .collect();
+                for (seq, payload) in items {
+                    let m = ZmqMessage::try_from(vec![
+                        id.clone(),
+                        Bytes::new(),
+                        Bytes::from(t.clone()),
+                        Bytes::copy_from_slice(&seq.to_be_bytes()),
+                        payload,
+                    ])
+                    .unwrap();
+                    let _ = router.send(m).await;
+                }
+                let end = ZmqMessage::try_from(vec![
+                    id,
+                    Bytes::new(),
+                    Bytes::new(),
+                    Bytes::copy_from_slice(&u64::MAX.to_be_bytes()),
+                    Bytes::new(),
+                ])
+                .unwrap();
+                let _ = router.send(end).await;
+            }
+        });
+        Publisher {
+            pub_port,
+            replay_port,
+            topic,
+            sock,
+            buffer,
+            next_seq: 0,
+            router_task,
+        }
+    }
+
+    /// Publishes raw payload bytes as the next batch; returns its seq.
+    pub async fn publish_raw(&mut self, payload: Vec<u8>) -> u64 {
+        let seq = self.buffer_only(payload);
+        let payload = self.buffer.lock().unwrap().back().unwrap().1.clone();
+        let m = ZmqMessage::try_from(vec![
+            Bytes::from(self.topic.clone()),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            payload,
+        ])
+        .unwrap();
+        self.sock.send(m).await.expect("PUB send");
+        seq
+    }
+
+    /// Buffers a batch for replay without sending it live (a dropped message); returns its seq.
+    pub fn buffer_only(&mut self, payload: Vec<u8>) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let mut b = self.buffer.lock().unwrap();
+        b.push_back((seq, Bytes::from(payload)));
+        while b.len() > 10_000 {
+            b.pop_front();
+        }
+        seq
+    }
+
+    /// Publishes events as the next batch.
+    pub async fn publish(&mut self, events: Vec<KvEvent>) -> u64 {
+        self.publish_raw(batch_bytes(events)).await
+    }
+
+    /// Forgets buffered batches older than `seq` (a rotated replay buffer).
+    pub fn forget_before(&mut self, seq: u64) {
+        self.buffer.lock().unwrap().retain(|(s, _)| *s >= seq);
+    }
+
+    /// Stops both sockets (an engine going away).
+    pub async fn stop(self) {
+        self.router_task.abort();
+        let _ = self.router_task.await;
+        drop(self.sock);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Encodes a batch as vLLM 0.33.0 does.
+pub fn batch_bytes(events: Vec<KvEvent>) -> Vec<u8> {
+    let ts = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    encode_batch(
+        &EventBatch {
+            ts,
+            events,
+            data_parallel_rank: Some(0),
+        },
+        WireLayout::V0_33,
+    )
+}
+
+/// A BlockStored of `tokens` (whole blocks of `bs`) with the given wire hashes.
+pub fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], bs: u32) -> KvEvent {
+    assert_eq!(tokens.len(), hashes.len() * bs as usize);
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: hashes.iter().map(|h| WireBlockHash::Int(*h)).collect(),
+        parent_block_hash: parent.map(WireBlockHash::Int),
+        token_ids: tokens.to_vec(),
+        block_size: bs,
+        medium: Some(kvroute_core::events::Medium::Gpu),
+        extra_keys: Some(vec![None; hashes.len()]),
+        group_idx: Some(0),
+        kv_cache_spec_kind: Some("full_attention".into()),
+        ..Default::default()
+    })
+}
+
+/// A BlockRemoved.
+pub fn removed(hashes: &[u64]) -> KvEvent {
+    KvEvent::BlockRemoved(kvroute_core::events::BlockRemoved {
+        block_hashes: hashes.iter().map(|h| WireBlockHash::Int(*h)).collect(),
+        medium: Some(kvroute_core::events::Medium::Gpu),
+        group_idx: Some(0),
+    })
+}
+
+/// Config text for one model `m` (block size 4) with the given replicas
+/// `(name, http_port, pub_port, replay_port, bind)`.
+pub fn config_text(replicas: &[(&str, u16, u16, u16, bool)], extra: &str) -> String {
+    let mut s = format!(
+        "scrape_interval_ms = 0\nadmin_token = \"sekret\"\n{extra}\n[[models]]\nname = \"m\"\nblock_size = 4\n"
+    );
+    for (name, http, p, r, bind) in replicas {
+        s.push_str(&format!(
+            "[[models.replicas]]\nname = \"{name}\"\nhttp = \"127.0.0.1:{http}\"\nevents = [\"tcp://127.0.0.1:{p}\"]\nreplay = [\"tcp://127.0.0.1:{r}\"]\nbind = {bind}\ntopic = \"kv-events\"\n"
+        ));
+    }
+    s
+}
+
+/// Starts an in-process indexer (subscribers, no HTTP) from config text.
+pub fn start_indexer(text: &str, policy: Policy) -> Arc<AppState> {
+    let cfg = Config::parse(text, "test").expect("valid test config");
+    kvroute_indexer::server::start(cfg, policy).expect("start")
+}
+
+/// Serves the HTTP API of `state` on an ephemeral port; returns the base URL.
+pub async fn serve_http(state: Arc<AppState>) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, kvroute_indexer::api::router(state)).await;
+    });
+    format!("http://{addr}")
+}
+
+/// Polls `f` until it returns true or `timeout` passes.
+pub async fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    f()
+}
+
+/// Waits until every stream of the replica is connected.
+pub async fn wait_connected(state: &AppState, replica: &str) {
+    let ok = wait_until(Duration::from_secs(10), || {
+        state.fleet.get(replica).is_some_and(|r| {
+            r.streams
+                .iter()
+                .all(|s| s.state.lock().unwrap().connected)
+        })
+    })
+    .await;
+    assert!(ok, "replica {replica} never connected");
+    // Let the subscription reach the publisher.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+}
+
+/// Leading blocks per replica name for a token prompt (usable blocks only).
+pub fn matched(state: &AppState, tokens: &[u32]) -> Vec<(String, u32)> {
+    let req = kvroute_indexer::route::RouteRequest {
+        model: "m".into(),
+        token_ids: Some(tokens.to_vec()),
+        ..Default::default()
+    };
+    let keys = kvroute_indexer::route::request_router_keys(state, &req).unwrap();
+    let reps = state.fleet.of_model("m");
+    let m = kvroute_indexer::route::exact_matches(state, &reps, keys.usable());
+    reps.iter()
+        .zip(m)
+        .map(|(r, m)| (r.name.clone(), m.gpu + m.cpu + m.storage))
+        .collect()
+}
+
+/// Blocks of `tokens` held by `replica`.
+pub fn held(state: &AppState, replica: &str, tokens: &[u32]) -> u32 {
+    matched(state, tokens)
+        .into_iter()
+        .find(|(n, _)| n == replica)
+        .map(|(_, b)| b)
+        .unwrap_or(0)
+}
+
+/// Stream counter of rank 0.
+pub fn stat(state: &AppState, replica: &str, f: impl Fn(&kvroute_indexer::membership::StreamStats) -> u64) -> u64 {
+    let r = state.fleet.get(replica).unwrap();
+    f(&r.streams[0].stats)
+}
+
+/// An unused TCP port on 127.0.0.1.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}

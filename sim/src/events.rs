@@ -1,0 +1,334 @@
+//! The KV event publisher, as vLLM 0.33.0's `ZmqEventPublisher` (vllm/distributed/kv_events.py):
+//!
+//! * a PUB socket sending `[topic, seq (u64 big-endian, from 0), payload]`, one message per
+//!   scheduler step that produced events; it binds when the endpoint has `*` or `::` or is
+//!   ipc/inproc, and connects otherwise;
+//! * an optional ROUTER replay socket (always bound): a DEALER sends `[b"", start_seq]` and gets
+//!   every buffered batch with `seq >= start_seq`, oldest first, as `[b"", topic, seq, payload]`
+//!   (`[b"", seq, payload]` for array layouts, as vLLM <= 0.25), then `[b"", b"", ff*8, b""]`;
+//! * the engine never waits for it: batches go through a bounded queue (`max_queue_size`) and
+//!   are dropped and counted when it is full. ZeroMQ itself drops for slow subscribers.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use kvroute_core::events::{
+    encode_batch, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium, WireBlockHash,
+    WireLayout,
+};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::block_pool::PoolEvent;
+use crate::cli::KvEventsConfig;
+
+/// Converts pool events to vLLM's event model (integer hashes, GPU medium, group 0,
+/// `full_attention`), as `KVCacheManager.take_events` annotates them.
+pub fn to_kv_events(events: &[PoolEvent]) -> Vec<KvEvent> {
+    events
+        .iter()
+        .map(|e| match e {
+            PoolEvent::Stored {
+                meta,
+                parent,
+                hashes,
+                first_block,
+                token_ids,
+                block_size,
+            } => KvEvent::BlockStored(BlockStored {
+                block_hashes: hashes
+                    .iter()
+                    .map(|h| WireBlockHash::Int(h.wire_u64()))
+                    .collect(),
+                parent_block_hash: parent.map(|p| WireBlockHash::Int(p.wire_u64())),
+                token_ids: token_ids.clone(),
+                block_size: *block_size as u32,
+                lora_id: meta.lora_id,
+                medium: Some(Medium::Gpu),
+                lora_name: meta.lora_name.clone(),
+                extra_keys: if hashes.is_empty() {
+                    None
+                } else {
+                    Some(
+                        (0..hashes.len())
+                            .map(|i| meta.extra_for_block(first_block + i))
+                            .collect(),
+                    )
+                },
+                group_idx: Some(0),
+                kv_cache_spec_kind: Some("full_attention".into()),
+                kv_cache_spec_sliding_window: None,
+                session_id: meta.session_id.clone(),
+            }),
+            PoolEvent::Removed(h) => KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![WireBlockHash::Int(h.wire_u64())],
+                medium: Some(Medium::Gpu),
+                group_idx: Some(0),
+            }),
+            PoolEvent::Cleared => KvEvent::AllBlocksCleared,
+        })
+        .collect()
+}
+
+/// Publisher errors (all at start-up; publishing itself never fails the engine).
+#[derive(Debug, thiserror::Error)]
+pub enum EventsError {
+    /// Binding or connecting a socket failed.
+    #[error("kv events socket {endpoint}: {reason}")]
+    Socket {
+        /// The endpoint.
+        endpoint: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// The engine's handle to its publisher: never blocks.
+#[derive(Debug, Clone)]
+pub struct EventSink {
+    tx: mpsc::Sender<EventBatch>,
+    dropped: Arc<AtomicU64>,
+}
+
+impl EventSink {
+    /// Queues a batch; returns false (and counts it) when the queue is full or closed.
+    pub fn try_publish(&self, batch: EventBatch) -> bool {
+        match self.tx.try_send(batch) {
+            Ok(()) => true,
+            Err(_) => {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+        }
+    }
+
+    /// Batches dropped so far.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+}
+
+/// A running publisher.
+pub struct Publisher {
+    /// The engine side.
+    pub sink: EventSink,
+    /// The resolved config (what `/kv_event_sources` reports).
+    pub config: KvEventsConfig,
+    task: JoinHandle<()>,
+}
+
+impl Publisher {
+    /// Waits for the publisher to flush and exit (after every sink clone is dropped).
+    pub async fn join(self) {
+        drop(self.sink);
+        let _ = self.task.await;
+    }
+}
+
+/// Whether vLLM would bind (rather than connect) this endpoint.
+pub fn is_bind_endpoint(endpoint: &str) -> bool {
+    endpoint.contains('*')
+        || endpoint.contains("::")
+        || endpoint.starts_with("ipc://")
+        || endpoint.starts_with("inproc://")
+}
+
+/// The address the zeromq crate can bind: `*` becomes `0.0.0.0` (its resolver does not know `*`).
+fn bindable(endpoint: &str) -> String {
+    endpoint.replace("tcp://*:", "tcp://0.0.0.0:")
+}
+
+fn sock_err(endpoint: &str, e: impl std::fmt::Display) -> EventsError {
+    EventsError::Socket {
+        endpoint: endpoint.to_string(),
+        reason: e.to_string(),
+    }
+}
+
+/// Starts the publisher for one engine rank (`cfg` already offset for the rank).
+pub async fn start(
+    cfg: KvEventsConfig,
+    layout: WireLayout,
+    data_parallel_rank: i64,
+) -> Result<Publisher, EventsError> {
+    let mut publisher = zeromq::PubSocket::new();
+    if is_bind_endpoint(&cfg.endpoint) {
+        publisher
+            .bind(&bindable(&cfg.endpoint))
+            .await
+            .map_err(|e| sock_err(&cfg.endpoint, e))?;
+    } else {
+        // The zeromq crate's connect waits for the peer; vLLM's does not. Connect in the
+        // background so a subscriber that binds later is still reached.
+        let ep = cfg.endpoint.clone();
+        let connect = tokio::time::timeout(
+            std::time::Duration::from_millis(500),
+            publisher.connect(&ep),
+        )
+        .await;
+        match connect {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(sock_err(&ep, e)),
+            Err(_) => tracing::warn!(endpoint = %ep, "kv events: subscriber not reachable yet"),
+        }
+    }
+    let replay = match &cfg.replay_endpoint {
+        Some(ep) => {
+            let mut r = zeromq::RouterSocket::new();
+            r.bind(&bindable(ep)).await.map_err(|e| sock_err(ep, e))?;
+            Some(r)
+        }
+        None => None,
+    };
+    let (tx, rx) = mpsc::channel(cfg.max_queue_size.max(1));
+    let dropped = Arc::new(AtomicU64::new(0));
+    let topic = Bytes::from(cfg.topic.clone().into_bytes());
+    let task = tokio::spawn(run(
+        publisher,
+        replay,
+        rx,
+        RunCfg {
+            topic,
+            layout,
+            buffer_steps: cfg.buffer_steps,
+            rank: data_parallel_rank,
+        },
+    ));
+    tracing::info!(endpoint = %cfg.endpoint, replay = ?cfg.replay_endpoint, "kv events publisher started");
+    Ok(Publisher {
+        sink: EventSink { tx, dropped },
+        config: cfg,
+        task,
+    })
+}
+
+struct RunCfg {
+    topic: Bytes,
+    layout: WireLayout,
+    buffer_steps: usize,
+    rank: i64,
+}
+
+const END_SEQ: [u8; 8] = [0xff; 8];
+
+async fn run(
+    mut publisher: zeromq::PubSocket,
+    replay: Option<zeromq::RouterSocket>,
+    mut rx: mpsc::Receiver<EventBatch>,
+    cfg: RunCfg,
+) {
+    let legacy_replay = cfg.layout != WireLayout::V0_33;
+    let mut buffer: VecDeque<(u64, Bytes)> = VecDeque::new();
+    let mut seq: u64 = 0;
+    let (mut replay_tx, mut replay_rx) = match replay {
+        Some(r) => {
+            let (send, mut recv) = r.split();
+            let (req_tx, req_rx) = mpsc::channel::<ZmqMessage>(64);
+            tokio::spawn(async move {
+                while let Ok(m) = recv.recv().await {
+                    if req_tx.send(m).await.is_err() {
+                        break;
+                    }
+                }
+            });
+            (Some(send), Some(req_rx))
+        }
+        None => (None, None),
+    };
+    loop {
+        tokio::select! {
+            batch = rx.recv() => {
+                let Some(mut batch) = batch else { break };
+                if batch.data_parallel_rank.is_none() {
+                    batch.data_parallel_rank = Some(cfg.rank);
+                }
+                let payload = Bytes::from(encode_batch(&batch, cfg.layout));
+                let frames = vec![cfg.topic.clone(), Bytes::copy_from_slice(&seq.to_be_bytes()), payload.clone()];
+                match ZmqMessage::try_from(frames) {
+                    Ok(m) => {
+                        if let Err(e) = publisher.send(m).await {
+                            tracing::warn!(error = %e, "kv events: publish failed");
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = ?e, "kv events: bad message"),
+                }
+                if cfg.buffer_steps > 0 {
+                    if buffer.len() >= cfg.buffer_steps {
+                        buffer.pop_front();
+                    }
+                    buffer.push_back((seq, payload));
+                }
+                seq += 1;
+            }
+            req = recv_opt(&mut replay_rx) => {
+                let (Some(req), Some(send)) = (req, replay_tx.as_mut()) else {
+                    replay_rx = None;
+                    continue;
+                };
+                serve_replay(send, req, &buffer, &cfg.topic, legacy_replay).await;
+            }
+        }
+    }
+    tracing::debug!("kv events publisher stopped");
+}
+
+async fn recv_opt(rx: &mut Option<mpsc::Receiver<ZmqMessage>>) -> Option<ZmqMessage> {
+    match rx {
+        Some(r) => r.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn serve_replay(
+    send: &mut zeromq::RouterSendHalf,
+    req: ZmqMessage,
+    buffer: &VecDeque<(u64, Bytes)>,
+    topic: &Bytes,
+    legacy: bool,
+) {
+    let frames = req.into_vec();
+    // [identity, b"", start_seq]: anything else is ignored, as vLLM does.
+    if frames.len() != 3 || frames[2].len() != 8 {
+        tracing::warn!(frames = frames.len(), "kv events: invalid replay request");
+        return;
+    }
+    let id = frames[0].clone();
+    let mut start = [0u8; 8];
+    start.copy_from_slice(&frames[2]);
+    let start_seq = u64::from_be_bytes(start);
+    let empty = Bytes::new();
+    for (seq, payload) in buffer.iter().filter(|(s, _)| *s >= start_seq) {
+        let mut f = vec![id.clone(), empty.clone()];
+        if !legacy {
+            f.push(topic.clone());
+        }
+        f.push(Bytes::copy_from_slice(&seq.to_be_bytes()));
+        f.push(payload.clone());
+        if !send_frames(send, f).await {
+            return;
+        }
+    }
+    let mut end = vec![id, empty.clone()];
+    if !legacy {
+        end.push(empty.clone());
+    }
+    end.push(Bytes::copy_from_slice(&END_SEQ));
+    end.push(empty);
+    send_frames(send, end).await;
+}
+
+async fn send_frames(send: &mut zeromq::RouterSendHalf, frames: Vec<Bytes>) -> bool {
+    match ZmqMessage::try_from(frames) {
+        Ok(m) => match send.send(m).await {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::debug!(error = %e, "kv events: replay send failed");
+                false
+            }
+        },
+        Err(_) => false,
+    }
+}

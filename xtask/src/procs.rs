@@ -1,0 +1,256 @@
+//! Starting and stopping the processes of a local stack (replicas, indexer, Envoy).
+//!
+//! Every child runs in its own process group with its output in a log file, and is stopped with
+//! SIGTERM then SIGKILL to the whole group: when the [`Supervisor`] is dropped, on Ctrl-C (see
+//! [`install_ctrl_c`]), and, on Linux, when xtask itself dies (`PR_SET_PDEATHSIG`).
+
+use std::fs;
+use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use crate::http;
+
+/// Process groups of every running child, for the Ctrl-C handler.
+static GROUPS: Mutex<Vec<i32>> = Mutex::new(Vec::new());
+/// Set once Ctrl-C was pressed.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// True after Ctrl-C; long loops poll it to stop early.
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::SeqCst)
+}
+
+/// On Ctrl-C (or SIGTERM): stop every child's process group and exit with status 130.
+pub fn install_ctrl_c() -> Result<()> {
+    ctrlc::set_handler(|| {
+        if INTERRUPTED.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        eprintln!("\nxtask: interrupted, stopping everything it started ...");
+        let groups = GROUPS.lock().map(|g| g.clone()).unwrap_or_default();
+        terminate_groups(&groups, Duration::from_secs(3));
+        std::process::exit(130);
+    })
+    .context("installing the Ctrl-C handler")
+}
+
+/// A child process of the stack.
+struct Managed {
+    name: String,
+    child: Child,
+    log: PathBuf,
+}
+
+/// Owns the children it started and stops them all when dropped.
+pub struct Supervisor {
+    children: Vec<Managed>,
+    die_with_parent: bool,
+}
+
+impl Supervisor {
+    /// A supervisor; with `die_with_parent` its children get SIGTERM when xtask dies (set it
+    /// unless the children must outlive xtask, as with `--keep`).
+    pub fn new(die_with_parent: bool) -> Self {
+        Self {
+            children: Vec::new(),
+            die_with_parent,
+        }
+    }
+
+    /// Starts `cmd` as `name`, its stdout and stderr going to `log`.
+    pub fn spawn(&mut self, name: &str, mut cmd: Command, log: &Path) -> Result<()> {
+        if interrupted() {
+            bail!("interrupted");
+        }
+        if let Some(dir) = log.parent() {
+            fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        let out = fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+        let err = out.try_clone()?;
+        cmd.stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .process_group(0);
+        if self.die_with_parent {
+            // SAFETY: prctl is async-signal-safe and touches no memory of the parent; this runs
+            // in the forked child before exec.
+            unsafe {
+                cmd.pre_exec(|| {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let line = crate::cmd::display(&cmd);
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("starting {name}: `{line}`"))?;
+        if let Ok(mut groups) = GROUPS.lock() {
+            groups.push(child.id() as i32);
+        }
+        self.children.push(Managed {
+            name: name.to_string(),
+            child,
+            log: log.to_path_buf(),
+        });
+        Ok(())
+    }
+
+    /// Fails, naming the process and the end of its log, if any child has exited.
+    pub fn check_alive(&mut self) -> Result<()> {
+        for managed in &mut self.children {
+            if let Ok(Some(status)) = managed.child.try_wait() {
+                bail!(
+                    "{} exited ({status}); last lines of {}:\n{}",
+                    managed.name,
+                    managed.log.display(),
+                    log_tail(&managed.log, 20)
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops the children whose names start with `prefix` (all of them for "").
+    pub fn stop_matching(&mut self, prefix: &str) {
+        let (stop, keep): (Vec<Managed>, Vec<Managed>) = self
+            .children
+            .drain(..)
+            .partition(|m| m.name.starts_with(prefix));
+        self.children = keep;
+        stop_children(stop);
+    }
+
+    /// Stops every child.
+    pub fn stop_all(&mut self) {
+        self.stop_matching("");
+    }
+
+    /// Forgets the children without stopping them (`--keep`); returns their pids and names.
+    pub fn detach(&mut self) -> Vec<(u32, String)> {
+        let detached: Vec<(u32, String)> = self
+            .children
+            .drain(..)
+            .map(|m| (m.child.id(), m.name))
+            .collect();
+        if let Ok(mut groups) = GROUPS.lock() {
+            groups.clear();
+        }
+        detached
+    }
+
+    /// Waits until `GET http://addr/path` answers 200, failing early if a child dies.
+    pub fn wait_http_ok(
+        &mut self,
+        what: &str,
+        addr: &str,
+        path: &str,
+        timeout: Duration,
+    ) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut last = String::from("no answer yet");
+        while Instant::now() < deadline {
+            if interrupted() {
+                bail!("interrupted");
+            }
+            self.check_alive()?;
+            match http::get(addr, path, Duration::from_secs(2)) {
+                Ok((200, _)) => return Ok(()),
+                Ok((status, body)) => last = format!("HTTP {status}: {}", body.trim()),
+                Err(e) => last = format!("{e:#}"),
+            }
+            thread::sleep(Duration::from_millis(100));
+        }
+        bail!(
+            "{what} did not become ready on http://{addr}{path} within {}s (last: {last})",
+            timeout.as_secs()
+        )
+    }
+}
+
+impl Drop for Supervisor {
+    fn drop(&mut self) {
+        self.stop_all();
+    }
+}
+
+fn stop_children(children: Vec<Managed>) {
+    if children.is_empty() {
+        return;
+    }
+    let groups: Vec<i32> = children.iter().map(|m| m.child.id() as i32).collect();
+    terminate_groups(&groups, Duration::from_secs(5));
+    for mut managed in children {
+        let _ = managed.child.kill();
+        let _ = managed.child.wait();
+    }
+    if let Ok(mut registered) = GROUPS.lock() {
+        registered.retain(|g| !groups.contains(g));
+    }
+}
+
+/// SIGTERM to every group, then SIGKILL to the groups still alive after `grace`.
+fn terminate_groups(groups: &[i32], grace: Duration) {
+    for &group in groups {
+        // SAFETY: kill(2) with a negative pid signals a process group; no memory is involved.
+        unsafe {
+            libc::kill(-group, libc::SIGTERM);
+        }
+    }
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline && groups.iter().any(|&g| group_alive(g)) {
+        thread::sleep(Duration::from_millis(50));
+    }
+    for &group in groups {
+        if group_alive(group) {
+            // SAFETY: as above.
+            unsafe {
+                libc::kill(-group, libc::SIGKILL);
+            }
+        }
+    }
+}
+
+fn group_alive(group: i32) -> bool {
+    // SAFETY: signal 0 only checks that the group exists and may be signalled.
+    unsafe { libc::kill(-group, 0) == 0 }
+}
+
+/// The last `lines` lines of a log file (for error messages).
+pub fn log_tail(path: &Path, lines: usize) -> String {
+    let text = fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// Hands out distinct free TCP ports on 127.0.0.1.
+#[derive(Default)]
+pub struct PortPool {
+    given: Vec<u16>,
+}
+
+impl PortPool {
+    /// A port nobody listens on right now and that this pool has not handed out before.
+    pub fn take(&mut self) -> Result<u16> {
+        for _ in 0..100 {
+            let listener =
+                TcpListener::bind("127.0.0.1:0").context("finding a free port on 127.0.0.1")?;
+            let port = listener.local_addr()?.port();
+            if !self.given.contains(&port) {
+                self.given.push(port);
+                return Ok(port);
+            }
+        }
+        bail!("could not find a free port on 127.0.0.1")
+    }
+}

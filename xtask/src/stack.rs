@@ -1,0 +1,527 @@
+//! A local kvroute stack on loopback: `kvroute-sim` replicas, `kvroute-indexer`, and Envoy (with
+//! the kvroute filter, or a plain load-balancing baseline), each a supervised child process with
+//! its configuration and log under one work directory.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use serde_json::json;
+
+use crate::http;
+use crate::paths::Layout;
+use crate::procs::{PortPool, Supervisor};
+use crate::stats::{self, CacheCounters};
+
+/// The baseline Envoy configuration (no filter), rendered by [`Stack::start_baseline_envoy`].
+const BASELINE_TEMPLATE: &str = include_str!("../templates/envoy-baseline.yaml");
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct StackConfig {
+    /// Number of replicas.
+    pub replicas: usize,
+    /// Served model name.
+    pub model: String,
+    /// Directory with tokenizer.json and tokenizer_config.json.
+    pub model_dir: PathBuf,
+    /// vLLM `--block-size`.
+    pub block_size: usize,
+    /// vLLM `--num-gpu-blocks-override`: KV capacity per replica, in blocks.
+    pub gpu_blocks: usize,
+    /// The simulator's `--time-scale`.
+    pub time_scale: f64,
+    /// vLLM `--prefix-caching-hash-algo`.
+    pub hash_algo: String,
+    /// Envoy worker threads.
+    pub envoy_concurrency: usize,
+    /// Extra arguments for every replica (e.g. cost model flags).
+    pub sim_args: Vec<String>,
+}
+
+/// The ports of one replica.
+#[derive(Debug, Clone, Copy)]
+pub struct ReplicaPorts {
+    /// OpenAI HTTP server.
+    pub http: u16,
+    /// ZeroMQ PUB (KV events).
+    pub events: u16,
+    /// ZeroMQ ROUTER (replay).
+    pub replay: u16,
+}
+
+/// Every port the stack uses, all on 127.0.0.1.
+#[derive(Debug, Clone)]
+pub struct Ports {
+    /// Per replica.
+    pub replicas: Vec<ReplicaPorts>,
+    /// The indexer's HTTP API.
+    pub indexer: u16,
+    /// Envoy with kvroute: listener and admin.
+    pub kvroute: (u16, u16),
+    /// Envoy baseline: listener and admin.
+    pub baseline: (u16, u16),
+}
+
+impl Ports {
+    fn allocate(replicas: usize) -> Result<Self> {
+        let mut pool = PortPool::default();
+        let mut replica_ports = Vec::with_capacity(replicas);
+        for _ in 0..replicas {
+            replica_ports.push(ReplicaPorts {
+                http: pool.take()?,
+                events: pool.take()?,
+                replay: pool.take()?,
+            });
+        }
+        Ok(Self {
+            replicas: replica_ports,
+            indexer: pool.take()?,
+            kvroute: (pool.take()?, pool.take()?),
+            baseline: (pool.take()?, pool.take()?),
+        })
+    }
+}
+
+/// The binaries the stack runs.
+#[derive(Debug, Clone)]
+pub struct Binaries {
+    /// `kvroute-sim`.
+    pub sim: PathBuf,
+    /// `kvroute-indexer`.
+    pub indexer: PathBuf,
+    /// Envoy.
+    pub envoy: PathBuf,
+    /// `kvroute_filter.wasm`.
+    pub filter_wasm: PathBuf,
+}
+
+impl Binaries {
+    /// The release builds in `layout`'s target directory and the venv's Envoy.
+    pub fn release(layout: &Layout) -> Self {
+        Self {
+            sim: layout.target_dir.join("release").join("kvroute-sim"),
+            indexer: layout.target_dir.join("release").join("kvroute-indexer"),
+            envoy: layout.envoy_bin(),
+            filter_wasm: layout.filter_wasm(),
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        for path in [&self.sim, &self.indexer, &self.envoy, &self.filter_wasm] {
+            if !path.is_file() {
+                bail!(
+                    "{} is missing (build or setup step skipped?)",
+                    path.display()
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A running (or stopped) local stack.
+pub struct Stack {
+    cfg: StackConfig,
+    bins: Binaries,
+    /// The kvroute `envoy/envoy.yaml` template.
+    envoy_template: PathBuf,
+    /// Configuration files and logs go here.
+    work_dir: PathBuf,
+    /// Every port in use.
+    pub ports: Ports,
+    sup: Supervisor,
+    generation: u32,
+}
+
+impl Stack {
+    /// Prepares a stack (nothing runs yet); `work_dir` is created and holds configs and logs.
+    pub fn new(
+        layout: &Layout,
+        cfg: StackConfig,
+        bins: Binaries,
+        work_dir: PathBuf,
+        die_with_parent: bool,
+    ) -> Result<Self> {
+        bins.check()?;
+        fs::create_dir_all(work_dir.join("logs"))
+            .with_context(|| format!("creating {}", work_dir.display()))?;
+        Ok(Self {
+            ports: Ports::allocate(cfg.replicas)?,
+            cfg,
+            bins,
+            envoy_template: layout.root.join("envoy").join("envoy.yaml"),
+            work_dir,
+            sup: Supervisor::new(die_with_parent),
+            generation: 0,
+        })
+    }
+
+    /// `host:port` of every replica's HTTP server.
+    pub fn replica_addrs(&self) -> Vec<String> {
+        self.ports
+            .replicas
+            .iter()
+            .map(|p| format!("127.0.0.1:{}", p.http))
+            .collect()
+    }
+
+    /// `host:port` of the kvroute Envoy listener.
+    pub fn kvroute_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.ports.kvroute.0)
+    }
+
+    /// `host:port` of the baseline Envoy listener.
+    pub fn baseline_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.ports.baseline.0)
+    }
+
+    fn log(&self, name: &str) -> PathBuf {
+        self.work_dir
+            .join("logs")
+            .join(format!("{name}.{}.log", self.generation))
+    }
+
+    /// Starts every replica (cold) and waits until each answers `/health`.
+    pub fn start_replicas(&mut self) -> Result<()> {
+        self.generation += 1;
+        for (index, ports) in self.ports.replicas.clone().iter().enumerate() {
+            let events = json!({
+                "enable_kv_cache_events": true,
+                "publisher": "zmq",
+                "endpoint": format!("tcp://*:{}", ports.events),
+                "replay_endpoint": format!("tcp://*:{}", ports.replay),
+                "topic": "kv-events",
+            });
+            let mut cmd = Command::new(&self.bins.sim);
+            cmd.arg("--port")
+                .arg(ports.http.to_string())
+                .args(["--served-model-name", &self.cfg.model, "--model-dir"])
+                .arg(&self.cfg.model_dir)
+                .args(["--block-size", &self.cfg.block_size.to_string()])
+                .args([
+                    "--num-gpu-blocks-override",
+                    &self.cfg.gpu_blocks.to_string(),
+                ])
+                .args(["--prefix-caching-hash-algo", &self.cfg.hash_algo])
+                .args(["--kv-events-config", &events.to_string()])
+                .args(["--time-scale", &self.cfg.time_scale.to_string()])
+                .args(&self.cfg.sim_args)
+                .env("RUST_LOG", "warn");
+            let name = format!("replica-r{index}");
+            let log = self.log(&name);
+            self.sup.spawn(&name, cmd, &log)?;
+        }
+        for (index, addr) in self.replica_addrs().iter().enumerate() {
+            self.sup.wait_http_ok(
+                &format!("replica r{index}"),
+                addr,
+                "/health",
+                Duration::from_secs(60),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Stops every replica.
+    pub fn stop_replicas(&mut self) {
+        self.sup.stop_matching("replica-");
+    }
+
+    /// Writes the indexer's configuration, starts it with `policy` and waits for `/readyz`.
+    pub fn start_indexer(&mut self, policy: &str) -> Result<()> {
+        let config = self.work_dir.join("indexer.toml");
+        fs::write(&config, self.indexer_toml()?)
+            .with_context(|| format!("writing {}", config.display()))?;
+        let listen = format!("127.0.0.1:{}", self.ports.indexer);
+        let mut cmd = Command::new(&self.bins.indexer);
+        cmd.args(["serve", "--config"])
+            .arg(&config)
+            .args(["--listen", &listen, "--policy", policy])
+            .env("RUST_LOG", "warn");
+        let log = self.log("indexer");
+        self.sup.spawn("indexer", cmd, &log)?;
+        self.sup
+            .wait_http_ok("the indexer", &listen, "/readyz", Duration::from_secs(60))
+    }
+
+    fn indexer_toml(&self) -> Result<String> {
+        let quote = |s: &str| serde_json::to_string(s);
+        let mut toml = format!(
+            "# Written by cargo xtask for a local stack.\n\
+             listen = {}\nscrape_interval_ms = 500\n\n\
+             [[models]]\nname = {}\nmodel_dir = {}\nblock_size = {}\nhash = {{ algo = {} }}\n",
+            quote(&format!("127.0.0.1:{}", self.ports.indexer))?,
+            quote(&self.cfg.model)?,
+            quote(&self.cfg.model_dir.to_string_lossy())?,
+            self.cfg.block_size,
+            quote(&self.cfg.hash_algo)?,
+        );
+        for (index, ports) in self.ports.replicas.iter().enumerate() {
+            toml.push_str(&format!(
+                "\n[[models.replicas]]\nname = \"r{index}\"\nhttp = \"127.0.0.1:{}\"\n\
+                 events = [\"tcp://127.0.0.1:{}\"]\nreplay = [\"tcp://127.0.0.1:{}\"]\n",
+                ports.http, ports.events, ports.replay
+            ));
+        }
+        Ok(toml)
+    }
+
+    fn lb_endpoints(&self) -> String {
+        let endpoints: Vec<_> = self
+            .ports
+            .replicas
+            .iter()
+            .map(|p| {
+                json!({"endpoint": {"address": {"socket_address":
+                    {"address": "127.0.0.1", "port_value": p.http}}}})
+            })
+            .collect();
+        serde_json::Value::Array(endpoints).to_string()
+    }
+
+    /// Renders `envoy/envoy.yaml`, starts Envoy with the filter and waits until every worker's
+    /// filter has loaded the tokenizer.
+    pub fn start_kvroute_envoy(&mut self) -> Result<()> {
+        let template = fs::read_to_string(&self.envoy_template)
+            .with_context(|| format!("reading {}", self.envoy_template.display()))?;
+        let plugin_config = json!({"models": {self.cfg.model.as_str(): {}}}).to_string();
+        let (listen, admin) = self.ports.kvroute;
+        let yaml = render(
+            &template,
+            &[
+                ("LISTEN_PORT", listen.to_string()),
+                ("ADMIN_PORT", admin.to_string()),
+                (
+                    "WASM_PATH",
+                    self.bins.filter_wasm.to_string_lossy().into_owned(),
+                ),
+                ("INDEXER_PORT", self.ports.indexer.to_string()),
+                ("FALLBACK_LB_ENDPOINTS", self.lb_endpoints()),
+                ("PLUGIN_CONFIG", serde_json::to_string(&plugin_config)?),
+            ],
+        )?;
+        self.start_envoy("envoy-kvroute", &yaml, admin)?;
+        self.wait_tokenizers_loaded(Duration::from_secs(90))
+    }
+
+    /// Starts the plain Envoy (no filter) balancing over the replicas with `lb_policy`
+    /// (ROUND_ROBIN, LEAST_REQUEST, RANDOM).
+    pub fn start_baseline_envoy(&mut self, lb_policy: &str) -> Result<()> {
+        let (listen, admin) = self.ports.baseline;
+        let yaml = render(
+            BASELINE_TEMPLATE,
+            &[
+                ("LISTEN_PORT", listen.to_string()),
+                ("ADMIN_PORT", admin.to_string()),
+                ("LB_POLICY", lb_policy.to_string()),
+                ("LB_ENDPOINTS", self.lb_endpoints()),
+            ],
+        )?;
+        self.start_envoy("envoy-baseline", &yaml, admin)
+    }
+
+    fn start_envoy(&mut self, name: &str, yaml: &str, admin: u16) -> Result<()> {
+        let config = self.work_dir.join(format!("{name}.yaml"));
+        fs::write(&config, yaml).with_context(|| format!("writing {}", config.display()))?;
+        let mut cmd = Command::new(&self.bins.envoy);
+        cmd.arg("-c")
+            .arg(&config)
+            .args(["--disable-hot-restart", "--log-level", "warn"])
+            .args(["--concurrency", &self.cfg.envoy_concurrency.to_string()]);
+        let log = self.log(name);
+        self.sup.spawn(name, cmd, &log)?;
+        self.sup.wait_http_ok(
+            name,
+            &format!("127.0.0.1:{admin}"),
+            "/ready",
+            Duration::from_secs(60),
+        )
+    }
+
+    /// Stops the processes whose names start with `prefix` (`envoy-baseline`, `indexer`, ...).
+    pub fn stop(&mut self, prefix: &str) {
+        self.sup.stop_matching(prefix);
+    }
+
+    /// Fails if a process of the stack has died.
+    pub fn check_alive(&mut self) -> Result<()> {
+        self.sup.check_alive()
+    }
+
+    /// Leaves every process running; returns (pid, name) of each.
+    pub fn detach(&mut self) -> Vec<(u32, String)> {
+        self.sup.detach()
+    }
+
+    /// The replicas' prefix-cache counters, summed.
+    pub fn cache_counters(&self) -> Result<CacheCounters> {
+        let all = self
+            .replica_addrs()
+            .iter()
+            .map(|addr| stats::scrape_cache_counters(addr))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(CacheCounters::sum(&all))
+    }
+
+    /// The kvroute filter's counters from Envoy's admin `/stats` (names without `wasmcustom.`).
+    pub fn filter_counters(&self) -> Result<BTreeMap<String, u64>> {
+        let admin = format!("127.0.0.1:{}", self.ports.kvroute.1);
+        let (status, text) = http::get(&admin, "/stats?filter=kvroute", Duration::from_secs(5))?;
+        if status != 200 {
+            bail!("Envoy admin /stats answered HTTP {status}");
+        }
+        Ok(text
+            .lines()
+            .filter_map(|line| {
+                let (name, value) = line.split_once(':')?;
+                let name = name.trim();
+                let name = name.strip_prefix("wasmcustom.").unwrap_or(name);
+                Some((name.to_string(), value.trim().parse::<u64>().ok()?))
+            })
+            .collect())
+    }
+
+    fn wait_tokenizers_loaded(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = std::time::Instant::now() + timeout;
+        let want = self.cfg.envoy_concurrency as u64;
+        loop {
+            self.sup.check_alive()?;
+            let counters = self.filter_counters().unwrap_or_default();
+            let loaded = counters
+                .get("kvroute.tokenizer_loaded")
+                .copied()
+                .unwrap_or(0);
+            if loaded >= want {
+                return Ok(());
+            }
+            if crate::procs::interrupted() {
+                bail!("interrupted");
+            }
+            if std::time::Instant::now() >= deadline {
+                let failed = counters
+                    .get("kvroute.tokenizer_load_failed")
+                    .copied()
+                    .unwrap_or(0);
+                bail!(
+                    "the kvroute filter loaded the tokenizer in {loaded} of {want} Envoy workers \
+                     within {}s ({failed} failed loads); see {}",
+                    timeout.as_secs(),
+                    self.log("envoy-kvroute").display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+/// Replaces every `{{NAME}}` of `template`; fails if a non-comment line still holds a `{{...}}`.
+pub fn render(template: &str, values: &[(&str, String)]) -> Result<String> {
+    let mut text = template.to_string();
+    for (name, value) in values {
+        text = text.replace(&format!("{{{{{name}}}}}"), value);
+    }
+    let leftovers: Vec<&str> = text
+        .lines()
+        .filter(|line| !line.trim_start().starts_with('#') && line.contains("{{"))
+        .collect();
+    if !leftovers.is_empty() {
+        bail!(
+            "template placeholders left unfilled (the template has new ones xtask does not know): {}",
+            leftovers.join(" | ")
+        );
+    }
+    Ok(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::render;
+    use std::path::{Path, PathBuf};
+    use std::process::Command;
+
+    fn baseline_yaml() -> String {
+        render(
+            super::BASELINE_TEMPLATE,
+            &[
+                ("LISTEN_PORT", "10000".into()),
+                ("ADMIN_PORT", "9901".into()),
+                ("LB_POLICY", "ROUND_ROBIN".into()),
+                (
+                    "LB_ENDPOINTS",
+                    r#"[{"endpoint":{"address":{"socket_address":{"address":"127.0.0.1","port_value":8001}}}}]"#
+                        .into(),
+                ),
+            ],
+        )
+        .expect("render")
+    }
+
+    #[test]
+    fn baseline_config_is_valid_for_the_real_envoy() {
+        let envoy = std::env::var_os("KVROUTE_ENVOY")
+            .map(PathBuf::from)
+            .filter(|p| p.is_file())
+            .expect("KVROUTE_ENVOY is not set to the Envoy binary: run `cargo xtask setup` (or `cargo xtask test`)");
+        let dir = std::env::temp_dir().join(format!("xtask-envoy-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let config = dir.join("baseline.yaml");
+        std::fs::write(&config, baseline_yaml()).expect("write config");
+        let out = Command::new(envoy)
+            .args(["--mode", "validate", "--disable-hot-restart", "-c"])
+            .arg(&config)
+            .output()
+            .expect("run envoy");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            out.status.success(),
+            "envoy rejected the baseline config:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    #[test]
+    fn xtask_fills_every_placeholder_of_the_kvroute_envoy_template() {
+        let template = Path::new(env!("CARGO_MANIFEST_DIR")).join("../envoy/envoy.yaml");
+        let text = std::fs::read_to_string(&template).expect("envoy/envoy.yaml");
+        let values = [
+            "LISTEN_PORT",
+            "ADMIN_PORT",
+            "WASM_PATH",
+            "INDEXER_PORT",
+            "FALLBACK_LB_ENDPOINTS",
+            "PLUGIN_CONFIG",
+        ]
+        .map(|name| (name, "1".to_string()));
+        render(&text, &values)
+            .expect("xtask's stack.rs must know every placeholder of envoy/envoy.yaml");
+    }
+
+    #[test]
+    fn render_fills_placeholders_and_rejects_unknown_ones() {
+        let t = "# {{A}} in a comment is fine\nport: {{A}}\nlist: {{B}}\n";
+        let out = render(t, &[("A", "10".into()), ("B", "[1]".into())]).expect("render");
+        assert_eq!(out, "# 10 in a comment is fine\nport: 10\nlist: [1]\n");
+        assert!(render("x: {{C}}\n", &[("A", "1".into())]).is_err());
+        assert!(render("# only {{C}} in a comment\n", &[]).is_ok());
+    }
+
+    #[test]
+    fn baseline_template_renders_completely() {
+        let out = render(
+            super::BASELINE_TEMPLATE,
+            &[
+                ("LISTEN_PORT", "1".into()),
+                ("ADMIN_PORT", "2".into()),
+                ("LB_POLICY", "ROUND_ROBIN".into()),
+                ("LB_ENDPOINTS", "[]".into()),
+            ],
+        )
+        .expect("render");
+        assert!(out.contains("lb_policy: ROUND_ROBIN"));
+    }
+}

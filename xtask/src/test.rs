@@ -1,0 +1,302 @@
+//! `cargo xtask test`: the whole check CI runs. Setup, then formatting, lints, the wasm32 builds,
+//! the binaries and every test, stopping at (and naming) the first step that fails.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use crate::cmd;
+use crate::paths::{cargo_bin, Layout};
+use crate::setup;
+
+/// Options of `cargo xtask test`.
+#[derive(Debug, Clone, Default)]
+pub struct TestOptions {
+    /// Skip `cargo fmt --check` and clippy.
+    pub quick: bool,
+    /// Skip `cargo xtask setup` (use what is already in the cache).
+    pub no_setup: bool,
+    /// Run the remaining steps after a failure, then report every failure.
+    pub keep_going: bool,
+    /// Use `cargo test` even when cargo-nextest is installed.
+    pub no_nextest: bool,
+    /// Test name filters passed through to the test runner.
+    pub filters: Vec<String>,
+}
+
+struct Step {
+    name: &'static str,
+    command: Command,
+    /// Tally libtest's `test result:` lines (plain `cargo test` prints no overall total).
+    tally_libtest: bool,
+}
+
+struct Outcome {
+    name: &'static str,
+    elapsed: Duration,
+    error: Option<String>,
+}
+
+/// Runs the check; an error names the step that failed.
+pub fn run(layout: &Layout, opts: &TestOptions) -> Result<()> {
+    let started = Instant::now();
+    if opts.no_setup {
+        println!(
+            "xtask test: --no-setup: using {}",
+            layout.cache_dir.display()
+        );
+    } else {
+        setup::run(layout).context("xtask test: setup failed")?;
+    }
+
+    let steps = plan(opts);
+    let total = steps.len();
+    let mut outcomes = Vec::with_capacity(total);
+    for (index, mut step) in steps.into_iter().enumerate() {
+        for (key, value) in layout.child_env() {
+            step.command.env(key, value);
+        }
+        step.command.current_dir(&layout.root);
+        println!(
+            "\n==> xtask test [{}/{total}] {}: {}",
+            index + 1,
+            step.name,
+            cmd::display(&step.command)
+        );
+        let _ = std::io::stdout().flush();
+        let step_started = Instant::now();
+        let result = if step.tally_libtest {
+            run_tallying(&mut step.command)
+        } else {
+            cmd::run(&mut step.command)
+        };
+        let outcome = Outcome {
+            name: step.name,
+            elapsed: step_started.elapsed(),
+            error: result.err().map(|e| format!("{e:#}")),
+        };
+        let failed = outcome.error.is_some();
+        outcomes.push(outcome);
+        if failed && !opts.keep_going {
+            break;
+        }
+    }
+
+    println!(
+        "\n==> xtask test summary ({:.0}s)",
+        started.elapsed().as_secs_f64()
+    );
+    for outcome in &outcomes {
+        let status = if outcome.error.is_some() {
+            "FAILED"
+        } else {
+            "ok"
+        };
+        println!(
+            "    {status:<6} {:<22} {:>7.1}s",
+            outcome.name,
+            outcome.elapsed.as_secs_f64()
+        );
+    }
+    for skipped in outcomes.len()..total {
+        println!("    {:<6} step {} not run", "-", skipped + 1);
+    }
+    let failures: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_some()).collect();
+    if failures.is_empty() {
+        println!("xtask test: all {total} steps passed");
+        return Ok(());
+    }
+    for failure in &failures {
+        println!(
+            "xtask test: step `{}` failed: {}",
+            failure.name,
+            failure.error.as_deref().unwrap_or("")
+        );
+    }
+    let names: Vec<&str> = failures.iter().map(|f| f.name).collect();
+    bail!("xtask test failed at: {}", names.join(", "))
+}
+
+fn plan(opts: &TestOptions) -> Vec<Step> {
+    let cargo = |args: &[&str]| {
+        let mut command = Command::new(cargo_bin());
+        command.args(args);
+        command
+    };
+    let step = |name, command| Step {
+        name,
+        command,
+        tally_libtest: false,
+    };
+    let mut steps = Vec::new();
+    if !opts.quick {
+        steps.push(step("fmt", cargo(&["fmt", "--all", "--", "--check"])));
+        steps.push(step(
+            "clippy",
+            cargo(&[
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--",
+                "-D",
+                "warnings",
+            ]),
+        ));
+        steps.push(step(
+            "clippy (wasm32)",
+            cargo(&[
+                "clippy",
+                "-p",
+                "kvroute-core",
+                "-p",
+                "kvroute-filter",
+                "--target",
+                "wasm32-wasip1",
+                "--",
+                "-D",
+                "warnings",
+            ]),
+        ));
+    }
+    steps.push(step(
+        "core (wasm32)",
+        cargo(&["build", "-p", "kvroute-core", "--target", "wasm32-wasip1"]),
+    ));
+    steps.push(step(
+        "filter .wasm",
+        cargo(&[
+            "build",
+            "-p",
+            "kvroute-filter",
+            "--target",
+            "wasm32-wasip1",
+            "--release",
+        ]),
+    ));
+    steps.push(step("binaries", cargo(&["build", "--workspace", "--bins"])));
+
+    if !opts.no_nextest && nextest_available() {
+        let mut run = cargo(&["nextest", "run", "--workspace", "--no-fail-fast"]);
+        run.args(&opts.filters);
+        steps.push(step("tests (nextest)", run));
+        let mut doc = cargo(&["test", "--workspace", "--doc", "--no-fail-fast"]);
+        if !opts.filters.is_empty() {
+            doc.arg("--").args(&opts.filters);
+        }
+        steps.push(Step {
+            name: "doc tests",
+            command: doc,
+            tally_libtest: true,
+        });
+    } else {
+        let mut run = cargo(&["test", "--workspace", "--no-fail-fast"]);
+        if !opts.filters.is_empty() {
+            run.arg("--").args(&opts.filters);
+        }
+        steps.push(Step {
+            name: "tests",
+            command: run,
+            tally_libtest: true,
+        });
+    }
+    steps
+}
+
+fn nextest_available() -> bool {
+    Command::new(cargo_bin())
+        .args(["nextest", "--version"])
+        .stdin(Stdio::null())
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Totals over libtest's per-binary `test result: ok. 3 passed; 0 failed; 1 ignored; ...` lines.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Tally {
+    binaries: u32,
+    passed: u64,
+    failed: u64,
+    ignored: u64,
+}
+
+impl Tally {
+    fn add_line(&mut self, line: &str) {
+        let Some(rest) = line.trim().strip_prefix("test result:") else {
+            return;
+        };
+        self.binaries += 1;
+        for part in rest.split(';') {
+            let mut words = part.split_whitespace().rev();
+            let (Some(label), Some(count)) = (words.next(), words.next()) else {
+                continue;
+            };
+            let Ok(count) = count.parse::<u64>() else {
+                continue;
+            };
+            match label {
+                "passed" => self.passed += count,
+                "failed" => self.failed += count,
+                "ignored" => self.ignored += count,
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Runs a `cargo test` command, echoing its stdout as it comes, then prints the overall total.
+fn run_tallying(command: &mut Command) -> Result<()> {
+    let line = cmd::display(command);
+    let mut child = command
+        .stdout(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("could not start `{line}`"))?;
+    let mut tally = Tally::default();
+    if let Some(stdout) = child.stdout.take() {
+        let mut out = std::io::stdout();
+        for text in BufReader::new(stdout).lines() {
+            let text = text.context("reading test output")?;
+            tally.add_line(&text);
+            let _ = writeln!(out, "{text}");
+        }
+    }
+    let status = child
+        .wait()
+        .with_context(|| format!("waiting for `{line}`"))?;
+    println!(
+        "xtask test: Summary: {} passed, {} failed, {} ignored in {} test binaries",
+        tally.passed, tally.failed, tally.ignored, tally.binaries
+    );
+    if !status.success() {
+        bail!("`{line}` failed ({status})");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Tally;
+
+    #[test]
+    fn tally_sums_libtest_result_lines() {
+        let mut tally = Tally::default();
+        for line in [
+            "running 3 tests",
+            "test result: ok. 3 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; finished in 0.01s",
+            "test result: FAILED. 5 passed; 2 failed; 0 ignored; 0 measured; 4 filtered out; finished in 1.20s",
+            "some test printing test result: in the middle is not a result line? yes it is not",
+        ] {
+            tally.add_line(line);
+        }
+        assert_eq!(
+            tally,
+            Tally {
+                binaries: 2,
+                passed: 8,
+                failed: 2,
+                ignored: 1
+            }
+        );
+    }
+}
