@@ -10,6 +10,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 : "${INDEXER_PORT:=8190}"
 : "${REPLICAS:=127.0.0.1:8001 127.0.0.1:8002 127.0.0.1:8003 127.0.0.1:8004}"
 if [ -z "${PLUGIN_CONFIG:-}" ]; then PLUGIN_CONFIG='"{}"'; fi
+if [ -z "${VM_CONFIG:-}" ]; then VM_CONFIG='""'; fi
 if [ -z "${FALLBACK_LB_ENDPOINTS:-}" ]; then
   FALLBACK_LB_ENDPOINTS="["
   sep=""
@@ -19,11 +20,11 @@ if [ -z "${FALLBACK_LB_ENDPOINTS:-}" ]; then
   done
   FALLBACK_LB_ENDPOINTS="$FALLBACK_LB_ENDPOINTS]"
 fi
-export LISTEN_PORT ADMIN_PORT WASM_PATH INDEXER_PORT FALLBACK_LB_ENDPOINTS PLUGIN_CONFIG
+export LISTEN_PORT ADMIN_PORT WASM_PATH INDEXER_PORT FALLBACK_LB_ENDPOINTS PLUGIN_CONFIG VM_CONFIG
 exec python3 - "$here/envoy.yaml" <<'PY'
 import os, sys
 text = open(sys.argv[1]).read()
-for name in ["LISTEN_PORT", "ADMIN_PORT", "WASM_PATH", "INDEXER_PORT", "FALLBACK_LB_ENDPOINTS", "PLUGIN_CONFIG"]:
+for name in ["LISTEN_PORT", "ADMIN_PORT", "WASM_PATH", "INDEXER_PORT", "FALLBACK_LB_ENDPOINTS", "PLUGIN_CONFIG", "VM_CONFIG"]:
     text = text.replace("{{" + name + "}}", os.environ[name])
 sys.stdout.write(text)
 PY

@@ -47,7 +47,10 @@ fn batch(events: usize) -> EventBatch {
 
 fn bench_decode(c: &mut Criterion) {
     let mut group = c.benchmark_group("event_decode");
-    for (name, layout) in [("v0_33_map", WireLayout::V0_33), ("v0_23_array", WireLayout::Array0_23)] {
+    for (name, layout) in [
+        ("v0_33_map", WireLayout::V0_33),
+        ("v0_23_array", WireLayout::Array0_23),
+    ] {
         for events in [1usize, 8] {
             let payload = encode_batch(&batch(events), layout);
             group.throughput(Throughput::Elements((events * BLOCKS_PER_EVENT) as u64));

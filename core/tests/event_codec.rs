@@ -9,7 +9,10 @@ use kvroute_core::events::{
 use serde_json::Value;
 
 fn golden() -> Value {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/golden_hashes.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../testdata/golden_hashes.json"
+    );
     let text = std::fs::read_to_string(path).expect("testdata/golden_hashes.json is readable");
     serde_json::from_str(&text).expect("golden file is JSON")
 }
@@ -24,7 +27,11 @@ fn golden_batches() -> Vec<(String, Vec<u8>, Value, f64)> {
         let o = &c["output"];
         let Some(hex_str) = o.get("kv_event_batch_msgpack_hex").and_then(Value::as_str) else {
             // Prompts without a full block publish nothing.
-            assert_eq!(o["num_full_blocks"], 0, "{}: no batch only when no full block", c["name"]);
+            assert_eq!(
+                o["num_full_blocks"], 0,
+                "{}: no batch only when no full block",
+                c["name"]
+            );
             continue;
         };
         out.push((
@@ -66,7 +73,11 @@ fn assert_stored_matches(name: &str, s: &BlockStored, want: &Value) {
                 assert_eq!(s.block_hashes, w, "{name}: block_hashes");
             }
             "parent_block_hash" => {
-                let w = if v.is_null() { None } else { Some(json_hash(v)) };
+                let w = if v.is_null() {
+                    None
+                } else {
+                    Some(json_hash(v))
+                };
                 assert_eq!(s.parent_block_hash, w, "{name}: parent_block_hash");
             }
             "token_ids" => {
@@ -111,7 +122,10 @@ fn assert_stored_matches(name: &str, s: &BlockStored, want: &Value) {
     }
     // Fields the JSON omits must have decoded as None.
     for (key, is_none) in [
-        ("kv_cache_spec_sliding_window", s.kv_cache_spec_sliding_window.is_none()),
+        (
+            "kv_cache_spec_sliding_window",
+            s.kv_cache_spec_sliding_window.is_none(),
+        ),
         ("locality", s.locality.is_none()),
         ("ownership", s.ownership.is_none()),
         ("session_id", s.session_id.is_none()),
@@ -126,7 +140,11 @@ fn assert_stored_matches(name: &str, s: &BlockStored, want: &Value) {
 #[test]
 fn golden_batches_decode_to_vllms_events() {
     let batches = golden_batches();
-    assert_eq!(batches.len(), 23, "23 golden cases have at least one full block");
+    assert_eq!(
+        batches.len(),
+        23,
+        "23 golden cases have at least one full block"
+    );
     for (name, payload, want, ts) in &batches {
         let batch = decode_batch(payload).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(batch.ts, *ts, "{name}");
@@ -304,13 +322,21 @@ fn array_layouts_have_each_releases_lengths() {
         (WireLayout::Array0_23, 12, 4),
     ] {
         let bytes = encode_batch(&batch, layout);
-        assert_eq!(bytes[11], 0x90 | stored_len, "{layout:?} BlockStored length");
+        assert_eq!(
+            bytes[11],
+            0x90 | stored_len,
+            "{layout:?} BlockStored length"
+        );
         let removed = EventBatch {
             events: vec![batch.events[2].clone()],
             ..batch.clone()
         };
         let bytes = encode_batch(&removed, layout);
-        assert_eq!(bytes[11], 0x90 | removed_len, "{layout:?} BlockRemoved length");
+        assert_eq!(
+            bytes[11],
+            0x90 | removed_len,
+            "{layout:?} BlockRemoved length"
+        );
     }
 }
 
@@ -505,7 +531,10 @@ fn token_ids_in_any_width_and_out_of_range_rejected() {
 #[test]
 fn map_keys_in_any_order_unknown_keys_skipped_type_last() {
     let p = batch_of(vec![M::Map(vec![
-        ("future_field", M::Map(vec![("nested", M::A(vec![M::U(1), M::Bin(vec![1, 2])]))])),
+        (
+            "future_field",
+            M::Map(vec![("nested", M::A(vec![M::U(1), M::Bin(vec![1, 2])]))]),
+        ),
         ("block_size", M::U(2)),
         ("token_ids", M::A(vec![M::U(1), M::U(2)])),
         ("medium", M::S("cpu")),
@@ -610,7 +639,10 @@ fn structural_errors_are_reported() {
         Err(DecodeError::ShortEventArray { .. })
     ));
     let p = batch_of(vec![M::U(3)]);
-    assert!(matches!(decode_batch(&p), Err(DecodeError::BadEvent { .. })));
+    assert!(matches!(
+        decode_batch(&p),
+        Err(DecodeError::BadEvent { .. })
+    ));
     let p = bytes(M::A(vec![M::F64(1.0)]));
     assert!(matches!(
         decode_batch(&p),
@@ -622,16 +654,24 @@ fn structural_errors_are_reported() {
         decode_batch(&p),
         Err(DecodeError::TrailingBytes { count: 1, .. })
     ));
-    assert!(matches!(decode_batch(&[]), Err(DecodeError::Truncated { .. })));
+    assert!(matches!(
+        decode_batch(&[]),
+        Err(DecodeError::Truncated { .. })
+    ));
     // Invalid UTF-8 in a string.
     let p = batch_of(vec![M::A(vec![M::Raw(vec![0xa2, 0xff, 0xfe])])]);
-    assert!(matches!(decode_batch(&p), Err(DecodeError::InvalidUtf8 { .. })));
+    assert!(matches!(
+        decode_batch(&p),
+        Err(DecodeError::InvalidUtf8 { .. })
+    ));
 }
 
 #[test]
 fn absurd_length_headers_fail_without_allocating() {
     // Claims 4 billion events / hashes / tokens backed by a few bytes.
-    let huge_events = [0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd, 0xff, 0xff, 0xff, 0xff];
+    let huge_events = [
+        0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd, 0xff, 0xff, 0xff, 0xff,
+    ];
     assert!(matches!(
         decode_batch(&huge_events),
         Err(DecodeError::LimitExceeded { what: "events", .. })
@@ -647,7 +687,7 @@ fn absurd_length_headers_fail_without_allocating() {
         Err(DecodeError::Truncated { .. })
     ));
     let mut huge_tokens = batch_of(vec![]);
-    huge_tokens.truncate(11); // header + ts
+    huge_tokens.truncate(10); // header + ts
     huge_tokens.extend_from_slice(&[0x91, 0x83]);
     enc(&M::S("type"), &mut huge_tokens);
     enc(&M::S("BlockStored"), &mut huge_tokens);
@@ -665,7 +705,7 @@ fn absurd_length_headers_fail_without_allocating() {
     }
     // A map announcing 2^32-1 entries inside an unknown event.
     let mut p = batch_of(vec![]);
-    p.truncate(11);
+    p.truncate(10);
     p.extend_from_slice(&[0x91, 0xdf, 0xff, 0xff, 0xff, 0xff, 0xa1, b'a']);
     assert!(matches!(
         decode_batch_with(&p, &unlimited),
@@ -711,7 +751,7 @@ fn configured_limits_are_enforced() {
 fn deep_nesting_is_rejected_not_recursed() {
     for field in ["extra_keys", "unknown_field"] {
         let mut p = batch_of(vec![]);
-        p.truncate(11);
+        p.truncate(10);
         p.extend_from_slice(&[0x91, 0x85]);
         for (k, v) in [
             ("type", M::S("BlockStored")),
@@ -727,7 +767,10 @@ fn deep_nesting_is_rejected_not_recursed() {
         p.push(0xc0);
         p.push(0x00); // dp rank
         let r = decode_batch(&p);
-        assert!(matches!(r, Err(DecodeError::TooDeep { .. })), "{field}: {r:?}");
+        assert!(
+            matches!(r, Err(DecodeError::TooDeep { .. })),
+            "{field}: {r:?}"
+        );
     }
 }
 
@@ -739,7 +782,10 @@ fn every_truncation_of_every_golden_payload_is_an_error() {
     }
     for p in &payloads {
         for cut in 0..p.len() {
-            assert!(decode_batch(&p[..cut]).is_err(), "prefix of {cut} bytes decoded");
+            assert!(
+                decode_batch(&p[..cut]).is_err(),
+                "prefix of {cut} bytes decoded"
+            );
         }
     }
 }

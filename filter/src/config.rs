@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 
+use kvroute_core::request::TokenizerOptions;
 use serde::Deserialize;
 
 /// What to do with a request body larger than `max_body_bytes`.
@@ -43,7 +44,7 @@ pub enum KeyStyle {
 }
 
 /// Per-model settings. Everything is optional: what is missing is learned from the indexer.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
 pub struct ModelConfig {
     /// KV block size (tokens). Overrides what the indexer announces.
@@ -54,6 +55,10 @@ pub struct ModelConfig {
     pub tokenizer_source: TokenizerSource,
     /// LoRA adapter name -> path, as the engine was started with (`--lora-modules`).
     pub lora_paths: BTreeMap<String, String>,
+    /// Tokenizer and chat-template settings; must mirror the engine's flags
+    /// (`--chat-template`, `--chat-template-content-format`, `--default-chat-template-kwargs`, ...)
+    /// and bound the segment cache (`segment_cache_max_bytes`, default 32 MiB per model per VM).
+    pub tokenizer_options: Option<TokenizerOptions>,
 }
 
 /// Backoff for tokenizer fetches that failed.
@@ -76,7 +81,7 @@ impl Default for RetryConfig {
 }
 
 /// The whole plugin configuration.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FilterConfig {
     /// Envoy cluster of the indexer sidecar.
@@ -118,8 +123,6 @@ pub struct FilterConfig {
     pub unknown_model_retry_ms: u64,
     /// Block size when neither the configuration nor the indexer gives one.
     pub default_block_size: usize,
-    /// Entries of the per-model tokenizer segment cache (0 disables it).
-    pub segment_cache_entries: usize,
 }
 
 impl Default for FilterConfig {
@@ -143,7 +146,6 @@ impl Default for FilterConfig {
             tokenizer_retry: RetryConfig::default(),
             unknown_model_retry_ms: 30_000,
             default_block_size: 16,
-            segment_cache_entries: 4096,
         }
     }
 }
@@ -293,7 +295,8 @@ mod tests {
             br#"{"indexer_cluster":"idx","route_timeout_ms":25,"max_body_bytes":2048,
                  "oversized_body":"reject","inject_kv_cache_report_mode":true,
                  "models":{"qwen3":{"block_size":32,"extra_key_style":"plain",
-                 "tokenizer_source":"vm_config","lora_paths":{"a":"/p"}}},
+                 "tokenizer_source":"vm_config","lora_paths":{"a":"/p"},
+                 "tokenizer_options":{"segment_cache_max_bytes":1024}}},
                  "discover_models":false}"#,
         )
         .unwrap();
@@ -304,6 +307,12 @@ mod tests {
         assert_eq!(m.extra_key_style, Some(KeyStyle::Plain));
         assert_eq!(m.tokenizer_source, TokenizerSource::VmConfig);
         assert_eq!(m.lora_paths["a"], "/p");
+        let opts = m.tokenizer_options.as_ref().unwrap();
+        assert_eq!(opts.segment_cache_max_bytes, 1024);
+        assert_eq!(
+            opts.segment_cache_max_entries,
+            TokenizerOptions::default().segment_cache_max_entries
+        );
     }
 
     #[test]
@@ -320,6 +329,9 @@ mod tests {
         assert!(e.to_string().contains("models.m.block_size"), "{e}");
         let e = FilterConfig::parse(br#"{"discover_models":false}"#).unwrap_err();
         assert!(e.to_string().contains("discover_models"), "{e}");
+        let e = FilterConfig::parse(br#"{"models":{"m":{"tokenizer_options":{"nope":1}}}}"#)
+            .unwrap_err();
+        assert!(e.to_string().contains("nope"), "{e}");
         let e = FilterConfig::parse(br#"{"oversized_body":"drop"}"#).unwrap_err();
         assert!(matches!(e, ConfigError::Json(_)));
         let e = FilterConfig::parse(b"not json").unwrap_err();

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use kvroute_core::hashing::ExtraKeyStyle;
 use kvroute_core::request::{
-    request_extras, Endpoint, ModelFiles, ModelTokenizer, PromptTokens, TokenizerOptions,
+    request_extras, Endpoint, ModelFiles, ModelTokenizer, PromptTokens,
 };
 use kvroute_core::router_key::request_keys;
 use serde_json::Value;
@@ -14,10 +14,14 @@ use serde_json::Value;
 use crate::config::{FilterConfig, KeyStyle, ModelConfig};
 use crate::protocol::TokenizerBundle;
 
-/// The OpenAI endpoint a routed path serves (by suffix, so prefixed paths work too).
+/// The OpenAI endpoint a routed path serves: the standard paths, else by suffix so that
+/// prefixed paths (`/openai/v1/chat/completions`) work too.
 pub fn endpoint_for_path(path: &str) -> Endpoint {
+    if let Some(e) = Endpoint::from_path(path) {
+        return e;
+    }
     let bare = path.split(['?', '#']).next().unwrap_or(path);
-    if bare.ends_with("/chat/completions") {
+    if bare.trim_end_matches('/').ends_with("/chat/completions") {
         Endpoint::ChatCompletions
     } else {
         Endpoint::Completions
@@ -70,10 +74,9 @@ impl LoadedModel {
             tokenizer_json: bundle.tokenizer_json.clone(),
             tokenizer_config_json: bundle.tokenizer_config_json.clone(),
         };
-        let opts = TokenizerOptions {
-            segment_cache_entries: cfg.segment_cache_entries,
-            ..TokenizerOptions::default()
-        };
+        let opts = model_cfg
+            .and_then(|m| m.tokenizer_options.clone())
+            .unwrap_or_default();
         let tokenizer = ModelTokenizer::from_files(&files, opts).map_err(|e| e.to_string())?;
         let block_size = model_cfg
             .and_then(|m| m.block_size)

@@ -145,24 +145,34 @@ fn indexer_down_and_tokenizer_not_ready_fail_open() {
 }
 
 #[test]
-fn dead_indexer_fails_open() {
-    // An indexer port nothing listens on: Envoy answers the callout with a local 503.
+fn dead_indexer_fails_open_and_offline_tokenizers_need_no_indexer() {
+    // Nothing listens on the indexer port: Envoy answers every callout with a local 503. The
+    // tokenizer comes from the VM configuration (the documented offline set-up), so requests get
+    // as far as the route call.
     let dir = scratch("fail-open-dead");
     let replicas = [echo_replica(), echo_replica()];
-    let opts = EnvoyOptions::new(
+    let mut opts = EnvoyOptions::new(
         free_port(),
         replicas.iter().map(TestServer::addr).collect(),
-        json!({"debug_headers": true, "discover_models": true}),
+        json!({"debug_headers": true, "models": {"qwen3": {"tokenizer_source": "vm_config"},
+               "other": {}}}),
     );
+    opts.vm_config = json!({"models": {"qwen3": tokenizer_answer("qwen3", 16)}});
     let envoy = Envoy::start("fail-open-dead", &opts, &dir);
-    let body = completion("qwen3", "anyone home?");
+    envoy.wait_tokenizers(1);
     for _ in 0..3 {
-        let r = post_json(envoy.port, "/v1/completions", &body, &[]);
+        let r = post_json(envoy.port, "/v1/completions", &completion("qwen3", "anyone home?"), &[]);
         assert_eq!(r.status, 200);
-        assert_eq!(r.header("x-kvroute-fail-open"), Some("tokenizer_not_ready"));
+        assert_eq!(r.header("x-kvroute-fail-open"), Some("indexer_unavailable"));
     }
-    assert_eq!(envoy.kv("fail_open.tokenizer_not_ready"), 3);
-    assert!(envoy.kv("tokenizer_load_failed") >= 1);
+    assert_eq!(envoy.kv("fail_open.indexer_unavailable"), 3);
+    // A model whose tokenizer would come from the (dead) indexer is never ready.
+    let r = post_json(envoy.port, "/v1/completions", &completion("other", "hi"), &[]);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-kvroute-fail-open"), Some("tokenizer_not_ready"));
+    wait_for("a failed tokenizer fetch", Duration::from_secs(10), || {
+        envoy.kv("tokenizer_load_failed") >= 1
+    });
 }
 
 #[test]

@@ -314,7 +314,9 @@ pub fn apply_restore(state: &AppState, restore: Restore) {
                 }
                 restored += 1;
             }
-            None => idx.remove_replica(s.index_id),
+            None => {
+                idx.remove_replica(s.index_id);
+            }
         }
     }
     tracing::info!(streams = restored, age_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0).saturating_sub(snap.created_unix_ms), "snapshot restored; replaying from each stream's last seq");

@@ -1,13 +1,20 @@
 //! Running external programs with readable progress and failure messages.
 
 use std::ffi::OsStr;
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
 use anyhow::{bail, Context, Result};
 
 /// A command line as the user would type it, for progress lines and error messages.
 pub fn display(cmd: &Command) -> String {
-    let mut parts = vec![cmd.get_program().to_string_lossy().into_owned()];
+    let program = Path::new(cmd.get_program());
+    // `$CARGO` is a long toolchain path; show it as the user would type it.
+    let program = match program.file_name() {
+        Some(name) if name == "cargo" => "cargo".to_string(),
+        _ => program.to_string_lossy().into_owned(),
+    };
+    let mut parts = vec![program];
     parts.extend(cmd.get_args().map(quote));
     parts.join(" ")
 }

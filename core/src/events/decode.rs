@@ -374,14 +374,22 @@ impl<'a> Reader<'a, '_> {
         }))
     }
 
-    fn array_len(&mut self) -> Result<usize> {
+    /// An array header's announced length, not yet checked against the remaining input.
+    fn array_header(&mut self) -> Result<usize> {
         let at = self.pos;
         let m = self.marker()?;
         match m {
             Marker::FixArray(_) | Marker::Array16 | Marker::Array32 => {}
             _ => return Err(self.unexpected(at, "an array")),
         }
-        let len = self.len_after(m)?.ok_or_else(|| self.unexpected(at, "an array"))?;
+        self.len_after(m)?
+            .ok_or_else(|| self.unexpected(at, "an array"))
+    }
+
+    /// An array length the remaining input can back.
+    fn array_len(&mut self) -> Result<usize> {
+        let at = self.pos;
+        let len = self.array_header()?;
         self.check_backed(at, len)?;
         Ok(len)
     }
@@ -397,9 +405,10 @@ impl<'a> Reader<'a, '_> {
         Ok(())
     }
 
+    /// An array length within `limit` that the remaining input can back.
     fn bounded_array_len(&mut self, what: &'static str, limit: usize) -> Result<usize> {
         let at = self.pos;
-        let len = self.array_len()?;
+        let len = self.array_header()?;
         if len > limit {
             return Err(DecodeError::LimitExceeded {
                 offset: at,
@@ -408,6 +417,7 @@ impl<'a> Reader<'a, '_> {
                 limit,
             });
         }
+        self.check_backed(at, len)?;
         Ok(len)
     }
 
@@ -555,7 +565,7 @@ impl<'a> Reader<'a, '_> {
 
     fn token_ids(&mut self, budget: &mut usize) -> Result<Vec<u32>> {
         let at = self.pos;
-        let len = self.array_len()?;
+        let len = self.array_header()?;
         if len > *budget {
             return Err(DecodeError::LimitExceeded {
                 offset: at,
@@ -564,6 +574,7 @@ impl<'a> Reader<'a, '_> {
                 limit: self.limits.max_token_ids,
             });
         }
+        self.check_backed(at, len)?;
         *budget -= len;
         let mut out = Vec::with_capacity(self.capacity_for(len));
         for _ in 0..len {

@@ -4,7 +4,9 @@
 //! 3-element array (`data_parallel_rank` nil when absent), `ts` as float64, each event as a map with
 //! `"type"` first and the fields in vLLM's declaration order, fields without a default always
 //! written (nil when `None`), fields whose default is `None` omitted when `None`
-//! (`omit_defaults`), and every length and integer in its smallest msgpack form.
+//! (`omit_defaults`), and every length and integer in its smallest msgpack form, except that a
+//! struct's map header is sized by its largest possible key count, as msgspec does (so
+//! `BlockStored`, with 16 possible keys, always gets a map16 header).
 //!
 //! The `Array*` layouts write the positional arrays of older releases (tag first, every field the
 //! release had, nil for `None`); fields a release did not have are dropped.
@@ -127,7 +129,9 @@ fn stored_map(w: &mut Writer<'_>, s: &BlockStored) {
         s.session_id.is_some(),
         s.lookahead_token_ids.is_some(),
     ];
-    w.map_len(8 + optional.iter().filter(|b| **b).count());
+    // msgspec sizes a struct's map header by the most keys it could write (tag + 15 fields = 16),
+    // so a BlockStored always gets a map16 header, however few fields are set.
+    w.map16_len(8 + optional.iter().filter(|b| **b).count());
     w.str("type");
     w.str("BlockStored");
     w.str("block_hashes");
@@ -334,6 +338,12 @@ impl Writer<'_> {
 
     fn map_len(&mut self, len: usize) {
         self.len_header(len, 0x80, 15, 0xde, 0xdf);
+    }
+
+    /// A map16 header even for a small count (what msgspec writes for structs with >= 16 fields).
+    fn map16_len(&mut self, len: usize) {
+        self.0.push(0xde);
+        self.0.extend_from_slice(&(len as u16).to_be_bytes());
     }
 
     fn str(&mut self, s: &str) {

@@ -44,7 +44,9 @@ pub enum ExtraKeyValue {
 }
 
 /// The storage tier that holds a block.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, Default)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, Default,
+)]
 pub enum Medium {
     /// GPU memory (the engine's own prefix cache). vLLM sends "GPU" or omits the field.
     #[default]

@@ -73,7 +73,7 @@ impl ChatTemplates {
     }
 
     fn named(sources: BTreeMap<String, String>) -> Result<Self, RequestError> {
-        let mut env = new_environment();
+        let mut env = new_environment()?;
         for (name, source) in &sources {
             env.add_template_owned(name.clone(), source.clone())
                 .map_err(|e| RequestError::Template(describe(&e)))?;
@@ -129,22 +129,21 @@ fn describe(e: &Error) -> String {
 }
 
 /// A minijinja environment configured like transformers' Jinja2 sandbox.
-fn new_environment() -> Environment<'static> {
+fn new_environment() -> Result<Environment<'static>, RequestError> {
     let mut env = Environment::new();
     // Jinja2's defaults otherwise (keep_trailing_newline off, lenient undefined).
-    if let Ok(syntax) = minijinja::syntax::SyntaxConfig::builder()
+    let syntax = minijinja::syntax::SyntaxConfig::builder()
         .trim_blocks(true)
         .lstrip_blocks(true)
         .keep_trailing_newline(false)
         .build()
-    {
-        env.set_syntax(syntax);
-    }
+        .map_err(|e| RequestError::Template(describe(&e)))?;
+    env.set_syntax(syntax);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_filter("tojson", tojson_filter);
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
-    env
+    Ok(env)
 }
 
 fn raise_exception(message: String) -> Result<Value, Error> {

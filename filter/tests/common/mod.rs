@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -232,7 +232,13 @@ fn read_head<R: BufRead>(r: &mut R) -> std::io::Result<(String, BTreeMap<String,
     Ok((first.trim_end().to_string(), headers))
 }
 
-fn read_body<R: BufRead>(r: &mut R, headers: &BTreeMap<String, String>) -> std::io::Result<Vec<u8>> {
+/// Reads a body framed by chunked encoding or content-length; otherwise a response body runs to
+/// EOF and a request has none.
+fn read_body<R: BufRead>(
+    r: &mut R,
+    headers: &BTreeMap<String, String>,
+    is_request: bool,
+) -> std::io::Result<Vec<u8>> {
     let mut body = Vec::new();
     if headers
         .get("transfer-encoding")
@@ -257,7 +263,7 @@ fn read_body<R: BufRead>(r: &mut R, headers: &BTreeMap<String, String>) -> std::
     } else if let Some(len) = headers.get("content-length").and_then(|l| l.parse().ok()) {
         body.resize(len, 0);
         r.read_exact(&mut body)?;
-    } else {
+    } else if !is_request {
         r.read_to_end(&mut body)?;
     }
     Ok(body)
@@ -300,7 +306,7 @@ pub fn try_http(
         .nth(1)
         .and_then(|c| c.parse().ok())
         .ok_or_else(|| std::io::Error::other(format!("bad status line {status_line:?}")))?;
-    let body = read_body(&mut r, &headers)?;
+    let body = read_body(&mut r, &headers, false)?;
     Ok(Response {
         status,
         headers,
@@ -424,7 +430,7 @@ fn serve_conn(
         let mut parts = line.split_whitespace();
         let method = parts.next().unwrap_or("").to_string();
         let path = parts.next().unwrap_or("").to_string();
-        let Ok(body) = read_body(&mut r, &headers) else {
+        let Ok(body) = read_body(&mut r, &headers, true) else {
             return;
         };
         hits.fetch_add(1, Ordering::SeqCst);
@@ -461,11 +467,11 @@ pub struct EnvoyOptions {
     pub plugin_config: Value,
     pub indexer_port: u16,
     pub replicas: Vec<String>,
-    /// Keep the header_mutation guard that strips the client's dst header before the filter.
-    pub strip_guard: bool,
     /// Keep the kvroute Wasm filter (false = plain Envoy, for baselines and the attack control).
     pub with_filter: bool,
     pub concurrency: usize,
+    /// The VM configuration (offline tokenizers), `Value::Null` for none.
+    pub vm_config: Value,
 }
 
 impl EnvoyOptions {
@@ -474,9 +480,9 @@ impl EnvoyOptions {
             plugin_config,
             indexer_port,
             replicas,
-            strip_guard: true,
             with_filter: true,
             concurrency: 1,
+            vm_config: Value::Null,
         }
     }
 }
@@ -485,26 +491,6 @@ pub struct Envoy {
     pub proc: Proc,
     pub port: u16,
     pub admin: u16,
-}
-
-fn cut_block(text: &str, begin: &str, end: &str) -> String {
-    let mut out = String::new();
-    let mut skipping = false;
-    for line in text.lines() {
-        if line.trim() == begin {
-            skipping = true;
-            continue;
-        }
-        if line.trim() == end {
-            skipping = false;
-            continue;
-        }
-        if !skipping {
-            out.push_str(line);
-            out.push('\n');
-        }
-    }
-    out
 }
 
 /// Removes the `- name: envoy.filters.http.wasm` list item (up to the next filter).
@@ -531,12 +517,22 @@ fn cut_wasm_filter(text: &str) -> String {
     out
 }
 
+/// True when a non-comment line still holds a `{{UPPER_CASE}}` placeholder.
+fn has_placeholder(yaml: &str) -> bool {
+    yaml.lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .any(|l| {
+            l.split("{{").skip(1).any(|rest| {
+                rest.split_once("}}").is_some_and(|(name, _)| {
+                    !name.is_empty() && name.bytes().all(|b| b.is_ascii_uppercase() || b == b'_')
+                })
+            })
+        })
+}
+
 pub fn render_envoy(opts: &EnvoyOptions, listen: u16, admin: u16) -> String {
     let template = std::fs::read_to_string(workspace().join("envoy/envoy.yaml")).expect("read envoy/envoy.yaml");
     let mut text = template;
-    if !opts.strip_guard {
-        text = cut_block(&text, "# BEGIN strip-guard", "# END strip-guard");
-    }
     if !opts.with_filter {
         text = cut_wasm_filter(&text);
     }
@@ -559,6 +555,15 @@ pub fn render_envoy(opts: &EnvoyOptions, listen: u16, admin: u16) -> String {
         .replace("{{INDEXER_PORT}}", &opts.indexer_port.to_string())
         .replace("{{FALLBACK_LB_ENDPOINTS}}", &Value::Array(endpoints).to_string())
         .replace(
+            "{{VM_CONFIG}}",
+            &Value::String(if opts.vm_config.is_null() {
+                String::new()
+            } else {
+                opts.vm_config.to_string()
+            })
+            .to_string(),
+        )
+        .replace(
             "{{PLUGIN_CONFIG}}",
             &Value::String(opts.plugin_config.to_string()).to_string(),
         )
@@ -569,9 +574,7 @@ impl Envoy {
         let (port, admin) = (free_port(), free_port());
         let yaml = render_envoy(opts, port, admin);
         assert!(
-            !yaml
-                .lines()
-                .any(|l| !l.trim_start().starts_with('#') && l.contains("{{")),
+            !has_placeholder(&yaml),
             "unrendered placeholder in envoy.yaml"
         );
         let cfg = dir.join(format!("{name}.yaml"));

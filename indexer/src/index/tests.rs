@@ -38,7 +38,7 @@ fn removed(conv: u32, blocks: &[usize], medium: Medium, salt: u64) -> KvEvent {
     KvEvent::BlockRemoved(BlockRemoved {
         block_hashes: blocks.iter().map(|&b| WireBlockHash::Int(eh(conv, b, salt))).collect(),
         medium: Some(medium),
-        group_idx: None,
+        ..BlockRemoved::default()
     })
 }
 
