@@ -24,14 +24,39 @@ fn model_dir() -> PathBuf {
 /// Deterministic English-like text with code and lists, ~`words` words.
 fn text(seed: u64, words: usize) -> String {
     const WORDS: [&str; 24] = [
-        "routing", "cache", "prefix", "block", "replica", "token", "engine", "latency",
-        "throughput", "scheduler", "memory", "kernel", "attention", "layer", "request", "prompt",
-        "decode", "prefill", "batch", "queue", "worker", "shard", "the", "of",
+        "routing",
+        "cache",
+        "prefix",
+        "block",
+        "replica",
+        "token",
+        "engine",
+        "latency",
+        "throughput",
+        "scheduler",
+        "memory",
+        "kernel",
+        "attention",
+        "layer",
+        "request",
+        "prompt",
+        "decode",
+        "prefill",
+        "batch",
+        "queue",
+        "worker",
+        "shard",
+        "the",
+        "of",
     ];
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     let mut out = String::new();
     for i in 0..words {
-        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         let w = WORDS[(x >> 33) as usize % WORDS.len()];
         out.push_str(w);
         out.push(match i % 97 {
@@ -40,7 +65,9 @@ fn text(seed: u64, words: usize) -> String {
             _ => ' ',
         });
         if i % 301 == 300 {
-            out.push_str(&format!("\n\n```rust\nfn f_{i}(x: u32) -> u32 {{ x * {i} }}\n```\n\n- item {i}\n"));
+            out.push_str(&format!(
+                "\n\n```rust\nfn f_{i}(x: u32) -> u32 {{ x * {i} }}\n```\n\n- item {i}\n"
+            ));
         }
     }
     out
@@ -51,7 +78,8 @@ fn conversation(turns: usize, words_per_turn: usize, last: &str) -> Value {
     let mut messages = vec![json!({"role": "system", "content": text(1, 200)})];
     for t in 0..turns {
         messages.push(json!({"role": "user", "content": text(10 + t as u64, words_per_turn)}));
-        messages.push(json!({"role": "assistant", "content": text(1000 + t as u64, words_per_turn)}));
+        messages
+            .push(json!({"role": "assistant", "content": text(1000 + t as u64, words_per_turn)}));
     }
     messages.push(json!({"role": "user", "content": last}));
     json!({"model": "qwen3", "messages": messages})
@@ -82,10 +110,14 @@ fn bench(c: &mut Criterion) {
                 black_box(tk.tokenize_request(Endpoint::ChatCompletions, body).ok())
             })
         });
-        group.bench_with_input(BenchmarkId::new("uncached_whole_text", label), &body, |b, body| {
-            let text = tk.render_chat(body).expect("render");
-            b.iter(|| black_box(tk.encode_text_uncached(&text, false).ok()))
-        });
+        group.bench_with_input(
+            BenchmarkId::new("uncached_whole_text", label),
+            &body,
+            |b, body| {
+                let text = tk.render_chat(body).expect("render");
+                b.iter(|| black_box(tk.encode_text_uncached(&text, false).ok()))
+            },
+        );
     }
 
     // Warm: the previous request (~30k tokens) was seen; the new one adds a ~2k-token turn.
@@ -110,12 +142,21 @@ fn bench(c: &mut Criterion) {
     // same message (served by line chunks).
     let doc = text(5, 23_000);
     let seen_doc = json!({"messages": [{"role": "user", "content": doc}]});
-    let next_doc = json!({"messages": [{"role": "user", "content": format!("{doc}\n{}", text(6, 1500))}]});
-    eprintln!("warm single message: new request {} tokens", token_count(&tk, &next_doc));
+    let next_doc =
+        json!({"messages": [{"role": "user", "content": format!("{doc}\n{}", text(6, 1500))}]});
+    eprintln!(
+        "warm single message: new request {} tokens",
+        token_count(&tk, &next_doc)
+    );
     group.bench_function("warm_single_message/32k", |b| {
         tk.clear_cache();
         let _ = tk.tokenize_request(Endpoint::ChatCompletions, &seen_doc);
-        b.iter(|| black_box(tk.tokenize_request(Endpoint::ChatCompletions, &next_doc).ok()))
+        b.iter(|| {
+            black_box(
+                tk.tokenize_request(Endpoint::ChatCompletions, &next_doc)
+                    .ok(),
+            )
+        })
     });
     group.bench_function("render_only/32k", |b| {
         b.iter(|| black_box(tk.render_chat(&next).ok()))

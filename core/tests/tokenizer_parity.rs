@@ -45,7 +45,11 @@ fn python() -> PathBuf {
     let py = std::env::var_os("KVROUTE_PYTHON")
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace_root().join("target/kvroute-cache/venv/bin/python"));
-    assert!(py.exists(), "{}", setup_hint("Python venv (KVROUTE_PYTHON)", &py));
+    assert!(
+        py.exists(),
+        "{}",
+        setup_hint("Python venv (KVROUTE_PYTHON)", &py)
+    );
     py
 }
 
@@ -94,7 +98,8 @@ struct Tokenizers {
 
 fn tokenizers(model: &Path) -> Tokenizers {
     let files = ModelFiles::from_dir(model).expect("model files");
-    let make = |opts: TokenizerOptions| ModelTokenizer::from_files(&files, opts).expect("tokenizer");
+    let make =
+        |opts: TokenizerOptions| ModelTokenizer::from_files(&files, opts).expect("tokenizer");
     Tokenizers {
         default: make(TokenizerOptions::default()),
         fine: make(TokenizerOptions {
@@ -133,7 +138,10 @@ fn chat_and_completion_parity_with_transformers() {
         serde_json::from_slice(&std::fs::read(&cases_path).expect("cases.json")).expect("JSON");
     let reference = reference(&cases_path, &model);
     let tk = tokenizers(&model);
-    assert!(tk.default.segmentation() == (true, true), "Qwen3 must get both cuts");
+    assert!(
+        tk.default.segmentation() == (true, true),
+        "Qwen3 must get both cuts"
+    );
 
     let chats = cases["chats"].as_array().expect("chats");
     let completions = cases["completions"].as_array().expect("completions");
@@ -147,7 +155,11 @@ fn chat_and_completion_parity_with_transformers() {
         let want = &reference["chats"][name];
         if want.get("error").is_some() {
             checked_errors += 1;
-            if tk.default.tokenize_request(Endpoint::ChatCompletions, body).is_ok() {
+            if tk
+                .default
+                .tokenize_request(Endpoint::ChatCompletions, body)
+                .is_ok()
+            {
                 failures.push(format!("{name}: python rejected it, kvroute accepted it"));
             }
             continue;
@@ -174,11 +186,18 @@ fn chat_and_completion_parity_with_transformers() {
             ));
             continue;
         }
-        let uncached = tk.nocache.encode_text_uncached(&text, false).expect("encode");
+        let uncached = tk
+            .nocache
+            .encode_text_uncached(&text, false)
+            .expect("encode");
         if uncached != want_ids {
             failures.push(format!("{name}: whole-text ids differ from python"));
         }
-        for (label, t) in [("nocache", &tk.nocache), ("default", &tk.default), ("fine", &tk.fine)] {
+        for (label, t) in [
+            ("nocache", &tk.nocache),
+            ("default", &tk.default),
+            ("fine", &tk.fine),
+        ] {
             // Twice: the second run is served from the cache.
             for round in ["cold", "warm"] {
                 let ids = single(t.tokenize_request(Endpoint::ChatCompletions, body), name);
@@ -195,28 +214,49 @@ fn chat_and_completion_parity_with_transformers() {
         let want = &reference["completions"][name];
         assert!(want.get("error").is_none(), "{name}: python failed: {want}");
         let want_ids = &want["ids"];
-        for (label, t) in [("nocache", &tk.nocache), ("default", &tk.default), ("fine", &tk.fine)] {
+        for (label, t) in [
+            ("nocache", &tk.nocache),
+            ("default", &tk.default),
+            ("fine", &tk.fine),
+        ] {
             for round in ["cold", "warm"] {
                 let got = t.tokenize_request(Endpoint::Completions, body);
                 let ok = match (&got, want_ids.as_array().and_then(|a| a.first())) {
                     (Ok(PromptTokens::Batch(all)), Some(Value::Array(_))) => {
-                        let want_all: Vec<Vec<u32>> =
-                            want_ids.as_array().into_iter().flatten().map(ids_of).collect();
+                        let want_all: Vec<Vec<u32>> = want_ids
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .map(ids_of)
+                            .collect();
                         *all == want_all
                     }
                     (Ok(PromptTokens::Single(ids)), _) => *ids == ids_of(want_ids),
                     _ => false,
                 };
                 if !ok {
-                    failures.push(format!("{name}: {label}/{round} completion ids differ: {got:?}"));
+                    failures.push(format!(
+                        "{name}: {label}/{round} completion ids differ: {got:?}"
+                    ));
                 }
             }
         }
     }
-    assert!(checked_errors >= 1, "the cases include at least one rejected request");
-    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        checked_errors >= 1,
+        "the cases include at least one rejected request"
+    );
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
     let stats = tk.default.cache_stats();
-    assert!(stats.hits > 0 && stats.misses > 0, "the cache was exercised: {stats:?}");
+    assert!(
+        stats.hits > 0 && stats.misses > 0,
+        "the cache was exercised: {stats:?}"
+    );
 }
 
 /// A conversation that grows turn by turn: every request after the first must be served mostly
@@ -225,17 +265,31 @@ fn chat_and_completion_parity_with_transformers() {
 fn growing_conversation_hits_the_cache_and_stays_exact() {
     let model = model_dir();
     let tk = tokenizers(&model);
-    let mut messages = vec![serde_json::json!({"role": "system", "content": "You are a helpful assistant.\n".repeat(50)})];
+    let mut messages = vec![
+        serde_json::json!({"role": "system", "content": "You are a helpful assistant.\n".repeat(50)}),
+    ];
     for turn in 0..6 {
         messages.push(serde_json::json!({"role": "user", "content": format!("Question {turn}: {}", "why? ".repeat(200))}));
         let body = serde_json::json!({"messages": messages});
         let before = tk.default.cache_stats();
-        let ids = single(tk.default.tokenize_request(Endpoint::ChatCompletions, &body), "grow");
+        let ids = single(
+            tk.default
+                .tokenize_request(Endpoint::ChatCompletions, &body),
+            "grow",
+        );
         let after = tk.default.cache_stats();
         let text = tk.default.render_chat(&body).expect("render");
-        assert_eq!(ids, tk.default.encode_text_uncached(&text, false).expect("encode"));
+        assert_eq!(
+            ids,
+            tk.default
+                .encode_text_uncached(&text, false)
+                .expect("encode")
+        );
         if turn > 0 {
-            assert!(after.hits > before.hits, "turn {turn} reused earlier segments");
+            assert!(
+                after.hits > before.hits,
+                "turn {turn} reused earlier segments"
+            );
         }
         messages.push(serde_json::json!({"role": "assistant", "content": format!("Answer {turn}.\n\nBecause.")}));
     }
@@ -246,18 +300,29 @@ fn bad_requests_get_clear_errors() {
     let model = model_dir();
     let tk = tokenizers(&model).default;
     let chat = |b: Value| tk.tokenize_request(Endpoint::ChatCompletions, &b);
-    assert!(matches!(chat(serde_json::json!([1])), Err(RequestError::NotAnObject)));
-    assert!(matches!(chat(serde_json::json!({"model": "q"})), Err(RequestError::MissingField("messages"))));
+    assert!(matches!(
+        chat(serde_json::json!([1])),
+        Err(RequestError::NotAnObject)
+    ));
+    assert!(matches!(
+        chat(serde_json::json!({"model": "q"})),
+        Err(RequestError::MissingField("messages"))
+    ));
     assert!(matches!(
         chat(serde_json::json!({"messages": []})),
         Err(RequestError::InvalidField { .. })
     ));
     assert!(matches!(
-        chat(serde_json::json!({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"})),
+        chat(
+            serde_json::json!({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"})
+        ),
         Err(RequestError::UntrustedChatTemplate)
     ));
     let completion = |b: Value| tk.tokenize_request(Endpoint::Completions, &b);
-    assert!(matches!(completion(serde_json::json!({})), Err(RequestError::MissingField("prompt"))));
+    assert!(matches!(
+        completion(serde_json::json!({})),
+        Err(RequestError::MissingField("prompt"))
+    ));
     let many: Vec<String> = (0..2000).map(|i| i.to_string()).collect();
     assert!(matches!(
         completion(serde_json::json!({"prompt": many})),
@@ -282,6 +347,9 @@ fn trusted_request_template_is_used() {
         "chat_template": "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{{ raise_exception('stop') if m is defined }}"
     });
     assert_eq!(tk.render_chat(&body).expect("render"), "[user] hi\n");
-    let ids = single(tk.tokenize_request(Endpoint::ChatCompletions, &body), "trusted");
+    let ids = single(
+        tk.tokenize_request(Endpoint::ChatCompletions, &body),
+        "trusted",
+    );
     assert_eq!(tk.decode(&ids).expect("decode"), "[user] hi\n");
 }

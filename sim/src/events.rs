@@ -62,11 +62,13 @@ pub fn to_kv_events(events: &[PoolEvent]) -> Vec<KvEvent> {
                 kv_cache_spec_kind: Some("full_attention".into()),
                 kv_cache_spec_sliding_window: None,
                 session_id: meta.session_id.clone(),
+                ..BlockStored::default()
             }),
             PoolEvent::Removed(h) => KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: vec![WireBlockHash::Int(h.wire_u64())],
                 medium: Some(Medium::Gpu),
                 group_idx: Some(0),
+                ..BlockRemoved::default()
             }),
             PoolEvent::Cleared => KvEvent::AllBlocksCleared,
         })

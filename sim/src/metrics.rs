@@ -134,7 +134,7 @@ pub fn render(model_name: &str, engines: &[EngineMetrics], process_start_s: f64)
     let model = esc(model_name);
     let labels = |i: usize| format!("engine=\"{i}\",model_name=\"{model}\"");
 
-    let mut scalar = |out: &mut String, name: &str, kind: &str, help: &str, f: &dyn Fn(&EngineMetrics) -> f64, extra: &str| {
+    let scalar = |out: &mut String, name: &str, kind: &str, help: &str, f: &dyn Fn(&EngineMetrics) -> f64, extra: &str| {
         let _ = writeln!(out, "# HELP {name} {help}");
         let _ = writeln!(out, "# TYPE {name} {kind}");
         let sample = if kind == "counter" { format!("{name}_total") } else { name.to_string() };
@@ -156,7 +156,7 @@ pub fn render(model_name: &str, engines: &[EngineMetrics], process_start_s: f64)
     scalar(&mut out, "kvroute_sim:kv_events", "counter", "KV events handed to the publisher.", &|e| e.events as f64, "");
     scalar(&mut out, "kvroute_sim:kv_event_batches_dropped", "counter", "KV event batches dropped because the publisher queue was full.", &|e| e.event_batches_dropped as f64, "");
 
-    let mut hist = |out: &mut String, name: &str, help: &str, f: &dyn Fn(&EngineMetrics) -> &Histogram| {
+    let hist = |out: &mut String, name: &str, help: &str, f: &dyn Fn(&EngineMetrics) -> &Histogram| {
         let _ = writeln!(out, "# HELP {name} {help}");
         let _ = writeln!(out, "# TYPE {name} histogram");
         for (i, e) in engines.iter().enumerate() {

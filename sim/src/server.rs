@@ -182,11 +182,12 @@ impl AppState {
             .unwrap_or(&self.engines[0])
     }
 
+    /// Hands one prompt to the least-loaded engine. Arrival is stamped here, after tokenisation,
+    /// as vLLM stamps `arrival_time` when the engine request is made.
     fn submit(
         &self,
         prep: &Prepared,
         prompt: &[u32],
-        arrived: Instant,
     ) -> Result<mpsc::UnboundedReceiver<SeqOutput>, ApiError> {
         let loras = &self.loras;
         let extras = request_extras(&prep.body, &|name: &str| {
@@ -205,7 +206,7 @@ impl AppState {
             meta,
             report_full: prep.params.report_full,
             seed,
-            arrived,
+            arrived: Instant::now(),
         };
         self.pick_engine()
             .submit(req)
@@ -240,7 +241,6 @@ async fn chat_completions(
 }
 
 async fn generate(s: Arc<AppState>, ep: Endpoint, headers: HeaderMap, raw: Bytes) -> Response {
-    let arrived = Instant::now();
     let prep = match s.prepare(ep, &headers, &raw, true) {
         Ok(p) => p,
         Err(e) => return e.into_response(),
@@ -257,7 +257,7 @@ async fn generate(s: Arc<AppState>, ep: Endpoint, headers: HeaderMap, raw: Bytes
     };
     let mut receivers = Vec::with_capacity(prep.prompts.len());
     for p in &prep.prompts {
-        match s.submit(&prep, p, arrived) {
+        match s.submit(&prep, p) {
             Ok(rx) => receivers.push(rx),
             Err(e) => return e.into_response(),
         }
@@ -339,6 +339,7 @@ fn stream_response(
     let merged = stream::select_all(receivers.into_iter().enumerate().map(|(i, rx)| {
         stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|o| (o, rx)) })
             .map(move |o| (i, o))
+            .boxed()
     }));
     let mut states: Vec<StreamState> = (0..total)
         .map(|_| StreamState {

@@ -308,7 +308,10 @@ pub(crate) fn py_json(
         ValueKind::Bytes | ValueKind::Plain | ValueKind::Invalid => {
             return Err(Error::new(
                 ErrorKind::InvalidOperation,
-                format!("tojson: object of kind {} is not JSON serializable", value.kind()),
+                format!(
+                    "tojson: object of kind {} is not JSON serializable",
+                    value.kind()
+                ),
             ))
         }
         // ValueKind is non-exhaustive.
@@ -478,7 +481,10 @@ fn strftime(secs: u64, format: &str) -> Result<String, Error> {
             other => {
                 return Err(Error::new(
                     ErrorKind::InvalidOperation,
-                    format!("strftime_now: unsupported directive %{}", other.unwrap_or(' ')),
+                    format!(
+                        "strftime_now: unsupported directive %{}",
+                        other.unwrap_or(' ')
+                    ),
                 ))
             }
         }
@@ -540,7 +546,10 @@ mod tests {
     #[test]
     fn trim_and_lstrip_blocks_and_raise() {
         assert_eq!(
-            render("  {% if true %}\nA\n  {% endif %}\nB\n", serde_json::json!({})),
+            render(
+                "  {% if true %}\nA\n  {% endif %}\nB\n",
+                serde_json::json!({})
+            ),
             "A\nB"
         );
         let t = ChatTemplates::single("{{ raise_exception('nope') }}".into()).expect("compiles");

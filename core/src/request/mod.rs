@@ -185,28 +185,42 @@ mod tests {
 
     #[test]
     fn endpoints_from_paths() {
-        assert_eq!(Endpoint::from_path("/v1/completions"), Some(Endpoint::Completions));
+        assert_eq!(
+            Endpoint::from_path("/v1/completions"),
+            Some(Endpoint::Completions)
+        );
         assert_eq!(
             Endpoint::from_path("/v1/chat/completions?x=1"),
             Some(Endpoint::ChatCompletions)
         );
-        assert_eq!(Endpoint::from_path("/v1/chat/completions/"), Some(Endpoint::ChatCompletions));
+        assert_eq!(
+            Endpoint::from_path("/v1/chat/completions/"),
+            Some(Endpoint::ChatCompletions)
+        );
         assert_eq!(Endpoint::from_path("/v1/embeddings"), None);
     }
 
     #[test]
     fn extras_from_body() {
         let body = serde_json::json!({"model": "sql-lora", "cache_salt": "s1"});
-        let extras = request_extras(&body, &|name| (name == "sql-lora").then(|| "/adapters/sql".to_owned()));
+        let extras = request_extras(&body, &|name| {
+            (name == "sql-lora").then(|| "/adapters/sql".to_owned())
+        });
         assert_eq!(extras.cache_salt.as_deref(), Some("s1"));
         let lora = extras.lora.expect("lora");
-        assert_eq!((lora.name.as_str(), lora.path.as_str()), ("sql-lora", "/adapters/sql"));
+        assert_eq!(
+            (lora.name.as_str(), lora.path.as_str()),
+            ("sql-lora", "/adapters/sql")
+        );
         let base = request_extras(&serde_json::json!({"model": "qwen3"}), &|_| None);
         assert!(base.lora.is_none() && base.cache_salt.is_none());
     }
 
     #[test]
     fn bad_json_is_an_error() {
-        assert!(matches!(parse_body(b"{nope"), Err(RequestError::NotJson(_))));
+        assert!(matches!(
+            parse_body(b"{nope"),
+            Err(RequestError::NotJson(_))
+        ));
     }
 }

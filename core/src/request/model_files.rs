@@ -16,7 +16,10 @@ impl std::fmt::Debug for ModelFiles {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ModelFiles")
             .field("tokenizer_json_bytes", &self.tokenizer_json.len())
-            .field("tokenizer_config_json_bytes", &self.tokenizer_config_json.len())
+            .field(
+                "tokenizer_config_json_bytes",
+                &self.tokenizer_config_json.len(),
+            )
             .finish()
     }
 }
@@ -42,11 +45,11 @@ impl ModelFiles {
         let tokenizer_json = read("tokenizer.json")?.ok_or_else(|| {
             RequestError::ModelFiles(format!("{} has no tokenizer.json", dir.display()))
         })?;
-        let mut tokenizer_config_json = read("tokenizer_config.json")?.unwrap_or_else(|| b"{}".to_vec());
+        let mut tokenizer_config_json =
+            read("tokenizer_config.json")?.unwrap_or_else(|| b"{}".to_vec());
         if let Some(template) = read("chat_template.jinja")? {
-            let template = String::from_utf8(template).map_err(|_| {
-                RequestError::ModelFiles("chat_template.jinja is not UTF-8".into())
-            })?;
+            let template = String::from_utf8(template)
+                .map_err(|_| RequestError::ModelFiles("chat_template.jinja is not UTF-8".into()))?;
             let mut config: serde_json::Value = serde_json::from_slice(&tokenizer_config_json)
                 .map_err(|e| {
                     RequestError::ModelFiles(format!("tokenizer_config.json is not JSON: {e}"))
@@ -55,8 +58,8 @@ impl ModelFiles {
                 RequestError::ModelFiles("tokenizer_config.json is not an object".into())
             })?;
             obj.insert("chat_template".into(), serde_json::Value::String(template));
-            tokenizer_config_json = serde_json::to_vec(&config)
-                .map_err(|e| RequestError::ModelFiles(e.to_string()))?;
+            tokenizer_config_json =
+                serde_json::to_vec(&config).map_err(|e| RequestError::ModelFiles(e.to_string()))?;
         }
         Ok(Self {
             tokenizer_json,

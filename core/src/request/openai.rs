@@ -70,7 +70,10 @@ fn is_unset(v: &Value) -> bool {
 }
 
 /// vLLM's `merge_kwargs`: `defaults | overrides` without override values `None` or `"auto"`.
-fn merge_kwargs(mut defaults: Map<String, Value>, overrides: Map<String, Value>) -> Map<String, Value> {
+fn merge_kwargs(
+    mut defaults: Map<String, Value>,
+    overrides: Map<String, Value>,
+) -> Map<String, Value> {
     for (k, v) in overrides {
         if !is_unset(&v) {
             defaults.insert(k, v);
@@ -103,7 +106,10 @@ fn truthy(v: &Value) -> bool {
 }
 
 /// Reads a `/v1/chat/completions` body.
-pub(crate) fn chat_request(body: &Value, opts: &TokenizerOptions) -> Result<ChatRequest, RequestError> {
+pub(crate) fn chat_request(
+    body: &Value,
+    opts: &TokenizerOptions,
+) -> Result<ChatRequest, RequestError> {
     let obj = body.as_object().ok_or(RequestError::NotAnObject)?;
     let messages = match obj.get("messages") {
         Some(Value::Array(m)) => m.clone(),
@@ -181,10 +187,19 @@ pub(crate) fn chat_request(body: &Value, opts: &TokenizerOptions) -> Result<Chat
     // vLLM: extras = {add_generation_prompt, continue_final_message, documents, reasoning_effort}
     // (+ enable_thinking when reasoning_effort is set and the user did not set it) override the
     // user's chat_template_kwargs, which override the server defaults and `tools`.
-    let reasoning_effort = obj.get("reasoning_effort").filter(|v| !v.is_null()).cloned();
+    let reasoning_effort = obj
+        .get("reasoning_effort")
+        .filter(|v| !v.is_null())
+        .cloned();
     let mut extras = Map::new();
-    extras.insert("add_generation_prompt".into(), Value::Bool(add_generation_prompt));
-    extras.insert("continue_final_message".into(), Value::Bool(continue_final_message));
+    extras.insert(
+        "add_generation_prompt".into(),
+        Value::Bool(add_generation_prompt),
+    );
+    extras.insert(
+        "continue_final_message".into(),
+        Value::Bool(continue_final_message),
+    );
     extras.insert(
         "documents".into(),
         obj.get("documents").cloned().unwrap_or(Value::Null),
@@ -230,7 +245,8 @@ pub(crate) fn chat_request(body: &Value, opts: &TokenizerOptions) -> Result<Chat
     for name in HF_CONSUMED_KWARGS {
         kwargs.remove(name);
     }
-    let chat_template = body_template.or_else(|| kw_template.and_then(|v| v.as_str().map(str::to_owned)));
+    let chat_template =
+        body_template.or_else(|| kw_template.and_then(|v| v.as_str().map(str::to_owned)));
 
     Ok(ChatRequest {
         messages,
@@ -251,7 +267,9 @@ fn normalise_tool(tool: &Value) -> Result<Value, RequestError> {
         field: "tools".into(),
         reason: reason.into(),
     };
-    let tool = tool.as_object().ok_or_else(|| invalid("each tool must be an object"))?;
+    let tool = tool
+        .as_object()
+        .ok_or_else(|| invalid("each tool must be an object"))?;
     match tool.get("type") {
         None => {}
         Some(Value::String(t)) if t == "function" => {}
@@ -284,8 +302,8 @@ fn normalise_tool(tool: &Value) -> Result<Value, RequestError> {
     };
     let strict = opt_bool_field(function.get("strict"), "function.strict")?;
     let tool_defer = opt_bool_field(tool.get("defer_loading"), "defer_loading")?;
-    let fn_defer = opt_bool_field(function.get("defer_loading"), "function.defer_loading")?
-        .or(tool_defer);
+    let fn_defer =
+        opt_bool_field(function.get("defer_loading"), "function.defer_loading")?.or(tool_defer);
 
     let mut f = Map::new();
     f.insert("name".into(), Value::String(name.to_owned()));
@@ -309,17 +327,30 @@ fn normalise_tool(tool: &Value) -> Result<Value, RequestError> {
 /// Guesses whether a template reads `content` as a string or iterates over OpenAI-style parts
 /// (vLLM inspects the template's AST; this looks for a loop over a message's content).
 pub(crate) fn detect_content_format(template_source: &str) -> ChatContentFormat {
-    let compact: String = template_source.chars().filter(|c| !c.is_whitespace()).collect();
-    let loops_over_content = ["content']", "content\"]", ".content%}", ".content-%}", "content']-%}", "content\"]-%}"]
-        .iter()
-        .any(|end| {
-            compact
-                .match_indices(end)
-                .any(|(i, _)| compact[..i].rfind("{%for").or_else(|| compact[..i].rfind("{%-for")).is_some_and(|f| {
+    let compact: String = template_source
+        .chars()
+        .filter(|c| !c.is_whitespace())
+        .collect();
+    let loops_over_content = [
+        "content']",
+        "content\"]",
+        ".content%}",
+        ".content-%}",
+        "content']-%}",
+        "content\"]-%}",
+    ]
+    .iter()
+    .any(|end| {
+        compact.match_indices(end).any(|(i, _)| {
+            compact[..i]
+                .rfind("{%for")
+                .or_else(|| compact[..i].rfind("{%-for"))
+                .is_some_and(|f| {
                     let between = &compact[f..i];
                     between.contains("in") && !between.contains("%}")
-                }))
-        });
+                })
+        })
+    });
     if loops_over_content {
         ChatContentFormat::OpenAi
     } else {
@@ -357,7 +388,11 @@ fn invalid_message(index: usize, reason: impl Into<String>) -> RequestError {
     }
 }
 
-fn parse_message(index: usize, message: &Value, format: ChatContentFormat) -> Result<Value, RequestError> {
+fn parse_message(
+    index: usize,
+    message: &Value,
+    format: ChatContentFormat,
+) -> Result<Value, RequestError> {
     let msg = message
         .as_object()
         .ok_or_else(|| invalid_message(index, "must be an object"))?;
@@ -369,13 +404,21 @@ fn parse_message(index: usize, message: &Value, format: ChatContentFormat) -> Re
     // vLLM's request validator renames the deprecated field.
     let reasoning = match msg.get("reasoning").filter(|v| !v.is_null()) {
         Some(r) => Some(r.clone()),
-        None => msg.get("reasoning_content").filter(|v| !v.is_null()).cloned(),
+        None => msg
+            .get("reasoning_content")
+            .filter(|v| !v.is_null())
+            .cloned(),
     };
     let mut parts: Vec<Value> = match msg.get("content") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::String(s)) => vec![serde_json::json!({"type": "text", "text": s})],
         Some(Value::Array(parts)) => parts.clone(),
-        Some(_) => return Err(invalid_message(index, "content must be a string, a list or null")),
+        Some(_) => {
+            return Err(invalid_message(
+                index,
+                "content must be a string, a list or null",
+            ))
+        }
     };
     if role == "system" {
         parts = strip_billing_header(parts);
@@ -436,7 +479,10 @@ fn parse_message(index: usize, message: &Value, format: ChatContentFormat) -> Re
         result.insert("task".into(), Value::String(task.clone()));
     }
     if role == "developer" {
-        result.insert("tools".into(), msg.get("tools").cloned().unwrap_or(Value::Null));
+        result.insert(
+            "tools".into(),
+            msg.get("tools").cloned().unwrap_or(Value::Null),
+        );
     }
     Ok(Value::Object(result))
 }
@@ -446,7 +492,12 @@ fn part_text(index: usize, part: &Value) -> Result<Option<String>, RequestError>
     let obj = match part {
         Value::String(s) => return Ok(Some(s.clone())),
         Value::Object(o) => o,
-        _ => return Err(invalid_message(index, "content parts must be strings or objects")),
+        _ => {
+            return Err(invalid_message(
+                index,
+                "content parts must be strings or objects",
+            ))
+        }
     };
     let uuid_set = obj.get("uuid").is_some_and(|v| !v.is_null());
     let part_type = obj.get("type").filter(|v| !v.is_null());
@@ -547,15 +598,14 @@ fn postprocess_tool_calls(messages: &mut [Value]) -> Result<(), RequestError> {
                 None => true,
                 Some(t) => t.as_str() == Some("function"),
             };
-            let function = match call.get_mut("function") {
-                Some(Value::Object(f)) if is_function => f,
-                _ => {
-                    return Err(invalid_message(
+            let function =
+                match call.get_mut("function") {
+                    Some(Value::Object(f)) if is_function => f,
+                    _ => return Err(invalid_message(
                         index,
                         "only tool_calls of type \"function\" with a function object are supported",
-                    ))
-                }
-            };
+                    )),
+                };
             let parsed = match function.get("arguments") {
                 Some(args) if truthy(args) => match args {
                     Value::Object(_) => args.clone(),
@@ -602,7 +652,9 @@ fn developer_to_system(messages: Vec<Value>) -> Vec<Value> {
                     .iter()
                     .filter_map(|p| match p {
                         Value::String(s) => Some(s.clone()),
-                        Value::Object(o) => o.get("text").and_then(Value::as_str).map(str::to_owned),
+                        Value::Object(o) => {
+                            o.get("text").and_then(Value::as_str).map(str::to_owned)
+                        }
                         _ => None,
                     })
                     .collect::<Vec<_>>()
@@ -619,7 +671,8 @@ fn developer_to_system(messages: Vec<Value>) -> Vec<Value> {
     if !needs {
         return converted;
     }
-    let mut out = vec![serde_json::json!({"role": "system", "content": system_contents.join("\n\n")})];
+    let mut out =
+        vec![serde_json::json!({"role": "system", "content": system_contents.join("\n\n")})];
     out.extend(others);
     out
 }
@@ -685,7 +738,8 @@ pub(crate) fn completion_prompt(
     let add_special_tokens = opt_bool(body, "add_special_tokens", true)?;
     let invalid = || RequestError::InvalidField {
         field: "prompt".into(),
-        reason: "must be a string, a list of token ids, or a list of strings or token-id lists".into(),
+        reason: "must be a string, a list of token ids, or a list of strings or token-id lists"
+            .into(),
     };
     let prompt = match obj.get("prompt") {
         None | Some(Value::Null) => {
@@ -767,27 +821,50 @@ mod tests {
         assert_eq!(out[1]["tool_calls"][2]["function"]["arguments"], json!({}));
         assert_eq!(out[2], json!({"role": "assistant", "content": "x"}));
         assert_eq!(
-            out[3].as_object().map(|o| o.keys().cloned().collect::<Vec<_>>()),
-            Some(vec!["thinking".into(), "role".into(), "content".into(), "reasoning".into(), "reasoning_content".into()])
+            out[3]
+                .as_object()
+                .map(|o| o.keys().cloned().collect::<Vec<_>>()),
+            Some(vec![
+                "thinking".into(),
+                "role".into(),
+                "content".into(),
+                "reasoning".into(),
+                "reasoning_content".into()
+            ])
         );
     }
 
     #[test]
     fn rejects_bad_shapes() {
         assert!(normalise_messages(&[json!("hi")], ChatContentFormat::String, "").is_err());
-        assert!(normalise_messages(&[json!({"content": "hi"})], ChatContentFormat::String, "").is_err());
-        assert!(normalise_messages(&[json!({"role": "user", "content": 3})], ChatContentFormat::String, "").is_err());
-        let img = json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]});
+        assert!(
+            normalise_messages(&[json!({"content": "hi"})], ChatContentFormat::String, "").is_err()
+        );
+        assert!(normalise_messages(
+            &[json!({"role": "user", "content": 3})],
+            ChatContentFormat::String,
+            ""
+        )
+        .is_err());
+        let img =
+            json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]});
         assert!(matches!(
             normalise_messages(&[img], ChatContentFormat::String, ""),
             Err(RequestError::Unsupported(_))
         ));
-        assert!(matches!(chat_request(&json!({"model": "m"}), &opts()), Err(RequestError::MissingField("messages"))));
+        assert!(matches!(
+            chat_request(&json!({"model": "m"}), &opts()),
+            Err(RequestError::MissingField("messages"))
+        ));
         assert!(matches!(
             chat_request(&json!({"messages": [], "chat_template": "x"}), &opts()),
             Err(RequestError::UntrustedChatTemplate)
         ));
-        assert!(chat_request(&json!({"messages": [], "continue_final_message": true}), &opts()).is_err());
+        assert!(chat_request(
+            &json!({"messages": [], "continue_final_message": true}),
+            &opts()
+        )
+        .is_err());
     }
 
     #[test]
@@ -795,7 +872,10 @@ mod tests {
         let body = json!({"messages": [], "reasoning_effort": "low",
             "chat_template_kwargs": {"foo": 1, "bar": "auto", "add_generation_prompt": false}});
         let r = chat_request(&body, &opts()).expect("valid");
-        assert!(r.add_generation_prompt, "top-level value overrides the kwargs");
+        assert!(
+            r.add_generation_prompt,
+            "top-level value overrides the kwargs"
+        );
         assert_eq!(r.kwargs.get("enable_thinking"), Some(&json!(true)));
         assert_eq!(r.kwargs.get("foo"), Some(&json!(1)));
         assert!(!r.kwargs.contains_key("bar"), "\"auto\" is unset");
@@ -803,18 +883,29 @@ mod tests {
         let r = chat_request(&body, &opts()).expect("valid");
         assert_eq!(
             r.tools,
-            Some(json!([{"type": "function", "function": {"name": "f", "description": null, "parameters": null}}]))
+            Some(
+                json!([{"type": "function", "function": {"name": "f", "description": null, "parameters": null}}])
+            )
         );
     }
 
     #[test]
     fn completion_prompt_shapes() {
         let p = |b: Value| completion_prompt(&b, &opts());
-        assert_eq!(p(json!({"prompt": "hi"})).expect("ok"), (CompletionPrompt::Text("hi".into()), true));
-        assert_eq!(p(json!({"prompt": [1, 2], "add_special_tokens": false})).expect("ok"), (CompletionPrompt::Ids(vec![1, 2]), false));
+        assert_eq!(
+            p(json!({"prompt": "hi"})).expect("ok"),
+            (CompletionPrompt::Text("hi".into()), true)
+        );
+        assert_eq!(
+            p(json!({"prompt": [1, 2], "add_special_tokens": false})).expect("ok"),
+            (CompletionPrompt::Ids(vec![1, 2]), false)
+        );
         assert_eq!(
             p(json!({"prompt": [[1], [2, 3]]})).expect("ok").0,
-            CompletionPrompt::Batch(vec![CompletionPrompt::Ids(vec![1]), CompletionPrompt::Ids(vec![2, 3])])
+            CompletionPrompt::Batch(vec![
+                CompletionPrompt::Ids(vec![1]),
+                CompletionPrompt::Ids(vec![2, 3])
+            ])
         );
         assert!(p(json!({"prompt": [1, "a"]})).is_err());
         assert!(p(json!({"prompt": [-1]})).is_err());
@@ -825,9 +916,14 @@ mod tests {
 
     #[test]
     fn content_format_detection() {
-        assert_eq!(detect_content_format("{{ message.content }}"), ChatContentFormat::String);
         assert_eq!(
-            detect_content_format("{% for part in message['content'] %}{{ part.text }}{% endfor %}"),
+            detect_content_format("{{ message.content }}"),
+            ChatContentFormat::String
+        );
+        assert_eq!(
+            detect_content_format(
+                "{% for part in message['content'] %}{{ part.text }}{% endfor %}"
+            ),
             ChatContentFormat::OpenAi
         );
         assert_eq!(

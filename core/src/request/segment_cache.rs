@@ -157,7 +157,11 @@ mod tests {
     #[test]
     fn evicts_least_recently_used_by_entries() {
         let mut c = SegmentCache::new(1 << 20, 2);
-        let (a, b, d) = (SegmentKey::of("a"), SegmentKey::of("b"), SegmentKey::of("d"));
+        let (a, b, d) = (
+            SegmentKey::of("a"),
+            SegmentKey::of("b"),
+            SegmentKey::of("d"),
+        );
         c.insert(a, ids(1));
         c.insert(b, ids(2));
         assert!(c.get(&a).is_some()); // a is now the most recent

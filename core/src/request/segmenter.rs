@@ -59,10 +59,9 @@ impl Segmenter {
     /// turns line cuts off.
     pub(crate) fn from_tokenizer_json(tokenizer_json: &Value, min_chunk_bytes: usize) -> Self {
         let added = added_token_matcher(tokenizer_json);
-        let line_chunk_bytes = (min_chunk_bytes > 0
-            && added.is_some()
-            && line_cuts_are_exact(tokenizer_json))
-        .then_some(min_chunk_bytes);
+        let line_chunk_bytes =
+            (min_chunk_bytes > 0 && added.is_some() && line_cuts_are_exact(tokenizer_json))
+                .then_some(min_chunk_bytes);
         Self {
             added,
             line_chunk_bytes,
@@ -130,7 +129,11 @@ fn find_line_start(span: &str, from: usize) -> Option<usize> {
         if cut >= bytes.len() {
             return None;
         }
-        if span[cut..].chars().next().is_some_and(|c| !c.is_whitespace()) {
+        if span[cut..]
+            .chars()
+            .next()
+            .is_some_and(|c| !c.is_whitespace())
+        {
             return Some(cut);
         }
         i = cut;
@@ -175,9 +178,10 @@ fn line_cuts_are_exact(tokenizer_json: &Value) -> bool {
         None | Some(Value::Null) => true,
         Some(n) => n.get("type").and_then(Value::as_str) == Some("NFC"),
     };
-    let model_ok = tokenizer_json
-        .get("model")
-        .is_some_and(|m| m.get("type").and_then(Value::as_str) == Some("BPE") && m.get("dropout").is_none_or(Value::is_null));
+    let model_ok = tokenizer_json.get("model").is_some_and(|m| {
+        m.get("type").and_then(Value::as_str) == Some("BPE")
+            && m.get("dropout").is_none_or(Value::is_null)
+    });
     let pre_ok = tokenizer_json.get("pre_tokenizer").is_some_and(|p| {
         if p.get("type").and_then(Value::as_str) != Some("Sequence") {
             return false;

@@ -196,7 +196,9 @@ impl ModelTokenizer {
         match endpoint {
             Endpoint::ChatCompletions => {
                 let (text, add_special_tokens) = self.render_chat_inner(body)?;
-                Ok(PromptTokens::Single(self.encode_text(&text, add_special_tokens)?))
+                Ok(PromptTokens::Single(
+                    self.encode_text(&text, add_special_tokens)?,
+                ))
             }
             Endpoint::Completions => {
                 let (prompt, add_special_tokens) = openai::completion_prompt(body, &self.opts)?;
@@ -303,7 +305,11 @@ impl ModelTokenizer {
     /// `add_special_tokens` (as Hugging Face `tokenizer(text, add_special_tokens=...)`).
     /// Segments seen before come from the cache; the result equals
     /// [`Self::encode_text_uncached`].
-    pub fn encode_text(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, RequestError> {
+    pub fn encode_text(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, RequestError> {
         let ids = self.encode_segments(text)?;
         if add_special_tokens {
             self.post_process(ids)
@@ -343,7 +349,9 @@ impl ModelTokenizer {
 
     fn lock_cache(&self) -> MutexGuard<'_, SegmentCache> {
         // A panic while holding the lock cannot leave the LRU inconsistent enough to matter.
-        self.cache.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.cache
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn encode_piece(&self, text: &str) -> Result<Vec<u32>, RequestError> {
@@ -422,7 +430,10 @@ impl ModelTokenizer {
 
 /// Appends transformers' continuation tag to the final message's content and returns the
 /// content as it was (for the check after rendering).
-fn tag_final_message(messages: &mut [Value], template_source: &str) -> Result<String, RequestError> {
+fn tag_final_message(
+    messages: &mut [Value],
+    template_source: &str,
+) -> Result<String, RequestError> {
     let invalid = |reason: &str| RequestError::InvalidField {
         field: "continue_final_message".into(),
         reason: reason.into(),

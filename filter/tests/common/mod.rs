@@ -787,3 +787,200 @@ pub fn echo_replica() -> TestServer {
     *slot.lock().expect("lock") = server.port;
     server
 }
+
+// ---------------------------------------------------------------------------------------------
+// The real fleet: kvroute-sim replicas and kvroute-indexer.
+
+pub const ADMIN_TOKEN: &str = "e2e-admin-token";
+
+/// One kvroute-sim replica.
+pub struct Sim {
+    pub name: String,
+    pub port: u16,
+    pub events: u16,
+    pub replay: u16,
+    pub proc: Proc,
+}
+
+impl Sim {
+    pub fn start(name: &str, dir: &Path) -> Sim {
+        let (port, events, replay) = (free_port(), free_port(), free_port());
+        let kv = serde_json::json!({
+            "enable_kv_cache_events": true, "publisher": "zmq",
+            "endpoint": format!("tcp://127.0.0.1:{events}"),
+            "replay_endpoint": format!("tcp://127.0.0.1:{replay}"),
+            "topic": "kv-events"});
+        let proc = Proc::spawn(
+            name,
+            Command::new(bin("kvroute-sim"))
+                .arg("--port")
+                .arg(port.to_string())
+                .args(["--served-model-name", "qwen3", "--block-size", "16"])
+                .arg("--model-dir")
+                .arg(model_dir())
+                .args(["--num-gpu-blocks-override", "4096", "--time-scale", "20"])
+                .arg("--kv-events-config")
+                .arg(kv.to_string()),
+            dir,
+        );
+        let mut sim = Sim {
+            name: name.to_string(),
+            port,
+            events,
+            replay,
+            proc,
+        };
+        let start = Instant::now();
+        loop {
+            sim.proc.assert_running();
+            if try_http(port, "GET", "/health", &[], b"", Duration::from_secs(2))
+                .is_ok_and(|r| r.status == 200)
+            {
+                break;
+            }
+            assert!(start.elapsed() < Duration::from_secs(60), "{name} not healthy");
+            thread::sleep(Duration::from_millis(100));
+        }
+        sim
+    }
+
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// The indexer's replica entry.
+    pub fn replica_config(&self) -> Value {
+        serde_json::json!({"name": self.name, "http": self.addr(),
+            "events": [format!("tcp://127.0.0.1:{}", self.events)],
+            "replay": [format!("tcp://127.0.0.1:{}", self.replay)]})
+    }
+
+    /// Sum of a Prometheus counter over its label sets.
+    pub fn metric(&self, name: &str) -> f64 {
+        let r = http(self.port, "GET", "/metrics", &[], b"");
+        r.text()
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter(|l| l.split(['{', ' ']).next() == Some(name))
+            .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+            .sum()
+    }
+
+    /// (prefix_cache_queries_total, prefix_cache_hits_total), in tokens.
+    pub fn cache_counters(&self) -> (u64, u64) {
+        (
+            self.metric("vllm:prefix_cache_queries_total") as u64,
+            self.metric("vllm:prefix_cache_hits_total") as u64,
+        )
+    }
+}
+
+fn toml_str(s: &str) -> String {
+    Value::String(s.to_string()).to_string()
+}
+
+fn replica_toml(r: &Value) -> String {
+    let list = |k: &str| {
+        r[k].as_array()
+            .map(|a| a.iter().map(|v| toml_str(v.as_str().unwrap_or(""))).collect::<Vec<_>>().join(", "))
+            .unwrap_or_default()
+    };
+    format!(
+        "[[models.replicas]]\nname = {}\nhttp = {}\nevents = [{}]\nreplay = [{}]\n\n",
+        toml_str(r["name"].as_str().unwrap_or("")),
+        toml_str(r["http"].as_str().unwrap_or("")),
+        list("events"),
+        list("replay")
+    )
+}
+
+/// kvroute-indexer serve.
+pub struct Indexer {
+    pub port: u16,
+    pub proc: Proc,
+}
+
+impl Indexer {
+    pub fn start(sims: &[&Sim], dir: &Path) -> Indexer {
+        let port = free_port();
+        let mut cfg = format!(
+            "listen = {}\nadmin_token = {}\n\n[[models]]\nname = \"qwen3\"\nmodel_dir = {}\nblock_size = 16\n\n[models.hash]\nalgo = \"sha256\"\n\n",
+            toml_str(&format!("127.0.0.1:{port}")),
+            toml_str(ADMIN_TOKEN),
+            toml_str(&model_dir().display().to_string()),
+        );
+        for s in sims {
+            cfg.push_str(&replica_toml(&s.replica_config()));
+        }
+        let path = dir.join("indexer.toml");
+        std::fs::write(&path, cfg).expect("write indexer config");
+        let proc = Proc::spawn(
+            "indexer",
+            Command::new(bin("kvroute-indexer"))
+                .arg("serve")
+                .arg("--config")
+                .arg(&path)
+                .env("RUST_LOG", "info"),
+            dir,
+        );
+        let mut ix = Indexer { port, proc };
+        let start = Instant::now();
+        loop {
+            ix.proc.assert_running();
+            if try_http(port, "GET", "/readyz", &[], b"", Duration::from_secs(2))
+                .is_ok_and(|r| r.status == 200)
+            {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "indexer not ready; log:\n{}",
+                ix.proc.log_tail()
+            );
+            thread::sleep(Duration::from_millis(100));
+        }
+        ix
+    }
+
+    /// Adds a replica at run time through the admin API.
+    pub fn add_replica(&self, sim: &Sim) {
+        let mut body = sim.replica_config();
+        body["model"] = Value::from("qwen3");
+        let auth = format!("Bearer {ADMIN_TOKEN}");
+        let r = post_json(self.port, "/admin/replicas", &body, &[("authorization", &auth)]);
+        assert_eq!(r.status, 201, "add replica: {}", r.text());
+    }
+
+    /// The indexer's Prometheus metric (sum over labels).
+    pub fn metric(&self, name: &str) -> f64 {
+        let r = http(self.port, "GET", "/metrics", &[], b"");
+        r.text()
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter(|l| l.split(['{', ' ']).next() == Some(name))
+            .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+            .sum()
+    }
+}
+
+/// Deterministic filler text of roughly `words` words (about 1.3 tokens per word).
+pub fn filler(seed: u64, words: usize) -> String {
+    const VOCAB: [&str; 24] = [
+        "cache", "replica", "prefix", "token", "router", "block", "engine", "latency", "memory",
+        "policy", "stream", "event", "index", "request", "model", "batch", "queue", "warm", "cold",
+        "hit", "miss", "score", "load", "fleet",
+    ];
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = String::new();
+    for i in 0..words {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.push_str(VOCAB[(x % VOCAB.len() as u64) as usize]);
+        out.push(if i % 17 == 16 { '.' } else { ' ' });
+        if i % 17 == 16 {
+            out.push(' ');
+        }
+    }
+    out
+}

@@ -182,6 +182,7 @@ pub fn removed(hashes: &[u64]) -> KvEvent {
         block_hashes: hashes.iter().map(|h| WireBlockHash::Int(*h)).collect(),
         medium: Some(kvroute_core::events::Medium::Gpu),
         group_idx: Some(0),
+        ..Default::default()
     })
 }
 
