@@ -73,6 +73,8 @@ pub struct StreamStats {
 pub struct StreamState {
     /// Last applied sequence number.
     pub last_seq: Option<u64>,
+    /// Fingerprint of the last applied payload.
+    pub last_fingerprint: Option<u64>,
     /// Connected right now.
     pub connected: bool,
     /// When the last message (live or replayed) arrived.

@@ -67,6 +67,8 @@ pub struct StreamSnapshot {
     pub index_id: u32,
     /// Last applied seq.
     pub last_seq: Option<u64>,
+    /// Fingerprint of the last applied payload.
+    pub last_fingerprint: Option<u64>,
     /// The engine's `process_start_time_seconds` when saved.
     pub process_start: Option<f64>,
 }
@@ -169,12 +171,14 @@ pub fn capture(state: &AppState) -> Result<Snapshot, String> {
     for r in &replicas {
         let process_start = lock(&r.scraped).process_start;
         for s in &r.streams {
+            let ss = lock(&s.state).clone();
             streams.push(StreamSnapshot {
                 replica: r.name.clone(),
                 model: r.model.clone(),
                 rank: s.rank,
                 index_id: s.index_id,
-                last_seq: lock(&s.state).last_seq,
+                last_seq: ss.last_seq,
+                last_fingerprint: ss.last_fingerprint,
                 process_start,
             });
         }
@@ -308,7 +312,11 @@ pub fn apply_restore(state: &AppState, restore: Restore) {
         });
         match live {
             Some((r, st)) => {
-                lock(&st.state).last_seq = s.last_seq;
+                {
+                    let mut ss = lock(&st.state);
+                    ss.last_seq = s.last_seq;
+                    ss.last_fingerprint = s.last_fingerprint;
+                }
                 if s.process_start.is_some() {
                     lock(&r.scraped).process_start = s.process_start;
                 }
@@ -336,6 +344,7 @@ mod tests {
                 rank: 0,
                 index_id: 3,
                 last_seq: Some(42),
+                last_fingerprint: Some(7),
                 process_start: Some(1.5),
             }],
             block_sizes: vec![("m".into(), 16)],

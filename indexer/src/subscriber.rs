@@ -71,6 +71,18 @@ pub struct SeqTracker {
     pub last: Option<u64>,
     /// Seqs `lo..=hi` were applied from a replay; live copies of them are duplicates.
     pub dup_window: Option<(u64, u64)>,
+    /// Fingerprint of the last applied payload (identifies the engine lifetime on reconnect).
+    pub last_fingerprint: Option<u64>,
+}
+
+/// FNV-1a 64 of a payload: stable across processes and builds (it goes into snapshots).
+pub fn fingerprint(payload: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in payload {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
 }
 
 impl SeqTracker {
@@ -110,9 +122,13 @@ pub fn spawn_replica(state: &Arc<AppState>, replica: &Arc<Replica>) {
             replica: replica.clone(),
             stream: stream.clone(),
             model: model.clone(),
-            tracker: SeqTracker {
-                last: lock(&stream.state).last_seq,
-                dup_window: None,
+            tracker: {
+                let st = lock(&stream.state);
+                SeqTracker {
+                    last: st.last_seq,
+                    dup_window: None,
+                    last_fingerprint: st.last_fingerprint,
+                }
             },
         };
         tasks.push(tokio::spawn(ctx.run()));
@@ -318,9 +334,56 @@ impl StreamCtx {
         }
     }
 
+    /// After a (re)connect the stream may belong to a new engine whose seq has passed ours, so
+    /// sequence numbers alone cannot tell. Replay from our last seq (not the one after): the same
+    /// engine sends back the very batch we applied last (same fingerprint), a new one does not.
     async fn sync_after_connect(&mut self) {
-        let from = self.tracker.next_needed();
-        self.replay_and_apply(from, None).await;
+        let (Some(last), Some(fp)) = (self.tracker.last, self.tracker.last_fingerprint) else {
+            let from = self.tracker.next_needed();
+            self.replay_and_apply(from, None).await;
+            return;
+        };
+        let batches = match self.replay_endpoint() {
+            Some(ep) => {
+                self.stream.stats.replays.fetch_add(1, Ordering::Relaxed);
+                match replay(
+                    &ep,
+                    last,
+                    Duration::from_millis(self.cfg().connect_timeout_ms),
+                    Duration::from_millis(self.cfg().replay_read_timeout_ms),
+                    self.cfg().replay_max_batches,
+                )
+                .await
+                {
+                    Ok(b) => Some(b),
+                    Err(e) => {
+                        self.stream.stats.replay_failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(replica = %self.replica.name, rank = self.stream.rank, error = %e, "replay failed");
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
+        let same_engine = batches.as_ref().and_then(|b| b.first()).is_some_and(|(seq, payload)| {
+            *seq == last && fingerprint(payload) == fp
+        });
+        if !same_engine {
+            self.reset_stream("reconnected to a different engine lifetime, or replay cannot resume");
+            self.replay_and_apply(0, None).await;
+            return;
+        }
+        let mut applied_any = false;
+        for (seq, payload) in batches.unwrap_or_default() {
+            if self.tracker.last.is_some_and(|l| seq <= l) {
+                continue;
+            }
+            self.apply(seq, &payload);
+            applied_any = true;
+        }
+        if applied_any {
+            self.tracker.dup_window = Some((last + 1, self.tracker.last.unwrap_or(last)));
+        }
     }
 
     /// Drops this stream's index entries and sequence state.
@@ -329,7 +392,9 @@ impl StreamCtx {
         {
             let mut idx = lock(&self.state.index);
             idx.clear_replica(self.stream.index_id);
-            lock(&self.stream.state).last_seq = None;
+            let mut s = lock(&self.stream.state);
+            s.last_seq = None;
+            s.last_fingerprint = None;
         }
         self.tracker = SeqTracker::default();
         if had_state {
@@ -439,7 +504,9 @@ impl StreamCtx {
     /// Decodes one batch and applies it; the stream's seq advances even when the payload is
     /// garbage (the engine will never resend it).
     fn apply(&mut self, seq: u64, payload: &[u8]) {
+        let fp = fingerprint(payload);
         self.tracker.last = Some(seq);
+        self.tracker.last_fingerprint = Some(fp);
         let batch = match decode_batch(payload) {
             Ok(b) => Some(b),
             Err(e) => {
@@ -481,6 +548,7 @@ impl StreamCtx {
         // Updated under the index lock so a snapshot sees entries and seq together.
         let mut s = lock(&self.stream.state);
         s.last_seq = Some(seq);
+        s.last_fingerprint = Some(fp);
         s.last_message = Some(std::time::Instant::now());
         if let Some(batch) = &batch {
             s.last_batch_ts = Some(batch.ts);

@@ -117,8 +117,8 @@ async fn reconnects_after_publisher_restart_on_same_port() {
     let reconnect_ms = start.elapsed().as_millis();
     tokio::time::sleep(Duration::from_millis(150)).await;
     p2.publish(vec![stored(&[6], None, &c[..4], 4)]).await;
-    assert!(wait_until(T, || held(&state, "r0", &b) == 1 && held(&state, "r0", &c) == 1).await,
-        "b={:?} c={:?}", matched(&state, &b), matched(&state, &c));
+    assert!(wait_until(T, || held(&state, "r0", &b) == 1 && held(&state, "r0", &c) == 1 && held(&state, "r0", &a) == 0).await,
+        "a={:?} b={:?} c={:?}", matched(&state, &a), matched(&state, &b), matched(&state, &c));
     eprintln!("reconnected {reconnect_ms} ms after the publisher came back");
     assert!(stat(&state, "r0", |s| s.connects.load(std::sync::atomic::Ordering::Relaxed)) >= 2);
 }

@@ -30,7 +30,7 @@ impl Default for LatencyModel {
     fn default() -> Self {
         LatencyModel {
             prefill_tokens_per_s: 30_000.0,
-            decode_step_ms: 6.5,
+            decode_step_ms: 6.0,
             decode_ms_per_seq: 0.03,
             decode_ms_per_1k_context: 0.04,
         }

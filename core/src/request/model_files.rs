@@ -1,7 +1,5 @@
 //! The two files kvroute needs from a model: `tokenizer.json` and `tokenizer_config.json`.
 
-use super::RequestError;
-
 /// A model's tokenizer files, as bytes (so they can come from disk, a callout or the plugin
 /// configuration alike).
 #[derive(Clone, PartialEq, Eq)]
@@ -29,7 +27,8 @@ impl ModelFiles {
     /// Reads `tokenizer.json` and `tokenizer_config.json` from `dir`. A `chat_template.jinja`
     /// next to them replaces the config's `chat_template`, as transformers does; a missing
     /// `tokenizer_config.json` is treated as `{}` (no chat template).
-    pub fn from_dir(dir: impl AsRef<std::path::Path>) -> Result<Self, RequestError> {
+    pub fn from_dir(dir: impl AsRef<std::path::Path>) -> Result<Self, super::RequestError> {
+        use super::RequestError;
         let dir = dir.as_ref();
         let read = |name: &str| -> Result<Option<Vec<u8>>, RequestError> {
             let path = dir.join(name);
