@@ -9,7 +9,7 @@
 use std::hint::black_box;
 use std::path::PathBuf;
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion};
 use kvroute_core::request::{Endpoint, ModelFiles, ModelTokenizer, PromptTokens, TokenizerOptions};
 use serde_json::{json, Value};
 
@@ -120,44 +120,60 @@ fn bench(c: &mut Criterion) {
         );
     }
 
-    // Warm: the previous request (~30k tokens) was seen; the new one adds a ~2k-token turn.
+    // Warm: the previous request (~25k tokens) was seen; the new one adds an assistant reply and
+    // a fresh ~2k-token user turn (different every iteration, so it is tokenised cold).
     let seen = conversation(15, 700, &text(77, 60));
-    let mut next = seen.clone();
-    if let Some(messages) = next["messages"].as_array_mut() {
-        messages.push(json!({"role": "assistant", "content": text(78, 100)}));
-        messages.push(json!({"role": "user", "content": text(79, 1400)}));
-    }
+    let extend = |seed: u64| {
+        let mut next = seen.clone();
+        if let Some(messages) = next["messages"].as_array_mut() {
+            messages.push(json!({"role": "assistant", "content": text(78, 100)}));
+            messages.push(json!({"role": "user", "content": text(seed, 1400)}));
+        }
+        next
+    };
     eprintln!(
         "warm: seen {} tokens, new request {} tokens",
         token_count(&tk, &seen),
-        token_count(&tk, &next)
+        token_count(&tk, &extend(79))
     );
     group.bench_function("warm_conversation/32k", |b| {
         tk.clear_cache();
         let _ = tk.tokenize_request(Endpoint::ChatCompletions, &seen);
-        b.iter(|| black_box(tk.tokenize_request(Endpoint::ChatCompletions, &next).ok()))
+        let mut seed = 1_000_000;
+        b.iter_batched(
+            || {
+                seed += 1;
+                extend(seed)
+            },
+            |next| black_box(tk.tokenize_request(Endpoint::ChatCompletions, &next).ok()),
+            BatchSize::SmallInput,
+        )
     });
 
-    // Warm, one message: a ~30k-token document seen before, now with a question appended in the
-    // same message (served by line chunks).
+    // Warm, one message: a ~30k-token document seen before, now with a fresh question appended
+    // in the same message (served by line chunks).
     let doc = text(5, 23_000);
     let seen_doc = json!({"messages": [{"role": "user", "content": doc}]});
-    let next_doc =
-        json!({"messages": [{"role": "user", "content": format!("{doc}\n{}", text(6, 1500))}]});
+    let extend_doc = |seed: u64| json!({"messages": [{"role": "user", "content": format!("{doc}\n{}", text(seed, 1500))}]});
     eprintln!(
-        "warm single message: new request {} tokens",
-        token_count(&tk, &next_doc)
+        "warm single message: seen {} tokens, new request {} tokens",
+        token_count(&tk, &seen_doc),
+        token_count(&tk, &extend_doc(6))
     );
     group.bench_function("warm_single_message/32k", |b| {
         tk.clear_cache();
         let _ = tk.tokenize_request(Endpoint::ChatCompletions, &seen_doc);
-        b.iter(|| {
-            black_box(
-                tk.tokenize_request(Endpoint::ChatCompletions, &next_doc)
-                    .ok(),
-            )
-        })
+        let mut seed = 2_000_000;
+        b.iter_batched(
+            || {
+                seed += 1;
+                extend_doc(seed)
+            },
+            |next| black_box(tk.tokenize_request(Endpoint::ChatCompletions, &next).ok()),
+            BatchSize::SmallInput,
+        )
     });
+    let next = extend(79);
     group.bench_function("render_only/32k", |b| {
         b.iter(|| black_box(tk.render_chat(&next).ok()))
     });

@@ -115,9 +115,13 @@ fn bench_ingest(c: &mut Criterion) {
     g.measurement_time(Duration::from_secs(8));
     for decode in [false, true] {
         let name = if decode { "decode_and_apply" } else { "apply" };
-        // 128 MiB budget: full after ~2M blocks, so most samples include eviction.
+        // 128 MiB budget by default: full after ~2M blocks, so most samples include eviction.
         let mut ix = KvIndex::new(IndexConfig {
-            max_bytes: 128 << 20,
+            max_bytes: std::env::var("KVROUTE_BENCH_INGEST_MIB")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(128)
+                << 20,
             ..IndexConfig::default()
         });
         let mut conv = 0u64;

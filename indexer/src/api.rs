@@ -31,7 +31,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz_handler))
         .route("/debug/replicas", get(debug_replicas))
-        .route("/debug/lookup", get(debug_lookup_get).post(debug_lookup_post))
+        .route(
+            "/debug/lookup",
+            get(debug_lookup_get).post(debug_lookup_post),
+        )
         .route("/admin/replicas", post(admin_add))
         .route("/admin/replicas/{name}", delete(admin_remove))
         .route("/admin/replicas/{name}/drain", post(admin_drain))
@@ -45,16 +48,31 @@ pub fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, Json(json!({"error": message.into()}))).into_response()
 }
 
-fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Response> {
-    serde_json::from_slice(body).map_err(|e| error(StatusCode::BAD_REQUEST, format!("invalid JSON body: {e}")))
+/// An error answer: status and message (rendered as `{"error": message}`).
+#[derive(Debug)]
+pub struct ApiError(StatusCode, String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        error(self.0, self.1)
+    }
 }
 
-async fn route_handler(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("invalid JSON body: {e}")))
+}
+
+async fn route_handler(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let req: RouteRequest = match parse_json(&body) {
         Ok(r) => r,
         Err(resp) => {
             state.metrics.count_route_error(400);
-            return resp;
+            return resp.into_response();
         }
     };
     let header_session = headers
@@ -65,7 +83,10 @@ async fn route_handler(State(state): State<Arc<AppState>>, headers: HeaderMap, b
         Err(e) => {
             let status = e.status();
             state.metrics.count_route_error(status);
-            error(StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), e.to_string())
+            error(
+                StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+                e.to_string(),
+            )
         }
     }
 }
@@ -84,14 +105,15 @@ struct CompleteRequest {
 async fn complete_handler(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let req: CompleteRequest = match parse_json(&body) {
         Ok(r) => r,
-        Err(resp) => return resp,
+        Err(resp) => return resp.into_response(),
     };
     let m = &state.metrics;
     m.completions.fetch_add(1, Ordering::Relaxed);
     match state.load.completed(&req.request_id) {
         Some(p) => {
             if let Some(reported) = req.cached_tokens {
-                m.predicted_hit_tokens.fetch_add(p.predicted_tokens, Ordering::Relaxed);
+                m.predicted_hit_tokens
+                    .fetch_add(p.predicted_tokens, Ordering::Relaxed);
                 m.reported_hit_tokens.fetch_add(reported, Ordering::Relaxed);
                 let c = match reported.cmp(&p.predicted_tokens) {
                     std::cmp::Ordering::Equal => &m.hit_exact,
@@ -125,18 +147,31 @@ async fn models_handler(State(state): State<Arc<AppState>>) -> Response {
     Json(json!({"models": models})).into_response()
 }
 
-async fn tokenizer_handler(State(state): State<Arc<AppState>>, Path(model): Path<String>) -> Response {
+async fn tokenizer_handler(
+    State(state): State<Arc<AppState>>,
+    Path(model): Path<String>,
+) -> Response {
     let Some(m) = state.models.get(&model).cloned() else {
         return error(StatusCode::NOT_FOUND, format!("unknown model {model:?}"));
     };
     let Some(dir) = m.model_dir.clone() else {
-        return error(StatusCode::NOT_FOUND, format!("model {model:?} has no model_dir configured"));
+        return error(
+            StatusCode::NOT_FOUND,
+            format!("model {model:?} has no model_dir configured"),
+        );
     };
     let read = |f: &'static str| {
         let p = dir.join(f);
-        async move { tokio::fs::read_to_string(&p).await.map_err(|e| format!("{}: {e}", p.display())) }
+        async move {
+            tokio::fs::read_to_string(&p)
+                .await
+                .map_err(|e| format!("{}: {e}", p.display()))
+        }
     };
-    let (tok, cfg) = match (read("tokenizer.json").await, read("tokenizer_config.json").await) {
+    let (tok, cfg) = match (
+        read("tokenizer.json").await,
+        read("tokenizer_config.json").await,
+    ) {
         (Ok(t), Ok(c)) => (t, c),
         (Err(e), _) | (_, Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
     };
@@ -169,10 +204,16 @@ async fn readyz_handler(State(state): State<Arc<AppState>>) -> Response {
         }
         for r in &reps {
             if let Some(cause) = lock(&r.hash_mismatch).clone() {
-                problems.push(format!("replica {}: hash self-check mismatch, likely cause {cause}", r.name));
+                problems.push(format!(
+                    "replica {}: hash self-check mismatch, likely cause {cause}",
+                    r.name
+                ));
             }
             if r.stale(stale_after) {
-                problems.push(format!("replica {}: event stream stale or disconnected", r.name));
+                problems.push(format!(
+                    "replica {}: event stream stale or disconnected",
+                    r.name
+                ));
             }
         }
     }
@@ -183,7 +224,11 @@ async fn readyz_handler(State(state): State<Arc<AppState>>) -> Response {
     } else {
         "degraded"
     };
-    let code = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let code = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
     (code, Json(json!({"status": status, "problems": problems}))).into_response()
 }
 
@@ -246,7 +291,10 @@ fn lookup_response(state: &AppState, req: &RouteRequest) -> Response {
     let keys = match request_router_keys(state, req) {
         Ok(k) => k,
         Err(e) => {
-            return error(StatusCode::from_u16(e.status()).unwrap_or(StatusCode::BAD_REQUEST), e.to_string())
+            return error(
+                StatusCode::from_u16(e.status()).unwrap_or(StatusCode::BAD_REQUEST),
+                e.to_string(),
+            )
         }
     };
     let replicas = state.fleet.of_model(&keys.model.name);
@@ -279,20 +327,33 @@ fn lookup_response(state: &AppState, req: &RouteRequest) -> Response {
 async fn debug_lookup_post(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     match parse_json::<RouteRequest>(&body) {
         Ok(req) => lookup_response(&state, &req),
-        Err(resp) => resp,
+        Err(resp) => resp.into_response(),
     }
 }
 
-async fn debug_lookup_get(State(state): State<Arc<AppState>>, Query(q): Query<HashMap<String, String>>) -> Response {
+async fn debug_lookup_get(
+    State(state): State<Arc<AppState>>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
     let Some(model) = q.get("model") else {
         return error(StatusCode::BAD_REQUEST, "missing ?model=");
     };
     let Some(keys) = q.get("keys") else {
-        return error(StatusCode::BAD_REQUEST, "missing ?keys=k1,k2,... (decimal u64 router keys)");
+        return error(
+            StatusCode::BAD_REQUEST,
+            "missing ?keys=k1,k2,... (decimal u64 router keys)",
+        );
     };
-    let parsed: Result<Vec<u64>, _> = keys.split(',').filter(|s| !s.is_empty()).map(|s| s.trim().parse::<u64>()).collect();
+    let parsed: Result<Vec<u64>, _> = keys
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| s.trim().parse::<u64>())
+        .collect();
     let Ok(router_keys) = parsed else {
-        return error(StatusCode::BAD_REQUEST, "keys must be decimal u64 values separated by commas");
+        return error(
+            StatusCode::BAD_REQUEST,
+            "keys must be decimal u64 values separated by commas",
+        );
     };
     // Every given key counts as usable: num_tokens = keys * block_size + 1.
     let bs = state
@@ -310,9 +371,12 @@ async fn debug_lookup_get(State(state): State<Arc<AppState>>, Query(q): Query<Ha
 }
 
 /// Checks `Authorization: Bearer <admin token>`.
-fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), Response> {
+fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(token) = &state.admin_token else {
-        return Err(error(StatusCode::FORBIDDEN, "admin API disabled: set admin_token or admin_token_env"));
+        return Err(ApiError(
+            StatusCode::FORBIDDEN,
+            "admin API disabled: set admin_token or admin_token_env".into(),
+        ));
     };
     let given = headers
         .get(header::AUTHORIZATION)
@@ -322,7 +386,10 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), Response> {
     if constant_time_eq(given.as_bytes(), token.as_bytes()) {
         Ok(())
     } else {
-        Err(error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token"))
+        Err(ApiError(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong bearer token".into(),
+        ))
     }
 }
 
@@ -333,15 +400,23 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn admin_add(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn admin_add(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     if let Err(r) = authorize(&state, &headers) {
-        return r;
+        return r.into_response();
     }
     let mut v: Value = match parse_json(&body) {
         Ok(v) => v,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
-    let Some(model) = v.as_object_mut().and_then(|o| o.remove("model")).and_then(|m| m.as_str().map(str::to_string)) else {
+    let Some(model) = v
+        .as_object_mut()
+        .and_then(|o| o.remove("model"))
+        .and_then(|m| m.as_str().map(str::to_string))
+    else {
         return error(StatusCode::BAD_REQUEST, "field `model`: required string");
     };
     if !state.models.contains_key(&model) {
@@ -358,15 +433,23 @@ async fn admin_add(State(state): State<Arc<AppState>>, headers: HeaderMap, body:
         Ok(replica) => {
             subscriber::spawn_replica(&state, &replica);
             tracing::info!(replica = %replica.name, %model, "replica added via admin API");
-            (StatusCode::CREATED, Json(json!({"replica": replica.name, "model": model}))).into_response()
+            (
+                StatusCode::CREATED,
+                Json(json!({"replica": replica.name, "model": model})),
+            )
+                .into_response()
         }
         Err(e) => error(StatusCode::CONFLICT, e.to_string()),
     }
 }
 
-async fn admin_remove(State(state): State<Arc<AppState>>, headers: HeaderMap, Path(name): Path<String>) -> Response {
+async fn admin_remove(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Response {
     if let Err(r) = authorize(&state, &headers) {
-        return r;
+        return r.into_response();
     }
     match state.fleet.remove(&name) {
         Ok(r) => {
@@ -381,17 +464,25 @@ async fn admin_remove(State(state): State<Arc<AppState>>, headers: HeaderMap, Pa
     }
 }
 
-async fn admin_drain(State(state): State<Arc<AppState>>, headers: HeaderMap, Path(name): Path<String>) -> Response {
+async fn admin_drain(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Response {
     set_draining(&state, &headers, &name, true)
 }
 
-async fn admin_undrain(State(state): State<Arc<AppState>>, headers: HeaderMap, Path(name): Path<String>) -> Response {
+async fn admin_undrain(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Response {
     set_draining(&state, &headers, &name, false)
 }
 
 fn set_draining(state: &AppState, headers: &HeaderMap, name: &str, draining: bool) -> Response {
     if let Err(r) = authorize(state, headers) {
-        return r;
+        return r.into_response();
     }
     match state.fleet.get(name) {
         Some(r) => {

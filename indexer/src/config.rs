@@ -332,7 +332,10 @@ impl Config {
             .parse::<SocketAddr>()
             .map_err(|e| invalid("listen", format!("{:?} is not IP:port ({e})", self.listen)))?;
         if self.index.max_bytes < 1024 * 1024 {
-            return Err(invalid("index.max_bytes", "must be at least 1048576 (1 MiB)"));
+            return Err(invalid(
+                "index.max_bytes",
+                "must be at least 1048576 (1 MiB)",
+            ));
         }
         if let Some(s) = &self.snapshot {
             if s.interval_ms == 0 {
@@ -360,7 +363,10 @@ impl Config {
             return Err(invalid("admin_token", "must not be empty"));
         }
         if self.models.is_empty() {
-            return Err(invalid("models", "at least one [[models]] entry is required"));
+            return Err(invalid(
+                "models",
+                "at least one [[models]] entry is required",
+            ));
         }
         let mut model_names = std::collections::HashSet::new();
         let mut replica_names = std::collections::HashSet::new();
@@ -370,7 +376,10 @@ impl Config {
                 return Err(invalid(format!("{mf}.name"), "must not be empty"));
             }
             if !model_names.insert(m.name.clone()) {
-                return Err(invalid(format!("{mf}.name"), format!("duplicate model {:?}", m.name)));
+                return Err(invalid(
+                    format!("{mf}.name"),
+                    format!("duplicate model {:?}", m.name),
+                ));
             }
             if let Some(dir) = &m.model_dir {
                 for f in ["tokenizer.json", "tokenizer_config.json"] {
@@ -384,15 +393,22 @@ impl Config {
             }
             if let Some(bs) = m.block_size {
                 if bs == 0 || bs > 1 << 20 {
-                    return Err(invalid(format!("{mf}.block_size"), "must be between 1 and 1048576"));
+                    return Err(invalid(
+                        format!("{mf}.block_size"),
+                        "must be between 1 and 1048576",
+                    ));
                 }
             }
             if let Some(h) = &m.hash {
-                hash_config(h).map_err(|(field, msg)| invalid(format!("{mf}.hash.{field}"), msg))?;
+                hash_config(h)
+                    .map_err(|(field, msg)| invalid(format!("{mf}.hash.{field}"), msg))?;
             }
             for (name, path) in &m.loras {
                 if path.is_empty() {
-                    return Err(invalid(format!("{mf}.loras.{name}"), "path must not be empty"));
+                    return Err(invalid(
+                        format!("{mf}.loras.{name}"),
+                        "path must not be empty",
+                    ));
                 }
             }
             for (ri, r) in m.replicas.iter().enumerate() {
@@ -424,17 +440,25 @@ impl Config {
 
 /// Builds the hash configuration of a `[models.hash]` section; errors carry the sub-field name.
 pub fn hash_config(h: &HashSection) -> Result<HashConfig, (&'static str, String)> {
-    let algo: HashAlgo = h
-        .algo
-        .parse()
-        .map_err(|_| ("algo", format!("unknown algorithm {:?} (sha256, sha256_cbor, xxhash, xxhash_cbor)", h.algo)))?;
+    let algo: HashAlgo = h.algo.parse().map_err(|_| {
+        (
+            "algo",
+            format!(
+                "unknown algorithm {:?} (sha256, sha256_cbor, xxhash, xxhash_cbor)",
+                h.algo
+            ),
+        )
+    })?;
     if !h
         .engine_version
         .split('.')
         .take(2)
         .all(|p| !p.is_empty() && p.chars().all(|c| c.is_ascii_digit()))
     {
-        return Err(("engine_version", format!("{:?} is not a version like 0.33.0", h.engine_version)));
+        return Err((
+            "engine_version",
+            format!("{:?} is not a version like 0.33.0", h.engine_version),
+        ));
     }
     let cfg = HashConfig {
         algo,
@@ -460,15 +484,24 @@ impl ReplicaConfig {
             ));
         }
         self.http.parse::<SocketAddr>().map_err(|e| {
-            invalid(format!("{field}.http"), format!("{:?} is not IP:port ({e})", self.http))
+            invalid(
+                format!("{field}.http"),
+                format!("{:?} is not IP:port ({e})", self.http),
+            )
         })?;
         if let Some(ep) = &self.endpoint {
             ep.parse::<SocketAddr>().map_err(|e| {
-                invalid(format!("{field}.endpoint"), format!("{ep:?} is not IP:port ({e})"))
+                invalid(
+                    format!("{field}.endpoint"),
+                    format!("{ep:?} is not IP:port ({e})"),
+                )
             })?;
         }
         if self.data_parallel_size == 0 || self.data_parallel_size > 1024 {
-            return Err(invalid(format!("{field}.data_parallel_size"), "must be between 1 and 1024"));
+            return Err(invalid(
+                format!("{field}.data_parallel_size"),
+                "must be between 1 and 1024",
+            ));
         }
         for (name, list) in [("events", &self.events), ("replay", &self.replay)] {
             if list.len() > 1 && list.len() != self.data_parallel_size as usize {
@@ -486,7 +519,10 @@ impl ReplicaConfig {
             }
         }
         if self.bind && self.events.is_empty() {
-            return Err(invalid(format!("{field}.events"), "bind = true needs explicit event endpoints"));
+            return Err(invalid(
+                format!("{field}.events"),
+                "bind = true needs explicit event endpoints",
+            ));
         }
         Ok(())
     }
@@ -504,7 +540,9 @@ impl ReplicaConfig {
     /// Replay endpoint of every DP rank (`None` where replay is not configured).
     pub fn replay_endpoints(&self) -> Vec<Option<String>> {
         let v = expand_ranks(&self.replay, self.data_parallel_size);
-        (0..self.data_parallel_size as usize).map(|r| v.get(r).cloned()).collect()
+        (0..self.data_parallel_size as usize)
+            .map(|r| v.get(r).cloned())
+            .collect()
     }
 }
 
@@ -516,7 +554,9 @@ pub fn parse_tcp_endpoint(ep: &str) -> Result<(String, u16), String> {
     let (host, port) = rest
         .rsplit_once(':')
         .ok_or_else(|| format!("{ep:?} has no :port"))?;
-    let port: u16 = port.parse().map_err(|_| format!("{ep:?} has an invalid port"))?;
+    let port: u16 = port
+        .parse()
+        .map_err(|_| format!("{ep:?} has an invalid port"))?;
     if host.is_empty() {
         return Err(format!("{ep:?} has no host"));
     }
@@ -533,7 +573,10 @@ pub fn expand_ranks(list: &[String], dp: u32) -> Vec<String> {
         return list.to_vec();
     };
     (0..dp)
-        .filter_map(|r| port.checked_add(r as u16).map(|p| format!("tcp://{host}:{p}")))
+        .filter_map(|r| {
+            port.checked_add(r as u16)
+                .map(|p| format!("tcp://{host}:{p}"))
+        })
         .collect()
 }
 
@@ -573,8 +616,28 @@ events = ["tcp://127.0.0.1:5557"]
     }
 
     #[test]
+    fn example_config_is_valid() {
+        // model_dir must exist on the machine that runs it; the example's does not exist here.
+        let text: String = include_str!("../examples/indexer.toml")
+            .lines()
+            .filter(|l| !l.starts_with("model_dir"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let cfg = Config::parse(&text, "examples/indexer.toml").expect("example parses");
+        assert_eq!(cfg.models[0].replicas.len(), 2);
+        assert_eq!(cfg.models[0].replicas[1].data_parallel_size, 2);
+    }
+
+    #[test]
     fn dp_ranks_get_consecutive_ports() {
         let v = expand_ranks(&["tcp://10.0.0.1:5557".to_string()], 3);
-        assert_eq!(v, ["tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "tcp://10.0.0.1:5559"]);
+        assert_eq!(
+            v,
+            [
+                "tcp://10.0.0.1:5557",
+                "tcp://10.0.0.1:5558",
+                "tcp://10.0.0.1:5559"
+            ]
+        );
     }
 }

@@ -90,7 +90,9 @@ impl LoadTracker {
 fn release(replica: &Replica) {
     let _ = replica
         .in_flight
-        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| Some((v - 1).max(0)));
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+            Some((v - 1).max(0))
+        });
 }
 
 impl Inner {

@@ -10,7 +10,11 @@ use kvroute_indexer::policies::Policy;
 use kvroute_indexer::{cli, server};
 
 #[derive(Parser)]
-#[command(name = "kvroute-indexer", version, about = "KV-cache-aware routing sidecar for vLLM fleets")]
+#[command(
+    name = "kvroute-indexer",
+    version,
+    about = "KV-cache-aware routing sidecar for vLLM fleets"
+)]
 struct Args {
     #[command(subcommand)]
     command: Command,

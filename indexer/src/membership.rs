@@ -173,7 +173,10 @@ impl Replica {
             if !s.connected {
                 return true;
             }
-            busy && s.last_message.map(|t| t.elapsed() > stale_after).unwrap_or(true)
+            busy && s
+                .last_message
+                .map(|t| t.elapsed() > stale_after)
+                .unwrap_or(true)
         })
     }
 }
@@ -276,7 +279,10 @@ impl Fleet {
 
     /// Replicas of one model.
     pub fn of_model(&self, model: &str) -> Vec<Arc<Replica>> {
-        self.all().into_iter().filter(|r| r.model == model).collect()
+        self.all()
+            .into_iter()
+            .filter(|r| r.model == model)
+            .collect()
     }
 
     /// The replica that owns an index id, with the rank.

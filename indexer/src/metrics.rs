@@ -12,7 +12,9 @@ fn header(out: &mut String, name: &str, kind: &str, help: &str) {
 }
 
 fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 /// Renders every metric.
@@ -25,16 +27,46 @@ pub fn render(state: &AppState) -> String {
     let replicas = state.fleet.all();
     type Getter = fn(&crate::membership::StreamStats) -> u64;
     let stream_counters: [(&str, &str, Getter); 10] = [
-        ("event_batches_total", "Event batches applied.", |s| s.batches.load(Ordering::Relaxed)),
-        ("events_total", "Events applied to the index.", |s| s.events.load(Ordering::Relaxed)),
-        ("event_gaps_total", "Sequence gaps detected.", |s| s.gaps.load(Ordering::Relaxed)),
-        ("replays_total", "Replays requested.", |s| s.replays.load(Ordering::Relaxed)),
-        ("replay_failures_total", "Replays that failed (connect or read timeout, bad reply).", |s| s.replay_failures.load(Ordering::Relaxed)),
-        ("stream_resets_total", "Times a stream's entries were dropped (restart, uncoverable gap).", |s| s.resets.load(Ordering::Relaxed)),
-        ("event_decode_errors_total", "Undecodable event messages skipped.", |s| s.garbage.load(Ordering::Relaxed)),
-        ("event_duplicates_total", "Batches received twice (live and replay) and skipped.", |s| s.duplicates.load(Ordering::Relaxed)),
-        ("events_rejected_total", "Events the index refused (e.g. unknown parent).", |s| s.rejected_events.load(Ordering::Relaxed)),
-        ("stream_connects_total", "Event stream connections.", |s| s.connects.load(Ordering::Relaxed)),
+        ("event_batches_total", "Event batches applied.", |s| {
+            s.batches.load(Ordering::Relaxed)
+        }),
+        ("events_total", "Events applied to the index.", |s| {
+            s.events.load(Ordering::Relaxed)
+        }),
+        ("event_gaps_total", "Sequence gaps detected.", |s| {
+            s.gaps.load(Ordering::Relaxed)
+        }),
+        ("replays_total", "Replays requested.", |s| {
+            s.replays.load(Ordering::Relaxed)
+        }),
+        (
+            "replay_failures_total",
+            "Replays that failed (connect or read timeout, bad reply).",
+            |s| s.replay_failures.load(Ordering::Relaxed),
+        ),
+        (
+            "stream_resets_total",
+            "Times a stream's entries were dropped (restart, uncoverable gap).",
+            |s| s.resets.load(Ordering::Relaxed),
+        ),
+        (
+            "event_decode_errors_total",
+            "Undecodable event messages skipped.",
+            |s| s.garbage.load(Ordering::Relaxed),
+        ),
+        (
+            "event_duplicates_total",
+            "Batches received twice (live and replay) and skipped.",
+            |s| s.duplicates.load(Ordering::Relaxed),
+        ),
+        (
+            "events_rejected_total",
+            "Events the index refused (e.g. unknown parent).",
+            |s| s.rejected_events.load(Ordering::Relaxed),
+        ),
+        ("stream_connects_total", "Event stream connections.", |s| {
+            s.connects.load(Ordering::Relaxed)
+        }),
     ];
     for (name, help, get) in stream_counters {
         let full = format!("{p}_{name}");
@@ -52,106 +84,279 @@ pub fn render(state: &AppState) -> String {
             }
         }
     }
-    let gauge_stream = |out: &mut String, name: &str, help: &str, f: &dyn Fn(&crate::membership::StreamState) -> Option<f64>| {
-        let full = format!("{p}_{name}");
-        header(out, &full, "gauge", help);
-        for r in &replicas {
-            for s in &r.streams {
-                if let Some(v) = f(&lock(&s.state)) {
-                    let _ = writeln!(
-                        out,
-                        "{full}{{replica=\"{}\",model=\"{}\",rank=\"{}\"}} {v}",
-                        escape(&r.name),
-                        escape(&r.model),
-                        s.rank
-                    );
+    let gauge_stream =
+        |out: &mut String,
+         name: &str,
+         help: &str,
+         f: &dyn Fn(&crate::membership::StreamState) -> Option<f64>| {
+            let full = format!("{p}_{name}");
+            header(out, &full, "gauge", help);
+            for r in &replicas {
+                for s in &r.streams {
+                    if let Some(v) = f(&lock(&s.state)) {
+                        let _ = writeln!(
+                            out,
+                            "{full}{{replica=\"{}\",model=\"{}\",rank=\"{}\"}} {v}",
+                            escape(&r.name),
+                            escape(&r.model),
+                            s.rank
+                        );
+                    }
                 }
             }
-        }
-    };
-    gauge_stream(&mut out, "stream_lag_seconds", "Receive time minus engine timestamp of the last batch.", &|s| s.lag_seconds);
-    gauge_stream(&mut out, "stream_last_seq", "Last applied sequence number.", &|s| s.last_seq.map(|v| v as f64));
-    gauge_stream(&mut out, "stream_connected", "1 when the stream is connected.", &|s| Some(if s.connected { 1.0 } else { 0.0 }));
-    gauge_stream(&mut out, "stream_silence_seconds", "Seconds since the last message.", &|s| s.last_message.map(|t| t.elapsed().as_secs_f64()));
+        };
+    gauge_stream(
+        &mut out,
+        "stream_lag_seconds",
+        "Receive time minus engine timestamp of the last batch.",
+        &|s| s.lag_seconds,
+    );
+    gauge_stream(
+        &mut out,
+        "stream_last_seq",
+        "Last applied sequence number.",
+        &|s| s.last_seq.map(|v| v as f64),
+    );
+    gauge_stream(
+        &mut out,
+        "stream_connected",
+        "1 when the stream is connected.",
+        &|s| Some(if s.connected { 1.0 } else { 0.0 }),
+    );
+    gauge_stream(
+        &mut out,
+        "stream_silence_seconds",
+        "Seconds since the last message.",
+        &|s| s.last_message.map(|t| t.elapsed().as_secs_f64()),
+    );
 
     // Per-replica gauges.
     let stale_after = state.stale_after();
     let full = format!("{p}_replica_in_flight");
-    header(&mut out, &full, "gauge", "Requests routed to the replica and not completed.");
+    header(
+        &mut out,
+        &full,
+        "gauge",
+        "Requests routed to the replica and not completed.",
+    );
     for r in &replicas {
-        let _ = writeln!(out, "{full}{{replica=\"{}\",model=\"{}\"}} {}", escape(&r.name), escape(&r.model), r.in_flight.load(Ordering::Relaxed));
+        let _ = writeln!(
+            out,
+            "{full}{{replica=\"{}\",model=\"{}\"}} {}",
+            escape(&r.name),
+            escape(&r.model),
+            r.in_flight.load(Ordering::Relaxed)
+        );
     }
     let full = format!("{p}_replica_healthy");
-    header(&mut out, &full, "gauge", "1 when the replica is routable (not draining, metrics reachable).");
+    header(
+        &mut out,
+        &full,
+        "gauge",
+        "1 when the replica is routable (not draining, metrics reachable).",
+    );
     for r in &replicas {
-        let _ = writeln!(out, "{full}{{replica=\"{}\",model=\"{}\"}} {}", escape(&r.name), escape(&r.model), u8::from(r.healthy()));
+        let _ = writeln!(
+            out,
+            "{full}{{replica=\"{}\",model=\"{}\"}} {}",
+            escape(&r.name),
+            escape(&r.model),
+            u8::from(r.healthy())
+        );
     }
     let full = format!("{p}_replica_stale");
-    header(&mut out, &full, "gauge", "1 when the replica's index entries may be out of date.");
+    header(
+        &mut out,
+        &full,
+        "gauge",
+        "1 when the replica's index entries may be out of date.",
+    );
     for r in &replicas {
-        let _ = writeln!(out, "{full}{{replica=\"{}\",model=\"{}\"}} {}", escape(&r.name), escape(&r.model), u8::from(r.stale(stale_after)));
+        let _ = writeln!(
+            out,
+            "{full}{{replica=\"{}\",model=\"{}\"}} {}",
+            escape(&r.name),
+            escape(&r.model),
+            u8::from(r.stale(stale_after))
+        );
     }
     let full = format!("{p}_replica_hash_mismatch");
-    header(&mut out, &full, "gauge", "1 when the hash self-check failed for the replica.");
+    header(
+        &mut out,
+        &full,
+        "gauge",
+        "1 when the hash self-check failed for the replica.",
+    );
     for r in &replicas {
-        let _ = writeln!(out, "{full}{{replica=\"{}\",model=\"{}\"}} {}", escape(&r.name), escape(&r.model), u8::from(lock(&r.hash_mismatch).is_some()));
+        let _ = writeln!(
+            out,
+            "{full}{{replica=\"{}\",model=\"{}\"}} {}",
+            escape(&r.name),
+            escape(&r.model),
+            u8::from(lock(&r.hash_mismatch).is_some())
+        );
     }
     for (name, help, f) in [
-        ("replica_waiting", "Scraped vllm:num_requests_waiting.", (|s: &crate::membership::ScrapedLoad| s.waiting) as fn(&crate::membership::ScrapedLoad) -> f64),
-        ("replica_running", "Scraped vllm:num_requests_running.", |s| s.running),
-        ("replica_kv_usage", "Scraped vllm:kv_cache_usage_perc (0..1).", |s| s.kv_usage),
+        (
+            "replica_waiting",
+            "Scraped vllm:num_requests_waiting.",
+            (|s: &crate::membership::ScrapedLoad| s.waiting)
+                as fn(&crate::membership::ScrapedLoad) -> f64,
+        ),
+        (
+            "replica_running",
+            "Scraped vllm:num_requests_running.",
+            |s| s.running,
+        ),
+        (
+            "replica_kv_usage",
+            "Scraped vllm:kv_cache_usage_perc (0..1).",
+            |s| s.kv_usage,
+        ),
     ] {
         let full = format!("{p}_{name}");
         header(&mut out, &full, "gauge", help);
         for r in &replicas {
             let v = f(&lock(&r.scraped));
-            let _ = writeln!(out, "{full}{{replica=\"{}\",model=\"{}\"}} {v}", escape(&r.name), escape(&r.model));
+            let _ = writeln!(
+                out,
+                "{full}{{replica=\"{}\",model=\"{}\"}} {v}",
+                escape(&r.name),
+                escape(&r.model)
+            );
         }
     }
 
     // Index.
     let stats = lock(&state.index).stats();
     for (name, help, v) in [
-        ("index_entries", "(block, stream) entries in the index.", stats.entries as f64),
-        ("index_blocks", "Distinct blocks in the index.", stats.blocks as f64),
-        ("index_bytes", "Bytes used by the index (its own accounting).", stats.bytes_estimate as f64),
-        ("index_max_bytes", "Configured index budget.", state.config.index.max_bytes as f64),
-        ("index_predicted_entries", "Predicted entries (sibling bursts) alive.", stats.predicted_entries as f64),
+        (
+            "index_entries",
+            "(block, stream) entries in the index.",
+            stats.entries as f64,
+        ),
+        (
+            "index_blocks",
+            "Distinct blocks in the index.",
+            stats.blocks as f64,
+        ),
+        (
+            "index_bytes",
+            "Bytes used by the index (its own accounting).",
+            stats.bytes_estimate as f64,
+        ),
+        (
+            "index_max_bytes",
+            "Configured index budget.",
+            state.config.index.max_bytes as f64,
+        ),
+        (
+            "index_predicted_entries",
+            "Predicted entries (sibling bursts) alive.",
+            stats.predicted_entries as f64,
+        ),
     ] {
         let full = format!("{p}_{name}");
         header(&mut out, &full, "gauge", help);
         let _ = writeln!(out, "{full} {v}");
     }
     let full = format!("{p}_index_evictions_total");
-    header(&mut out, &full, "counter", "Entries evicted to stay within the memory budget.");
+    header(
+        &mut out,
+        &full,
+        "counter",
+        "Entries evicted to stay within the memory budget.",
+    );
     let _ = writeln!(out, "{full} {}", stats.evicted_entries_for_budget);
 
     // Decisions.
     let full = format!("{p}_decisions_total");
     header(&mut out, &full, "counter", "Routing decisions by reason.");
     for (reason, n) in lock(&m.decisions).iter() {
-        let _ = writeln!(out, "{full}{{reason=\"{}\",policy=\"{}\"}} {n}", escape(reason), state.policy.as_str());
+        let _ = writeln!(
+            out,
+            "{full}{{reason=\"{}\",policy=\"{}\"}} {n}",
+            escape(reason),
+            state.policy.as_str()
+        );
     }
     let full = format!("{p}_route_errors_total");
-    header(&mut out, &full, "counter", "Route requests refused, by HTTP status.");
+    header(
+        &mut out,
+        &full,
+        "counter",
+        "Route requests refused, by HTTP status.",
+    );
     for (status, n) in lock(&m.route_errors).iter() {
         let _ = writeln!(out, "{full}{{status=\"{status}\"}} {n}");
     }
     let counters = [
-        ("routed_total", "Route requests answered with a replica.", &m.routed),
-        ("completions_total", "POST /v1/complete calls.", &m.completions),
-        ("completions_unknown_total", "Completions for an unknown (expired or never routed) request id.", &m.completions_unknown),
-        ("predicted_hit_tokens_total", "Matched tokens at decision time, for completions that reported cached_tokens.", &m.predicted_hit_tokens),
-        ("reported_hit_tokens_total", "cached_tokens reported by completions.", &m.reported_hit_tokens),
-        ("hit_prediction_exact_total", "Completions whose cached_tokens equals the prediction.", &m.hit_exact),
-        ("hit_prediction_under_total", "Completions with more cached tokens than predicted.", &m.hit_under_predicted),
-        ("hit_prediction_over_total", "Completions with fewer cached tokens than predicted.", &m.hit_over_predicted),
+        (
+            "routed_total",
+            "Route requests answered with a replica.",
+            &m.routed,
+        ),
+        (
+            "completions_total",
+            "POST /v1/complete calls.",
+            &m.completions,
+        ),
+        (
+            "completions_unknown_total",
+            "Completions for an unknown (expired or never routed) request id.",
+            &m.completions_unknown,
+        ),
+        (
+            "predicted_hit_tokens_total",
+            "Matched tokens at decision time, for completions that reported cached_tokens.",
+            &m.predicted_hit_tokens,
+        ),
+        (
+            "reported_hit_tokens_total",
+            "cached_tokens reported by completions.",
+            &m.reported_hit_tokens,
+        ),
+        (
+            "hit_prediction_exact_total",
+            "Completions whose cached_tokens equals the prediction.",
+            &m.hit_exact,
+        ),
+        (
+            "hit_prediction_under_total",
+            "Completions with more cached tokens than predicted.",
+            &m.hit_under_predicted,
+        ),
+        (
+            "hit_prediction_over_total",
+            "Completions with fewer cached tokens than predicted.",
+            &m.hit_over_predicted,
+        ),
         ("hash_checks_total", "Hash self-checks run.", &m.hash_checks),
-        ("hash_mismatches_total", "Hash self-check mismatches.", &m.hash_mismatches),
-        ("engine_restarts_detected_total", "Engine restarts detected from process_start_time_seconds.", &m.restarts_detected),
-        ("snapshots_written_total", "Snapshots written.", &m.snapshots_written),
-        ("snapshot_failures_total", "Snapshot write failures.", &m.snapshot_failures),
-        ("scrape_failures_total", "Failed /metrics scrapes of replicas.", &m.scrape_failures),
+        (
+            "hash_mismatches_total",
+            "Hash self-check mismatches.",
+            &m.hash_mismatches,
+        ),
+        (
+            "engine_restarts_detected_total",
+            "Engine restarts detected from process_start_time_seconds.",
+            &m.restarts_detected,
+        ),
+        (
+            "snapshots_written_total",
+            "Snapshots written.",
+            &m.snapshots_written,
+        ),
+        (
+            "snapshot_failures_total",
+            "Snapshot write failures.",
+            &m.snapshot_failures,
+        ),
+        (
+            "scrape_failures_total",
+            "Failed /metrics scrapes of replicas.",
+            &m.scrape_failures,
+        ),
     ];
     for (name, help, c) in counters {
         let full = format!("{p}_{name}");
@@ -159,7 +364,12 @@ pub fn render(state: &AppState) -> String {
         let _ = writeln!(out, "{full} {}", c.load(Ordering::Relaxed));
     }
     let full = format!("{p}_pending_requests");
-    header(&mut out, &full, "gauge", "Routed requests awaiting /v1/complete.");
+    header(
+        &mut out,
+        &full,
+        "gauge",
+        "Routed requests awaiting /v1/complete.",
+    );
     let _ = writeln!(out, "{full} {}", state.load.len());
     let full = format!("{p}_uptime_seconds");
     header(&mut out, &full, "gauge", "Seconds since start.");

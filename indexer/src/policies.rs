@@ -118,7 +118,11 @@ impl PolicyState {
 
     /// Binds (or refreshes) a session.
     pub fn session_put(&self, model: &str, key: &str, replica: &str) {
-        lock(&self.sessions).put(format!("{model}\u{0}{key}"), replica.to_string(), Instant::now());
+        lock(&self.sessions).put(
+            format!("{model}\u{0}{key}"),
+            replica.to_string(),
+            Instant::now(),
+        );
     }
 
     /// For each replica index id, how many leading `keys` were routed there recently.
@@ -172,7 +176,10 @@ impl<K: std::hash::Hash + Eq + Clone, V: Clone> TtlMap<K, V> {
 
     fn expire(&mut self, now: Instant) {
         while let Some((at, k)) = self.order.front() {
-            if now.duration_since(*at) <= self.ttl && self.map.len() <= self.max && self.order.len() <= self.max * 2 {
+            if now.duration_since(*at) <= self.ttl
+                && self.map.len() <= self.max
+                && self.order.len() <= self.max * 2
+            {
                 break;
             }
             let (at, k) = (*at, k.clone());
@@ -301,7 +308,14 @@ mod tests {
 
     #[test]
     fn policy_names_round_trip() {
-        for p in ["kv", "round-robin", "random", "least-loaded", "session", "approx-prefix"] {
+        for p in [
+            "kv",
+            "round-robin",
+            "random",
+            "least-loaded",
+            "session",
+            "approx-prefix",
+        ] {
             assert_eq!(p.parse::<Policy>().unwrap().as_str(), p);
         }
         assert!("nope".parse::<Policy>().is_err());

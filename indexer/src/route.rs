@@ -190,7 +190,11 @@ pub fn request_router_keys(state: &AppState, req: &RouteRequest) -> Result<Keys,
 }
 
 /// Per replica (same order as `replicas`), its best match over its DP ranks.
-pub fn exact_matches(state: &AppState, replicas: &[Arc<Replica>], keys: &[RouterKey]) -> Vec<MatchedBlocks> {
+pub fn exact_matches(
+    state: &AppState,
+    replicas: &[Arc<Replica>],
+    keys: &[RouterKey],
+) -> Vec<MatchedBlocks> {
     let found = if keys.is_empty() {
         Vec::new()
     } else {
@@ -219,10 +223,17 @@ pub fn exact_matches(state: &AppState, replicas: &[Arc<Replica>], keys: &[Router
 pub fn now_ms() -> u64 {
     use std::sync::OnceLock;
     static START: OnceLock<std::time::Instant> = OnceLock::new();
-    START.get_or_init(std::time::Instant::now).elapsed().as_millis() as u64
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis() as u64
 }
 
-fn candidates(state: &AppState, replicas: &[Arc<Replica>], matched: &[MatchedBlocks]) -> Vec<Candidate> {
+fn candidates(
+    state: &AppState,
+    replicas: &[Arc<Replica>],
+    matched: &[MatchedBlocks],
+) -> Vec<Candidate> {
     let stale_after = state.stale_after();
     replicas
         .iter()
@@ -273,7 +284,13 @@ pub fn route(
             let matched: Vec<MatchedBlocks> = replicas
                 .iter()
                 .map(|r| MatchedBlocks {
-                    gpu: r.index_ids().iter().filter_map(|id| guessed.get(id)).copied().max().unwrap_or(0),
+                    gpu: r
+                        .index_ids()
+                        .iter()
+                        .filter_map(|id| guessed.get(id))
+                        .copied()
+                        .max()
+                        .unwrap_or(0),
                     ..Default::default()
                 })
                 .collect();
@@ -323,7 +340,9 @@ pub fn route(
         Policy::Kv if !usable.is_empty() => {
             if let Some(first) = chosen.streams.first() {
                 let ttl = state.config.index.predicted_ttl_ms;
-                if let Err(e) = lock(&state.index).insert_predicted(first.index_id, usable, now_ms(), ttl) {
+                if let Err(e) =
+                    lock(&state.index).insert_predicted(first.index_id, usable, now_ms(), ttl)
+                {
                     tracing::debug!(error = %e, "predicted entries not written");
                 }
             }
@@ -335,7 +354,9 @@ pub fn route(
         }
         Policy::Session => {
             if let Some(s) = session {
-                state.policy_state.session_put(&keys.model.name, s, &chosen.name);
+                state
+                    .policy_state
+                    .session_put(&keys.model.name, s, &chosen.name);
             }
         }
         _ => {}

@@ -43,7 +43,11 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
         } else {
             rest
         };
-        let Some(value) = rest.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()) else {
+        let Some(value) = rest
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+        else {
             continue;
         };
         if !value.is_finite() {
@@ -114,7 +118,10 @@ async fn scrape_one(state: Arc<AppState>, replica: Arc<Replica>, timeout: Durati
                 restarted
             };
             if restarted {
-                state.metrics.restarts_detected.fetch_add(1, Ordering::Relaxed);
+                state
+                    .metrics
+                    .restarts_detected
+                    .fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(replica = %replica.name, "engine restart detected (process_start_time_seconds changed); resynchronising its streams");
                 for s in &replica.streams {
                     s.resync.store(true, Ordering::Relaxed);
@@ -122,7 +129,10 @@ async fn scrape_one(state: Arc<AppState>, replica: Arc<Replica>, timeout: Durati
             }
         }
         Err(e) => {
-            state.metrics.scrape_failures.fetch_add(1, Ordering::Relaxed);
+            state
+                .metrics
+                .scrape_failures
+                .fetch_add(1, Ordering::Relaxed);
             let failures = {
                 let mut s = lock(&replica.scraped);
                 s.failures = s.failures.saturating_add(1);
@@ -161,7 +171,8 @@ vllm:num_requests_waiting_bogus 99
 
     #[test]
     fn garbage_is_ignored() {
-        let m = parse_metrics("vllm:num_requests_running{ 1\nfoo bar\nvllm:num_requests_running NaN\n");
+        let m =
+            parse_metrics("vllm:num_requests_running{ 1\nfoo bar\nvllm:num_requests_running NaN\n");
         assert_eq!(m, EngineMetrics::default());
     }
 }

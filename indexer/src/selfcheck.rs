@@ -52,7 +52,7 @@ pub fn maybe_check(
         return;
     };
     let n = stream.stats.hash_checks.fetch_add(1, Ordering::Relaxed);
-    if n >= ALWAYS_CHECK_FIRST && n % SAMPLE_EVERY != 0 {
+    if n >= ALWAYS_CHECK_FIRST && !n.is_multiple_of(SAMPLE_EVERY) {
         return;
     }
     state.metrics.hash_checks.fetch_add(1, Ordering::Relaxed);
@@ -62,7 +62,10 @@ pub fn maybe_check(
 }
 
 fn record(state: &AppState, replica: &Replica, cause: String) {
-    state.metrics.hash_mismatches.fetch_add(1, Ordering::Relaxed);
+    state
+        .metrics
+        .hash_mismatches
+        .fetch_add(1, Ordering::Relaxed);
     let mut slot = lock(&replica.hash_mismatch);
     if slot.is_none() {
         tracing::error!(
@@ -87,7 +90,12 @@ pub fn check(cfg: &HashConfig, model: &ModelRuntime, ev: &BlockStored) -> CheckO
     if matches_event(&hasher, &extras, ev) {
         return CheckOutcome::Match;
     }
-    for algo in [HashAlgo::Sha256, HashAlgo::Sha256Cbor, HashAlgo::Xxhash, HashAlgo::XxhashCbor] {
+    for algo in [
+        HashAlgo::Sha256,
+        HashAlgo::Sha256Cbor,
+        HashAlgo::Xxhash,
+        HashAlgo::XxhashCbor,
+    ] {
         for seed in [cfg.seed.clone(), None] {
             let alt = HashConfig {
                 algo,
@@ -139,7 +147,8 @@ fn matches_event(hasher: &BlockHasher, extras: &RequestExtras, ev: &BlockStored)
 fn extras_of(model: &ModelRuntime, ev: &BlockStored) -> Option<RequestExtras> {
     if let Some(keys) = &ev.extra_keys {
         for k in keys.iter().flatten() {
-            let only_lora = matches!(k.as_slice(), [ExtraKeyValue::Str(s)] if Some(s) == ev.lora_name.as_ref());
+            let only_lora =
+                matches!(k.as_slice(), [ExtraKeyValue::Str(s)] if Some(s) == ev.lora_name.as_ref());
             if !only_lora {
                 return None;
             }

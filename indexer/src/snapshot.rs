@@ -134,7 +134,9 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SnapshotError> {
     std::fs::create_dir_all(dir).map_err(io)?;
     let tmp = dir.join(format!(
         ".{}.tmp.{}",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("snapshot"),
+        path.file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("snapshot"),
         std::process::id()
     ));
     {
@@ -215,8 +217,15 @@ pub async fn save(state: &Arc<AppState>) -> Result<(), String> {
         .await
         .map_err(|e| e.to_string())?
         .map_err(|e| e.to_string())?;
-    state.metrics.snapshots_written.fetch_add(1, Ordering::Relaxed);
-    tracing::debug!(bytes = size, ms = started.elapsed().as_millis() as u64, "snapshot written");
+    state
+        .metrics
+        .snapshots_written
+        .fetch_add(1, Ordering::Relaxed);
+    tracing::debug!(
+        bytes = size,
+        ms = started.elapsed().as_millis() as u64,
+        "snapshot written"
+    );
     Ok(())
 }
 
@@ -231,7 +240,10 @@ pub async fn run(state: Arc<AppState>) {
     loop {
         tick.tick().await;
         if let Err(e) = save(&state).await {
-            state.metrics.snapshot_failures.fetch_add(1, Ordering::Relaxed);
+            state
+                .metrics
+                .snapshot_failures
+                .fetch_add(1, Ordering::Relaxed);
             tracing::warn!(error = %e, "snapshot failed");
         }
     }
@@ -327,7 +339,15 @@ pub fn apply_restore(state: &AppState, restore: Restore) {
             }
         }
     }
-    tracing::info!(streams = restored, age_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0).saturating_sub(snap.created_unix_ms), "snapshot restored; replaying from each stream's last seq");
+    tracing::info!(
+        streams = restored,
+        age_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0)
+            .saturating_sub(snap.created_unix_ms),
+        "snapshot restored; replaying from each stream's last seq"
+    );
 }
 
 #[cfg(test)]
@@ -356,7 +376,10 @@ mod tests {
         assert!(decode(&bytes[..bytes.len() - 1], p).is_err());
         let mut wrong = bytes.clone();
         wrong[8] = 9;
-        assert!(matches!(decode(&wrong, p), Err(SnapshotError::Version { found: 9, .. })));
+        assert!(matches!(
+            decode(&wrong, p),
+            Err(SnapshotError::Version { found: 9, .. })
+        ));
         assert!(decode(b"hello world, not a snapshot", p).is_err());
     }
 }

@@ -19,7 +19,9 @@ use bytes::Bytes;
 use futures::StreamExt;
 use kvroute_core::events::{decode_batch, KvEvent};
 use tokio::time::timeout;
-use zeromq::{DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use zeromq::{
+    DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage,
+};
 
 use crate::membership::{discover_event_sources, lock, Replica, Stream};
 use crate::selfcheck;
@@ -192,12 +194,7 @@ impl StreamCtx {
                     continue;
                 }
             };
-            let bind = self
-                .replica
-                .config
-                .read()
-                .map(|c| c.bind)
-                .unwrap_or(false);
+            let bind = self.replica.config.read().map(|c| c.bind).unwrap_or(false);
             let result = if bind {
                 self.bind_session(&endpoint, &mut backoff).await
             } else {
@@ -205,8 +202,12 @@ impl StreamCtx {
             };
             self.set_connected(false);
             match result {
-                Ok(()) => tracing::info!(replica = %self.replica.name, rank = self.stream.rank, %endpoint, "event stream disconnected; reconnecting"),
-                Err(e) => tracing::debug!(replica = %self.replica.name, rank = self.stream.rank, %endpoint, error = %e, "event stream connect failed"),
+                Ok(()) => {
+                    tracing::info!(replica = %self.replica.name, rank = self.stream.rank, %endpoint, "event stream disconnected; reconnecting")
+                }
+                Err(e) => {
+                    tracing::debug!(replica = %self.replica.name, rank = self.stream.rank, %endpoint, error = %e, "event stream connect failed")
+                }
             }
             tokio::time::sleep(backoff.step()).await;
         }
@@ -230,10 +231,12 @@ impl StreamCtx {
         let events = cfg.event_endpoints();
         let replays = cfg.replay_endpoints();
         let rank = self.stream.rank as usize;
-        let ep = events
-            .get(rank)
-            .cloned()
-            .ok_or_else(|| StreamError::NoEndpoint(format!("replica lists {} ranks, need rank {rank}", events.len())))?;
+        let ep = events.get(rank).cloned().ok_or_else(|| {
+            StreamError::NoEndpoint(format!(
+                "replica lists {} ranks, need rank {rank}",
+                events.len()
+            ))
+        })?;
         {
             let mut s = lock(&self.stream.state);
             s.endpoint = ep.clone();
@@ -243,7 +246,11 @@ impl StreamCtx {
         Ok(ep)
     }
 
-    async fn connect_session(&mut self, endpoint: &str, backoff: &mut Backoff) -> Result<(), StreamError> {
+    async fn connect_session(
+        &mut self,
+        endpoint: &str,
+        backoff: &mut Backoff,
+    ) -> Result<(), StreamError> {
         let ct = Duration::from_millis(self.cfg().connect_timeout_ms);
         let mut opts = SocketOptions::default();
         opts.connect_timeout(ct);
@@ -276,7 +283,11 @@ impl StreamCtx {
         }
     }
 
-    async fn bind_session(&mut self, endpoint: &str, backoff: &mut Backoff) -> Result<(), StreamError> {
+    async fn bind_session(
+        &mut self,
+        endpoint: &str,
+        backoff: &mut Backoff,
+    ) -> Result<(), StreamError> {
         let mut sock = SubSocket::new();
         let mut monitor = sock.monitor();
         sock.bind(endpoint).await?;
@@ -357,7 +368,10 @@ impl StreamCtx {
                 {
                     Ok(b) => Some(b),
                     Err(e) => {
-                        self.stream.stats.replay_failures.fetch_add(1, Ordering::Relaxed);
+                        self.stream
+                            .stats
+                            .replay_failures
+                            .fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(replica = %self.replica.name, rank = self.stream.rank, error = %e, "replay failed");
                         None
                     }
@@ -365,11 +379,14 @@ impl StreamCtx {
             }
             None => None,
         };
-        let same_engine = batches.as_ref().and_then(|b| b.first()).is_some_and(|(seq, payload)| {
-            *seq == last && fingerprint(payload) == fp
-        });
+        let same_engine = batches
+            .as_ref()
+            .and_then(|b| b.first())
+            .is_some_and(|(seq, payload)| *seq == last && fingerprint(payload) == fp);
         if !same_engine {
-            self.reset_stream("reconnected to a different engine lifetime, or replay cannot resume");
+            self.reset_stream(
+                "reconnected to a different engine lifetime, or replay cannot resume",
+            );
             self.replay_and_apply(0, None).await;
             return;
         }
@@ -429,7 +446,8 @@ impl StreamCtx {
             Verdict::Gap { from } => {
                 self.stream.stats.gaps.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(replica = %self.replica.name, rank = self.stream.rank, from, to = seq, "sequence gap; replaying");
-                self.replay_and_apply(from, Some((seq, payload.clone()))).await;
+                self.replay_and_apply(from, Some((seq, payload.clone())))
+                    .await;
             }
             Verdict::Restart => {
                 self.reset_stream("sequence went backwards (engine restart)");
@@ -455,7 +473,10 @@ impl StreamCtx {
                 )
                 .await;
                 if let Err(e) = &r {
-                    self.stream.stats.replay_failures.fetch_add(1, Ordering::Relaxed);
+                    self.stream
+                        .stats
+                        .replay_failures
+                        .fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(replica = %self.replica.name, rank = self.stream.rank, error = %e, "replay failed");
                 }
                 r.ok()
@@ -485,7 +506,10 @@ impl StreamCtx {
             applied_any = true;
         }
         if applied_any {
-            self.tracker.dup_window = Some((before.map(|b| b + 1).unwrap_or(0), self.tracker.last.unwrap_or(0)));
+            self.tracker.dup_window = Some((
+                before.map(|b| b + 1).unwrap_or(0),
+                self.tracker.last.unwrap_or(0),
+            ));
         }
         if let Some((seq, payload)) = live {
             if self.tracker.last.is_none_or(|l| seq > l) {
@@ -518,11 +542,19 @@ impl StreamCtx {
             for ev in &batch.events {
                 if let KvEvent::BlockStored(bs) = ev {
                     if self.model.block_size().is_none() && bs.block_size > 0 {
-                        self.model.block_size.store(bs.block_size, Ordering::Relaxed);
+                        self.model
+                            .block_size
+                            .store(bs.block_size, Ordering::Relaxed);
                         tracing::info!(model = %self.model.name, block_size = bs.block_size, "learned block size from events");
                     }
                     if bs.parent_block_hash.is_none() {
-                        selfcheck::maybe_check(&self.state, &self.replica, &self.stream, &self.model, bs);
+                        selfcheck::maybe_check(
+                            &self.state,
+                            &self.replica,
+                            &self.stream,
+                            &self.model,
+                            bs,
+                        );
                     }
                 }
             }
@@ -536,7 +568,11 @@ impl StreamCtx {
                         self.stream.stats.events.fetch_add(1, Ordering::Relaxed);
                     }
                     Err(e) => {
-                        let n = self.stream.stats.rejected_events.fetch_add(1, Ordering::Relaxed);
+                        let n = self
+                            .stream
+                            .stats
+                            .rejected_events
+                            .fetch_add(1, Ordering::Relaxed);
                         if n < 10 {
                             tracing::debug!(replica = %self.replica.name, error = %e, "index rejected an event");
                         }
@@ -575,9 +611,12 @@ pub async fn replay(
     let mut opts = SocketOptions::default();
     opts.connect_timeout(connect_timeout);
     let mut dealer = DealerSocket::with_options(opts);
-    timeout(connect_timeout + Duration::from_millis(250), dealer.connect(endpoint))
-        .await
-        .map_err(|_| StreamError::Timeout("replay connect"))??;
+    timeout(
+        connect_timeout + Duration::from_millis(250),
+        dealer.connect(endpoint),
+    )
+    .await
+    .map_err(|_| StreamError::Timeout("replay connect"))??;
     let request = ZmqMessage::try_from(vec![
         Bytes::new(),
         Bytes::copy_from_slice(&start.to_be_bytes()),

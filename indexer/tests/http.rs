@@ -10,11 +10,22 @@ use serde_json::{json, Value};
 
 const T: Duration = Duration::from_secs(10);
 
-async fn two_replicas(policy: Policy, extra: &str) -> (Publisher, Publisher, std::sync::Arc<kvroute_indexer::state::AppState>, String) {
+async fn two_replicas(
+    policy: Policy,
+    extra: &str,
+) -> (
+    Publisher,
+    Publisher,
+    std::sync::Arc<kvroute_indexer::state::AppState>,
+    String,
+) {
     let p0 = Publisher::start(0, 0).await;
     let p1 = Publisher::start(0, 0).await;
     let cfg = config_text(
-        &[("r0", free_port(), p0.pub_port, p0.replay_port, false), ("r1", free_port(), p1.pub_port, p1.replay_port, false)],
+        &[
+            ("r0", free_port(), p0.pub_port, p0.replay_port, false),
+            ("r1", free_port(), p1.pub_port, p1.replay_port, false),
+        ],
         extra,
     );
     let state = start_indexer(&cfg, policy);
@@ -28,7 +39,8 @@ async fn two_replicas(policy: Policy, extra: &str) -> (Publisher, Publisher, std
 async fn prefix_hit_wins_and_errors_are_clear() {
     let (_p0, mut p1, state, base) = two_replicas(Policy::Kv, "").await;
     let prompt: Vec<u32> = (1..=21).collect(); // 5 usable blocks of 4
-    p1.publish(vec![stored(&[1, 2, 3, 4, 5], None, &prompt[..20], 4)]).await;
+    p1.publish(vec![stored(&[1, 2, 3, 4, 5], None, &prompt[..20], 4)])
+        .await;
     assert!(wait_until(T, || held(&state, "r1", &prompt) == 5).await);
     let c = reqwest::Client::new();
     let r: Value = c
@@ -44,21 +56,52 @@ async fn prefix_hit_wins_and_errors_are_clear() {
     assert_eq!(r["reason"], "prefix_hit");
     assert_eq!(r["matched_tokens"]["gpu"], 20);
     assert_eq!(r["request_id"], "req-1");
-    assert_eq!(r["endpoint"], state.fleet.get("r1").unwrap().endpoint.as_str());
+    assert_eq!(
+        r["endpoint"],
+        state.fleet.get("r1").unwrap().endpoint.as_str()
+    );
 
-    let resp = c.post(format!("{base}/v1/route")).json(&json!({"model": "nope", "token_ids": [1, 2]})).send().await.unwrap();
+    let resp = c
+        .post(format!("{base}/v1/route"))
+        .json(&json!({"model": "nope", "token_ids": [1, 2]}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 404);
     let body: Value = resp.json().await.unwrap();
     assert!(body["error"].as_str().unwrap().contains("nope"));
-    let resp = c.post(format!("{base}/v1/route")).body("{not json").header("content-type", "application/json").send().await.unwrap();
+    let resp = c
+        .post(format!("{base}/v1/route"))
+        .body("{not json")
+        .header("content-type", "application/json")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 400);
-    let resp = c.post(format!("{base}/v1/route")).json(&json!({"model": "m"})).send().await.unwrap();
+    let resp = c
+        .post(format!("{base}/v1/route"))
+        .json(&json!({"model": "m"}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 400);
 
     // Router keys computed by the caller give the same answer (after the first request ended:
     // with it in flight, credit decay may rightly prefer the idle replica).
-    c.post(format!("{base}/v1/complete")).json(&json!({"request_id": "req-1"})).send().await.unwrap();
-    let dbg: Value = c.post(format!("{base}/debug/lookup")).json(&json!({"model": "m", "token_ids": prompt})).send().await.unwrap().json().await.unwrap();
+    c.post(format!("{base}/v1/complete"))
+        .json(&json!({"request_id": "req-1"}))
+        .send()
+        .await
+        .unwrap();
+    let dbg: Value = c
+        .post(format!("{base}/debug/lookup"))
+        .json(&json!({"model": "m", "token_ids": prompt}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     let keys = dbg["router_keys"].clone();
     let r2: Value = c
         .post(format!("{base}/v1/route"))
@@ -70,7 +113,12 @@ async fn prefix_hit_wins_and_errors_are_clear() {
         .await
         .unwrap();
     assert_eq!(r2["replica"], "r1", "{r2}");
-    let resp = c.post(format!("{base}/v1/route")).json(&json!({"model": "m", "router_keys": [1], "block_size": 16})).send().await.unwrap();
+    let resp = c
+        .post(format!("{base}/v1/route"))
+        .json(&json!({"model": "m", "router_keys": [1], "block_size": 16}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 400, "block size mismatch is refused");
 }
 
@@ -78,23 +126,54 @@ async fn prefix_hit_wins_and_errors_are_clear() {
 async fn complete_releases_in_flight_and_compares_hits() {
     let (_p0, mut p1, state, base) = two_replicas(Policy::Kv, "").await;
     let prompt: Vec<u32> = (1..=9).collect();
-    p1.publish(vec![stored(&[1, 2], None, &prompt[..8], 4)]).await;
+    p1.publish(vec![stored(&[1, 2], None, &prompt[..8], 4)])
+        .await;
     assert!(wait_until(T, || held(&state, "r1", &prompt) == 2).await);
     let c = reqwest::Client::new();
-    let r: Value = c.post(format!("{base}/v1/route")).json(&json!({"model": "m", "token_ids": prompt, "request_id": "a"})).send().await.unwrap().json().await.unwrap();
+    let r: Value = c
+        .post(format!("{base}/v1/route"))
+        .json(&json!({"model": "m", "token_ids": prompt, "request_id": "a"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(r["replica"], "r1");
     let r1 = state.fleet.get("r1").unwrap();
     assert_eq!(r1.in_flight.load(std::sync::atomic::Ordering::Relaxed), 1);
-    let resp = c.post(format!("{base}/v1/complete")).json(&json!({"request_id": "a", "endpoint": r["endpoint"], "cached_tokens": 8})).send().await.unwrap();
+    let resp = c
+        .post(format!("{base}/v1/complete"))
+        .json(&json!({"request_id": "a", "endpoint": r["endpoint"], "cached_tokens": 8}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 204);
     assert_eq!(r1.in_flight.load(std::sync::atomic::Ordering::Relaxed), 0);
-    let resp = c.post(format!("{base}/v1/complete")).json(&json!({"request_id": "never-routed", "cached_tokens": null})).send().await.unwrap();
+    let resp = c
+        .post(format!("{base}/v1/complete"))
+        .json(&json!({"request_id": "never-routed", "cached_tokens": null}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 204);
-    let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
-    assert!(metrics.contains("kvroute_indexer_hit_prediction_exact_total 1"), "{metrics}");
+    let metrics = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("kvroute_indexer_hit_prediction_exact_total 1"),
+        "{metrics}"
+    );
     assert!(metrics.contains("kvroute_indexer_reported_hit_tokens_total 8"));
     assert!(metrics.contains("kvroute_indexer_completions_unknown_total 1"));
-    assert!(metrics.contains("kvroute_indexer_decisions_total{reason=\"prefix_hit\",policy=\"kv\"} 1"));
+    assert!(
+        metrics.contains("kvroute_indexer_decisions_total{reason=\"prefix_hit\",policy=\"kv\"} 1")
+    );
     assert!(metrics.contains("kvroute_indexer_index_entries "));
 }
 
@@ -105,8 +184,18 @@ async fn unique_prompts_spread_by_load() {
     let mut counts = std::collections::HashMap::new();
     for i in 0..20u32 {
         let prompt: Vec<u32> = (i * 100..i * 100 + 33).collect();
-        let r: Value = c.post(format!("{base}/v1/route")).json(&json!({"model": "m", "token_ids": prompt})).send().await.unwrap().json().await.unwrap();
-        *counts.entry(r["replica"].as_str().unwrap().to_string()).or_insert(0) += 1;
+        let r: Value = c
+            .post(format!("{base}/v1/route"))
+            .json(&json!({"model": "m", "token_ids": prompt}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        *counts
+            .entry(r["replica"].as_str().unwrap().to_string())
+            .or_insert(0) += 1;
     }
     // Requests never complete here, so in-flight load alternates them.
     assert_eq!(counts.get("r0"), Some(&10), "{counts:?}");
@@ -120,35 +209,96 @@ async fn admin_api_needs_the_token() {
     let p2 = Publisher::start(0, 0).await;
     let body = json!({"model": "m", "name": "r2", "http": format!("127.0.0.1:{}", free_port()),
         "events": [format!("tcp://127.0.0.1:{}", p2.pub_port)], "replay": [format!("tcp://127.0.0.1:{}", p2.replay_port)], "topic": "kv-events"});
-    let resp = c.post(format!("{base}/admin/replicas")).json(&body).send().await.unwrap();
+    let resp = c
+        .post(format!("{base}/admin/replicas"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 401);
-    let resp = c.post(format!("{base}/admin/replicas")).bearer_auth("wrong").json(&body).send().await.unwrap();
+    let resp = c
+        .post(format!("{base}/admin/replicas"))
+        .bearer_auth("wrong")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 401);
-    let resp = c.post(format!("{base}/admin/replicas")).bearer_auth("sekret").json(&body).send().await.unwrap();
+    let resp = c
+        .post(format!("{base}/admin/replicas"))
+        .bearer_auth("sekret")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 201);
     wait_connected(&state, "r2").await;
-    let resp = c.post(format!("{base}/admin/replicas")).bearer_auth("sekret").json(&body).send().await.unwrap();
+    let resp = c
+        .post(format!("{base}/admin/replicas"))
+        .bearer_auth("sekret")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 409, "duplicate");
     let mut bad = body.clone();
     bad["name"] = json!("r3");
     bad["http"] = json!("not-an-address");
-    let resp = c.post(format!("{base}/admin/replicas")).bearer_auth("sekret").json(&bad).send().await.unwrap();
+    let resp = c
+        .post(format!("{base}/admin/replicas"))
+        .bearer_auth("sekret")
+        .json(&bad)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 400);
     assert!(resp.text().await.unwrap().contains("replica.http"));
     // Drain r0 and r1: everything goes to r2.
     for r in ["r0", "r1"] {
-        let resp = c.post(format!("{base}/admin/replicas/{r}/drain")).send().await.unwrap();
+        let resp = c
+            .post(format!("{base}/admin/replicas/{r}/drain"))
+            .send()
+            .await
+            .unwrap();
         assert_eq!(resp.status(), 401);
-        let resp = c.post(format!("{base}/admin/replicas/{r}/drain")).bearer_auth("sekret").send().await.unwrap();
+        let resp = c
+            .post(format!("{base}/admin/replicas/{r}/drain"))
+            .bearer_auth("sekret")
+            .send()
+            .await
+            .unwrap();
         assert_eq!(resp.status(), 204);
     }
-    let r: Value = c.post(format!("{base}/v1/route")).json(&json!({"model": "m", "token_ids": [1, 2, 3]})).send().await.unwrap().json().await.unwrap();
+    let r: Value = c
+        .post(format!("{base}/v1/route"))
+        .json(&json!({"model": "m", "token_ids": [1, 2, 3]}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(r["replica"], "r2");
-    let resp = c.delete(format!("{base}/admin/replicas/r2")).bearer_auth("sekret").send().await.unwrap();
+    let resp = c
+        .delete(format!("{base}/admin/replicas/r2"))
+        .bearer_auth("sekret")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 204);
-    let resp = c.post(format!("{base}/v1/route")).json(&json!({"model": "m", "token_ids": [1, 2, 3]})).send().await.unwrap();
+    let resp = c
+        .post(format!("{base}/v1/route"))
+        .json(&json!({"model": "m", "token_ids": [1, 2, 3]}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 503, "all remaining replicas drain");
-    let resp = c.delete(format!("{base}/admin/replicas/r2")).bearer_auth("sekret").send().await.unwrap();
+    let resp = c
+        .delete(format!("{base}/admin/replicas/r2"))
+        .bearer_auth("sekret")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 404);
 }
 
@@ -157,7 +307,11 @@ async fn tokenizer_files_are_served() {
     let dir = std::env::temp_dir().join(format!("kvroute-tok-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("tokenizer.json"), "{\"model\": {}}").unwrap();
-    std::fs::write(dir.join("tokenizer_config.json"), "{\"chat_template\": \"x\"}").unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        "{\"chat_template\": \"x\"}",
+    )
+    .unwrap();
     let cfg = format!(
         "scrape_interval_ms = 0\n[[models]]\nname = \"m\"\nmodel_dir = \"{}\"\nblock_size = 16\n",
         dir.display()
@@ -165,15 +319,50 @@ async fn tokenizer_files_are_served() {
     let state = start_indexer(&cfg, Policy::Kv);
     let base = serve_http(state).await;
     let c = reqwest::Client::new();
-    let v: Value = c.get(format!("{base}/v1/models/m/tokenizer")).send().await.unwrap().json().await.unwrap();
+    let v: Value = c
+        .get(format!("{base}/v1/models/m/tokenizer"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(v["tokenizer_json"], "{\"model\": {}}");
     assert_eq!(v["tokenizer_config_json"], "{\"chat_template\": \"x\"}");
     assert_eq!(v["block_size"], 16);
-    assert_eq!(c.get(format!("{base}/v1/models/zzz/tokenizer")).send().await.unwrap().status(), 404);
-    let models: Value = c.get(format!("{base}/v1/models")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(
+        c.get(format!("{base}/v1/models/zzz/tokenizer"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        404
+    );
+    let models: Value = c
+        .get(format!("{base}/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(models["models"][0]["name"], "m");
     // No replica at all: not ready.
-    assert_eq!(c.get(format!("{base}/readyz")).send().await.unwrap().status(), 503);
-    assert_eq!(c.get(format!("{base}/healthz")).send().await.unwrap().status(), 200);
+    assert_eq!(
+        c.get(format!("{base}/readyz"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        503
+    );
+    assert_eq!(
+        c.get(format!("{base}/healthz"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

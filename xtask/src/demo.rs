@@ -40,6 +40,9 @@ pub struct DemoOptions {
     /// Do not build; use the release binaries and .wasm already in the target directory.
     #[arg(long)]
     pub no_build: bool,
+    /// Build and run debug binaries instead of release ones (faster to build, slower to run).
+    #[arg(long)]
+    pub debug: bool,
     /// Only run kvroute (no round-robin comparison).
     #[arg(long)]
     pub kvroute_only: bool,
@@ -91,7 +94,7 @@ pub fn run(layout: &Layout, opts: &DemoOptions) -> Result<()> {
         setup::run(layout)?;
     }
     if !opts.no_build {
-        build(layout)?;
+        build(layout, opts.debug)?;
     }
 
     let demo_dir = layout.target_dir.join("demo");
@@ -121,7 +124,7 @@ pub fn run(layout: &Layout, opts: &DemoOptions) -> Result<()> {
     let mut stack = Stack::new(
         layout,
         cfg,
-        Binaries::release(layout),
+        Binaries::new(layout, if opts.debug { "debug" } else { "release" }),
         demo_dir.clone(),
         !opts.keep,
     )?;
@@ -217,19 +220,17 @@ fn step(what: &str) {
     println!("\n==> xtask demo: {what}");
 }
 
-fn build(layout: &Layout) -> Result<()> {
-    step("building (release): kvroute-sim, kvroute-indexer, kvroute_filter.wasm");
+fn build(layout: &Layout, debug: bool) -> Result<()> {
+    step(&format!(
+        "building ({}): kvroute-sim, kvroute-indexer; kvroute_filter.wasm (release)",
+        if debug { "debug" } else { "release" }
+    ));
     let mut native = Command::new(cargo_bin());
-    native
-        .args([
-            "build",
-            "--release",
-            "-p",
-            "kvroute-sim",
-            "-p",
-            "kvroute-indexer",
-        ])
-        .current_dir(&layout.root);
+    native.args(["build", "-p", "kvroute-sim", "-p", "kvroute-indexer"]);
+    if !debug {
+        native.arg("--release");
+    }
+    native.current_dir(&layout.root);
     cmd::run(&mut native)?;
     let mut wasm = Command::new(cargo_bin());
     wasm.args([

@@ -100,11 +100,12 @@ pub struct Binaries {
 }
 
 impl Binaries {
-    /// The release builds in `layout`'s target directory and the venv's Envoy.
-    pub fn release(layout: &Layout) -> Self {
+    /// The builds of `profile_dir` (`release` or `debug`) in `layout`'s target directory, the
+    /// release `.wasm`, and the venv's Envoy.
+    pub fn new(layout: &Layout, profile_dir: &str) -> Self {
         Self {
-            sim: layout.target_dir.join("release").join("kvroute-sim"),
-            indexer: layout.target_dir.join("release").join("kvroute-indexer"),
+            sim: layout.target_dir.join(profile_dir).join("kvroute-sim"),
+            indexer: layout.target_dir.join(profile_dir).join("kvroute-indexer"),
             envoy: layout.envoy_bin(),
             filter_wasm: layout.filter_wasm(),
         }
@@ -290,20 +291,15 @@ impl Stack {
             .with_context(|| format!("reading {}", self.envoy_template.display()))?;
         let plugin_config = json!({"models": {self.cfg.model.as_str(): {}}}).to_string();
         let (listen, admin) = self.ports.kvroute;
-        let yaml = render(
-            &template,
-            &[
-                ("LISTEN_PORT", listen.to_string()),
-                ("ADMIN_PORT", admin.to_string()),
-                (
-                    "WASM_PATH",
-                    self.bins.filter_wasm.to_string_lossy().into_owned(),
-                ),
-                ("INDEXER_PORT", self.ports.indexer.to_string()),
-                ("FALLBACK_LB_ENDPOINTS", self.lb_endpoints()),
-                ("PLUGIN_CONFIG", serde_json::to_string(&plugin_config)?),
-            ],
+        let values = kvroute_template_values(
+            listen,
+            admin,
+            &self.bins.filter_wasm.to_string_lossy(),
+            self.ports.indexer,
+            &self.lb_endpoints(),
+            &plugin_config,
         )?;
+        let yaml = render(&template, &values)?;
         self.start_envoy("envoy-kvroute", &yaml, admin)?;
         self.wait_tokenizers_loaded(Duration::from_secs(90))
     }
@@ -418,6 +414,27 @@ impl Stack {
     }
 }
 
+/// The values of `envoy/envoy.yaml`'s placeholders (documented at the top of that file).
+fn kvroute_template_values(
+    listen: u16,
+    admin: u16,
+    wasm_path: &str,
+    indexer: u16,
+    lb_endpoints: &str,
+    plugin_config: &str,
+) -> Result<Vec<(&'static str, String)>> {
+    Ok(vec![
+        ("LISTEN_PORT", listen.to_string()),
+        ("ADMIN_PORT", admin.to_string()),
+        ("WASM_PATH", wasm_path.to_string()),
+        ("INDEXER_PORT", indexer.to_string()),
+        ("FALLBACK_LB_ENDPOINTS", lb_endpoints.to_string()),
+        // JSON string literals: Envoy reads them as the StringValue of the configuration.
+        ("PLUGIN_CONFIG", serde_json::to_string(plugin_config)?),
+        ("VM_CONFIG", serde_json::to_string("")?),
+    ])
+}
+
 /// Replaces every `{{NAME}}` of `template`; fails if a non-comment line still holds a `{{...}}`.
 pub fn render(template: &str, values: &[(&str, String)]) -> Result<String> {
     let mut text = template.to_string();
@@ -488,15 +505,8 @@ mod tests {
     fn xtask_fills_every_placeholder_of_the_kvroute_envoy_template() {
         let template = Path::new(env!("CARGO_MANIFEST_DIR")).join("../envoy/envoy.yaml");
         let text = std::fs::read_to_string(&template).expect("envoy/envoy.yaml");
-        let values = [
-            "LISTEN_PORT",
-            "ADMIN_PORT",
-            "WASM_PATH",
-            "INDEXER_PORT",
-            "FALLBACK_LB_ENDPOINTS",
-            "PLUGIN_CONFIG",
-        ]
-        .map(|name| (name, "1".to_string()));
+        let values =
+            super::kvroute_template_values(1, 2, "/x.wasm", 3, "[]", "{}").expect("values");
         render(&text, &values)
             .expect("xtask's stack.rs must know every placeholder of envoy/envoy.yaml");
     }

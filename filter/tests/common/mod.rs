@@ -285,6 +285,7 @@ pub fn try_http(
 ) -> std::io::Result<Response> {
     let mut s = TcpStream::connect(("127.0.0.1", port))?;
     s.set_read_timeout(Some(timeout))?;
+    s.set_nodelay(true)?;
     let mut req = format!("{method} {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\nconnection: close\r\n");
     let mut has_length = false;
     for (k, v) in headers {
@@ -297,8 +298,9 @@ pub fn try_http(
         req.push_str(&format!("content-length: {}\r\n", body.len()));
     }
     req.push_str("\r\n");
-    s.write_all(req.as_bytes())?;
-    s.write_all(body)?;
+    let mut bytes = req.into_bytes();
+    bytes.extend_from_slice(body);
+    s.write_all(&bytes)?;
     let mut r = BufReader::new(s);
     let (status_line, headers) = read_head(&mut r)?;
     let status = status_line
@@ -415,6 +417,7 @@ fn serve_conn(
     hits: &AtomicUsize,
     requests: &Mutex<Vec<Request>>,
 ) {
+    let _ = conn.set_nodelay(true);
     let Ok(write_half) = conn.try_clone() else {
         return;
     };
@@ -453,7 +456,9 @@ fn serve_conn(
             reply.content_type,
             reply.body.len()
         );
-        if w.write_all(head.as_bytes()).is_err() || w.write_all(&reply.body).is_err() {
+        let mut bytes = head.into_bytes();
+        bytes.extend_from_slice(&reply.body);
+        if w.write_all(&bytes).is_err() {
             return;
         }
     }

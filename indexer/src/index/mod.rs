@@ -349,33 +349,47 @@ fn table_bytes_for_buckets(buckets: usize) -> usize {
     if buckets == 0 {
         0
     } else {
-        buckets * 4 + buckets + 16
+        (buckets * 4).next_multiple_of(16) + buckets + 16
     }
 }
 
-/// Buckets of a table with `capacity` (hashbrown keeps 7/8 load above 8 buckets).
-fn buckets_for_capacity(capacity: usize) -> usize {
-    if capacity == 0 {
-        0
-    } else if capacity < 8 {
-        (capacity + 1).next_power_of_two()
+/// Bucket count of `t`, from its allocation size.
+fn table_buckets(t: &HashTable<u32>) -> usize {
+    let alloc = t.allocation_size();
+    let mut b = 0usize;
+    if alloc == 0 {
+        return 0;
+    }
+    while table_bytes_for_buckets(b.max(1)) < alloc {
+        b = (b * 2).max(1);
+    }
+    b.max(1)
+}
+
+/// Items a table of `buckets` holds before it must grow (hashbrown keeps 7/8 load).
+fn full_capacity(buckets: usize) -> usize {
+    if buckets < 8 {
+        buckets.saturating_sub(1)
     } else {
-        (capacity * 8 / 7).next_power_of_two()
+        buckets / 8 * 7
     }
 }
 
 fn table_bytes(t: &HashTable<u32>) -> usize {
-    table_bytes_for_buckets(buckets_for_capacity(t.capacity()))
+    t.allocation_size()
 }
 
-/// Bytes the next insert into `t` would newly allocate (0 when it has room).
+/// Bytes the next insert into `t` would newly allocate: 0 while it has room or can rehash in
+/// place (hashbrown reclaims tombstones in place when at most half full), else the doubled table.
 fn table_growth(t: &HashTable<u32>) -> usize {
     if t.len() < t.capacity() {
-        0
-    } else {
-        let next = (buckets_for_capacity(t.capacity()) * 2).max(4);
-        table_bytes_for_buckets(next)
+        return 0;
     }
+    let buckets = table_buckets(t);
+    if t.len() < full_capacity(buckets) / 2 {
+        return 0;
+    }
+    table_bytes_for_buckets((buckets * 2).max(4))
 }
 
 impl KvIndex {
@@ -692,7 +706,11 @@ impl KvIndex {
             let engine_free = self.find_engine(eh).is_none();
             let growth = self.slab.alloc_growth()
                 + table_growth(&self.by_key)
-                + if engine_free { table_growth(&self.by_engine) } else { 0 };
+                + if engine_free {
+                    table_growth(&self.by_engine)
+                } else {
+                    0
+                };
             if growth == 0 {
                 break;
             }
@@ -705,8 +723,7 @@ impl KvIndex {
         }
         let idx = self.slab.alloc(key, eh)?;
         let slab = &self.slab;
-        self.by_key
-            .insert_unique(key, idx, |&i| slab.get(i).key);
+        self.by_key.insert_unique(key, idx, |&i| slab.get(i).key);
         match self.find_engine(eh) {
             None => {
                 let slab = &self.slab;
@@ -781,11 +798,17 @@ impl KvIndex {
             (n.key, n.engine_hash, n.flags & FLAG_ALIASED != 0)
         };
         let slab = &self.slab;
-        if let Ok(e) = self.by_key.find_entry(key, |&j| j == i && slab.get(j).key == key) {
+        if let Ok(e) = self
+            .by_key
+            .find_entry(key, |&j| j == i && slab.get(j).key == key)
+        {
             e.remove();
         }
         let slab = &self.slab;
-        if let Ok(e) = self.by_engine.find_entry(eh, |&j| j == i && slab.get(j).engine_hash == eh) {
+        if let Ok(e) = self
+            .by_engine
+            .find_entry(eh, |&j| j == i && slab.get(j).engine_hash == eh)
+        {
             e.remove();
         }
         if aliased {
@@ -932,10 +955,19 @@ impl KvIndex {
     pub fn lookup(&self, keys: &[RouterKey], now_ms: u64) -> Vec<ReplicaMatch> {
         let mut walk = vec![Walk::default(); self.slots.len()];
         let use_predicted = !self.predicted.is_empty();
+        let high = self.slab.high();
+        let mut prev: Option<u32> = None;
         for (i, key) in keys.iter().enumerate() {
             let i = i as u32;
             let mut alive = 0u32;
-            if let Some(idx) = self.find_key(key.0) {
+            // A chain stored by one event sits in consecutive slab slots: try the slot after the
+            // previous block before probing the table (one cache line instead of three misses).
+            let next = prev
+                .map(|p| p + 1)
+                .filter(|&n| n < high && self.slab.get(n).live() && self.slab.get(n).key == key.0);
+            let found = next.or_else(|| self.find_key(key.0));
+            prev = found;
+            if let Some(idx) = found {
                 let node = self.slab.get(idx);
                 node.touch();
                 for h in node.holders() {

@@ -140,7 +140,9 @@ impl Node {
         }
         match &self.spill {
             None => spill_bytes(4),
-            Some(v) if v.len() == v.capacity() => spill_bytes(v.capacity() * 2) - spill_bytes(v.capacity()),
+            Some(v) if v.len() == v.capacity() => {
+                spill_bytes(v.capacity() * 2) - spill_bytes(v.capacity())
+            }
             Some(_) => 0,
         }
     }
@@ -275,7 +277,8 @@ impl Slab {
 
     /// Bytes held by the slab itself.
     pub fn bytes(&self) -> usize {
-        self.chunks.len() * (CHUNK * std::mem::size_of::<Node>() + std::mem::size_of::<Box<[Node]>>())
+        self.chunks.len()
+            * (CHUNK * std::mem::size_of::<Node>() + std::mem::size_of::<Box<[Node]>>())
             + self.free.capacity() * 4
     }
 
@@ -305,7 +308,10 @@ mod tests {
             n.push(pack(s, 1));
         }
         assert_eq!(n.holders_len(), 10);
-        assert_eq!(n.holders().map(slot_of).collect::<Vec<_>>(), (0..10).collect::<Vec<_>>());
+        assert_eq!(
+            n.holders().map(slot_of).collect::<Vec<_>>(),
+            (0..10).collect::<Vec<_>>()
+        );
         while n.holders_len() > 0 {
             let pos = n.holders_len() / 2;
             n.swap_remove(pos);

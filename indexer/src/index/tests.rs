@@ -10,7 +10,9 @@ const BS: usize = 4;
 
 /// Tokens of block `b` of a conversation `conv`.
 fn block_tokens(conv: u32, b: usize) -> Vec<u32> {
-    (0..BS as u32).map(|t| conv * 100_000 + b as u32 * 10 + t).collect()
+    (0..BS as u32)
+        .map(|t| conv * 100_000 + b as u32 * 10 + t)
+        .collect()
 }
 
 /// A fake engine hash for block `b` of `conv` on a replica hashing with `salt`.
@@ -25,7 +27,10 @@ fn stored(conv: u32, blocks: std::ops::Range<usize>, medium: Medium, salt: u64) 
         Some(WireBlockHash::Int(eh(conv, blocks.start - 1, salt)))
     };
     KvEvent::BlockStored(BlockStored {
-        block_hashes: blocks.clone().map(|b| WireBlockHash::Int(eh(conv, b, salt))).collect(),
+        block_hashes: blocks
+            .clone()
+            .map(|b| WireBlockHash::Int(eh(conv, b, salt)))
+            .collect(),
         parent_block_hash: parent,
         token_ids: blocks.clone().flat_map(|b| block_tokens(conv, b)).collect(),
         block_size: BS as u32,
@@ -36,7 +41,10 @@ fn stored(conv: u32, blocks: std::ops::Range<usize>, medium: Medium, salt: u64) 
 
 fn removed(conv: u32, blocks: &[usize], medium: Medium, salt: u64) -> KvEvent {
     KvEvent::BlockRemoved(BlockRemoved {
-        block_hashes: blocks.iter().map(|&b| WireBlockHash::Int(eh(conv, b, salt))).collect(),
+        block_hashes: blocks
+            .iter()
+            .map(|&b| WireBlockHash::Int(eh(conv, b, salt)))
+            .collect(),
         medium: Some(medium),
         ..BlockRemoved::default()
     })
@@ -45,7 +53,12 @@ fn removed(conv: u32, blocks: &[usize], medium: Medium, salt: u64) -> KvEvent {
 /// Router keys of the first `n` blocks of `conv`, computed the way a request computes them.
 fn keys(conv: u32, n: usize) -> Vec<RouterKey> {
     let tokens: Vec<u32> = (0..n).flat_map(|b| block_tokens(conv, b)).collect();
-    request_keys(&tokens, BS, &RequestExtras::default(), ExtraKeyStyle::Tagged)
+    request_keys(
+        &tokens,
+        BS,
+        &RequestExtras::default(),
+        ExtraKeyStyle::Tagged,
+    )
 }
 
 fn m(replica: u32, gpu: u32, predicted: u32, cpu: u32, storage: u32) -> ReplicaMatch {
@@ -77,7 +90,10 @@ fn chaining_from_parent_matches_request_keys() {
         ix.key_of_engine_hash(eh(1, 3, 0)),
         Some(chain(k2, &block_tokens(1, 3), None))
     );
-    assert_eq!(ix.key_of_engine_hash(eh(1, 0, 0)), Some(chain(ROOT, &block_tokens(1, 0), None)));
+    assert_eq!(
+        ix.key_of_engine_hash(eh(1, 0, 0)),
+        Some(chain(ROOT, &block_tokens(1, 0), None))
+    );
     let s = ix.stats();
     assert_eq!((s.blocks, s.entries, s.replicas), (5, 5, 1));
 }
@@ -85,10 +101,30 @@ fn chaining_from_parent_matches_request_keys() {
 #[test]
 fn parent_unknown_drops_the_event_and_counts_it() {
     let mut ix = KvIndex::default();
-    let err = ix.apply(0, &stored(1, 3..5, Medium::Gpu, 0)).expect_err("no parent");
-    assert!(matches!(err, IndexError::ParentUnknown { replica: 0, blocks: 2, .. }), "{err}");
+    let err = ix
+        .apply(0, &stored(1, 3..5, Medium::Gpu, 0))
+        .expect_err("no parent");
+    assert!(
+        matches!(
+            err,
+            IndexError::ParentUnknown {
+                replica: 0,
+                blocks: 2,
+                ..
+            }
+        ),
+        "{err}"
+    );
     let s = ix.stats();
-    assert_eq!((s.blocks, s.entries, s.parent_unknown, s.parent_unknown_blocks), (0, 0, 1, 2));
+    assert_eq!(
+        (
+            s.blocks,
+            s.entries,
+            s.parent_unknown,
+            s.parent_unknown_blocks
+        ),
+        (0, 0, 1, 2)
+    );
 }
 
 #[test]
@@ -98,7 +134,9 @@ fn invalid_event_is_rejected_without_change() {
         unreachable!()
     };
     st.token_ids.pop();
-    let err = ix.apply(0, &KvEvent::BlockStored(st)).expect_err("bad token count");
+    let err = ix
+        .apply(0, &KvEvent::BlockStored(st))
+        .expect_err("bad token count");
     assert!(matches!(err, IndexError::InvalidEvent { .. }));
     assert_eq!(ix.stats().blocks, 0);
     assert_eq!(ix.stats().invalid_events, 1);
@@ -111,14 +149,20 @@ fn removal_cuts_the_match_and_frees_blocks() {
     apply(&mut ix, 1, &stored(1, 0..6, Medium::Gpu, 0));
     let out = apply(&mut ix, 0, &removed(1, &[3], Medium::Gpu, 0));
     assert_eq!(out.removed, 1);
-    assert_eq!(ix.lookup(&keys(1, 6), 0), vec![m(0, 3, 0, 0, 0), m(1, 6, 0, 0, 0)]);
+    assert_eq!(
+        ix.lookup(&keys(1, 6), 0),
+        vec![m(0, 3, 0, 0, 0), m(1, 6, 0, 0, 0)]
+    );
     // Unknown hashes and blocks the replica does not hold are counted, not errors.
     let out = apply(&mut ix, 0, &removed(1, &[3, 99], Medium::Gpu, 0));
     assert_eq!((out.removed, out.remove_unknown), (0, 2));
     apply(&mut ix, 1, &removed(1, &[0, 1, 2, 3, 4, 5], Medium::Gpu, 0));
     apply(&mut ix, 0, &removed(1, &[0, 1, 2, 4, 5], Medium::Gpu, 0));
     let s = ix.stats();
-    assert_eq!((s.blocks, s.entries, s.removed, s.remove_unknown), (0, 0, 12, 2));
+    assert_eq!(
+        (s.blocks, s.entries, s.removed, s.remove_unknown),
+        (0, 0, 12, 2)
+    );
     assert!(ix.lookup(&keys(1, 6), 0).is_empty());
 }
 
@@ -136,7 +180,10 @@ fn restart_clears_only_that_replica() {
     assert_eq!((s.blocks, s.entries), (2, 2));
     // The restarted engine starts again from block 0.
     apply(&mut ix, 0, &stored(1, 0..1, Medium::Gpu, 0));
-    assert_eq!(ix.lookup(&keys(1, 4), 0), vec![m(0, 1, 0, 0, 0), m(1, 2, 0, 0, 0)]);
+    assert_eq!(
+        ix.lookup(&keys(1, 4), 0),
+        vec![m(0, 1, 0, 0, 0), m(1, 2, 0, 0, 0)]
+    );
     assert_eq!(ix.remove_replica(1), 2);
     assert_eq!(ix.replicas(), vec![(0, 1)]);
     assert_eq!(ix.stats().entries, 1);
@@ -194,7 +241,10 @@ fn lookup_reports_tiers_per_replica() {
     // A GPU block after the CPU tier started does not count (the engine would not use it).
     apply(&mut ix, 4, &stored(1, 0..1, Medium::Cpu, 0));
     apply(&mut ix, 4, &stored(1, 1..2, Medium::Gpu, 0));
-    let r4 = ix.lookup(&keys(1, 2), 0).into_iter().find(|x| x.replica == 4);
+    let r4 = ix
+        .lookup(&keys(1, 2), 0)
+        .into_iter()
+        .find(|x| x.replica == 4);
     assert_eq!(r4, Some(m(4, 0, 0, 1, 0)));
     assert!(ix.lookup(&keys(7, 3), 0).is_empty());
     assert!(ix.lookup(&[], 0).is_empty());
@@ -207,11 +257,17 @@ fn replicas_hashing_differently_share_router_keys() {
     apply(&mut ix, 1, &stored(1, 0..3, Medium::Gpu, 0xDEAD));
     let s = ix.stats();
     assert_eq!((s.blocks, s.entries, s.engine_hash_aliases), (3, 6, 3));
-    assert_eq!(ix.lookup(&keys(1, 3), 0), vec![m(0, 3, 0, 0, 0), m(1, 3, 0, 0, 0)]);
+    assert_eq!(
+        ix.lookup(&keys(1, 3), 0),
+        vec![m(0, 3, 0, 0, 0), m(1, 3, 0, 0, 0)]
+    );
     // Replica 1 chains and removes with its own hashes.
     apply(&mut ix, 1, &stored(1, 3..4, Medium::Gpu, 0xDEAD));
     apply(&mut ix, 1, &removed(1, &[1], Medium::Gpu, 0xDEAD));
-    assert_eq!(ix.lookup(&keys(1, 4), 0), vec![m(0, 3, 0, 0, 0), m(1, 1, 0, 0, 0)]);
+    assert_eq!(
+        ix.lookup(&keys(1, 4), 0),
+        vec![m(0, 3, 0, 0, 0), m(1, 1, 0, 0, 0)]
+    );
     ix.clear_replica(0);
     ix.clear_replica(1);
     let s = ix.stats();
@@ -239,18 +295,36 @@ fn predicted_entries_expire_and_are_replaced_by_real_events() {
     let mut ix = KvIndex::default();
     apply(&mut ix, 0, &stored(1, 0..2, Medium::Gpu, 0));
     // Routed a 4-block request to replica 0 at t=1000 and one to replica 1.
-    assert_eq!(ix.insert_predicted(0, &keys(1, 4), 1000, 2000).expect("predict"), 2);
-    ix.insert_predicted(1, &keys(1, 4), 1000, 2000).expect("predict");
-    assert_eq!(ix.lookup(&keys(1, 4), 1500), vec![m(0, 2, 2, 0, 0), m(1, 0, 4, 0, 0)]);
+    assert_eq!(
+        ix.insert_predicted(0, &keys(1, 4), 1000, 2000)
+            .expect("predict"),
+        2
+    );
+    ix.insert_predicted(1, &keys(1, 4), 1000, 2000)
+        .expect("predict");
+    assert_eq!(
+        ix.lookup(&keys(1, 4), 1500),
+        vec![m(0, 2, 2, 0, 0), m(1, 0, 4, 0, 0)]
+    );
     // The real event for replica 0 replaces its prediction.
     let out = apply(&mut ix, 0, &stored(1, 2..4, Medium::Gpu, 0));
     assert_eq!(out.predicted_replaced, 2);
-    assert_eq!(ix.lookup(&keys(1, 4), 1500), vec![m(0, 4, 0, 0, 0), m(1, 0, 4, 0, 0)]);
+    assert_eq!(
+        ix.lookup(&keys(1, 4), 1500),
+        vec![m(0, 4, 0, 0, 0), m(1, 0, 4, 0, 0)]
+    );
     // Past the TTL, predictions no longer count, even before they are pruned.
     assert_eq!(ix.lookup(&keys(1, 4), 3000), vec![m(0, 4, 0, 0, 0)]);
     ix.expire_predicted(3000);
     let s = ix.stats();
-    assert_eq!((s.predicted_entries, s.predicted_expired, s.predicted_replaced), (0, 4, 2));
+    assert_eq!(
+        (
+            s.predicted_entries,
+            s.predicted_expired,
+            s.predicted_replaced
+        ),
+        (0, 4, 2)
+    );
     assert_eq!(s.predicted_inserted, 6);
 }
 
@@ -261,7 +335,8 @@ fn predicted_store_is_bounded() {
         ..IndexConfig::default()
     });
     for r in 0..20 {
-        ix.insert_predicted(r, &keys(r + 100, 3), u64::from(r), 10_000).expect("predict");
+        ix.insert_predicted(r, &keys(r + 100, 3), u64::from(r), 10_000)
+            .expect("predict");
         assert!(ix.stats().predicted_entries <= 10);
     }
     let s = ix.stats();
@@ -293,9 +368,17 @@ fn budget_is_never_exceeded_and_hot_blocks_survive() {
     // The hot prefix is still there; the oldest conversations are gone; recent ones remain.
     assert_eq!(ix.lookup(&keys(0, 8), 0).len(), 8);
     assert!(ix.lookup(&keys(1, 16), 0).is_empty());
-    assert_eq!(ix.lookup(&keys(4000, 16), 0), vec![m(3999 % 8, 16, 0, 0, 0)]);
+    assert_eq!(
+        ix.lookup(&keys(4000, 16), 0),
+        vec![m(3999 % 8, 16, 0, 0, 0)]
+    );
     // Entries count matches a fresh walk of the index.
-    let walked: u64 = ix.export().blocks.iter().map(|b| b.holders.len() as u64).sum();
+    let walked: u64 = ix
+        .export()
+        .blocks
+        .iter()
+        .map(|b| b.holders.len() as u64)
+        .sum();
     assert_eq!(walked, s.entries);
     assert_eq!(ix.export().blocks.len() as u64, s.blocks);
 }
@@ -334,7 +417,10 @@ fn snapshot_round_trips_through_postcard() {
         assert_eq!(ix2.lookup(&keys(conv, 6), 0), ix.lookup(&keys(conv, 6), 0));
     }
     let (a, b) = (ix.stats(), ix2.stats());
-    assert_eq!((a.blocks, a.entries, a.engine_hash_aliases), (b.blocks, b.entries, b.engine_hash_aliases));
+    assert_eq!(
+        (a.blocks, a.entries, a.engine_hash_aliases),
+        (b.blocks, b.entries, b.engine_hash_aliases)
+    );
     assert_eq!(ix2.replicas(), ix.replicas());
     // Events keep applying after import: chaining and alias removal still work.
     apply(&mut ix2, 1, &removed(1, &[0], Medium::Cpu, 7));
@@ -383,7 +469,8 @@ fn random_operations_agree_with_a_reference_model() {
                 let start = rng.below(6) as usize;
                 let end = start + 1 + rng.below(6) as usize;
                 // The parent must be held by someone for the event to chain (else: dropped).
-                let parent_known = start == 0 || model.keys().any(|&(_, c, b)| c == conv && b == start - 1);
+                let parent_known =
+                    start == 0 || model.keys().any(|&(_, c, b)| c == conv && b == start - 1);
                 let res = ix.apply(r, &stored(conv, start..end, med, 0));
                 if parent_known {
                     res.expect("parent known");
@@ -391,7 +478,10 @@ fn random_operations_agree_with_a_reference_model() {
                         *model.entry((r, conv, b)).or_insert(0) |= bit;
                     }
                 } else {
-                    assert!(matches!(res, Err(IndexError::ParentUnknown { .. })), "step {step}");
+                    assert!(
+                        matches!(res, Err(IndexError::ParentUnknown { .. })),
+                        "step {step}"
+                    );
                 }
             }
             5..=8 => {

@@ -7,7 +7,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvroute_core::events::{encode_batch, BlockStored, EventBatch, KvEvent, WireBlockHash, WireLayout};
+use kvroute_core::events::{
+    encode_batch, BlockStored, EventBatch, KvEvent, WireBlockHash, WireLayout,
+};
 use kvroute_indexer::config::Config;
 use kvroute_indexer::policies::Policy;
 use kvroute_indexer::state::AppState;
@@ -52,7 +54,9 @@ impl Publisher {
         let t = topic.clone();
         let router_task = tokio::spawn(async move {
             loop {
-                let Ok(msg) = router.recv().await else { continue };
+                let Ok(msg) = router.recv().await else {
+                    continue;
+                };
                 let frames = msg.into_vec();
                 if frames.len() != 3 || frames[2].len() != 8 {
                     continue;
@@ -231,11 +235,10 @@ pub async fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool 
 /// Waits until every stream of the replica is connected.
 pub async fn wait_connected(state: &AppState, replica: &str) {
     let ok = wait_until(Duration::from_secs(10), || {
-        state.fleet.get(replica).is_some_and(|r| {
-            r.streams
-                .iter()
-                .all(|s| s.state.lock().unwrap().connected)
-        })
+        state
+            .fleet
+            .get(replica)
+            .is_some_and(|r| r.streams.iter().all(|s| s.state.lock().unwrap().connected))
     })
     .await;
     assert!(ok, "replica {replica} never connected");
@@ -269,7 +272,11 @@ pub fn held(state: &AppState, replica: &str, tokens: &[u32]) -> u32 {
 }
 
 /// Stream counter of rank 0.
-pub fn stat(state: &AppState, replica: &str, f: impl Fn(&kvroute_indexer::membership::StreamStats) -> u64) -> u64 {
+pub fn stat(
+    state: &AppState,
+    replica: &str,
+    f: impl Fn(&kvroute_indexer::membership::StreamStats) -> u64,
+) -> u64 {
     let r = state.fleet.get(replica).unwrap();
     f(&r.streams[0].stats)
 }

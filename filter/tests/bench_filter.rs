@@ -1,0 +1,141 @@
+//! Added latency of the kvroute filter inside Envoy (benchmark, `#[ignore]`d; run with
+//! `cargo test -p kvroute-filter --release --test bench_filter -- --ignored --nocapture`, or
+//! through `cargo xtask bench filter`).
+//!
+//! Two Envoys (concurrency 1) in front of the same instant-answer upstream: one plain, one with
+//! the filter and an instant fake indexer (so the number is the filter's own work: body
+//! buffering, JSON parse, chat template, tokenisation, router keys, the loopback callout, the
+//! header). Chat prompts of about 1k, 8k and 32k tokens, sent one at a time:
+//! * cold: every prompt is new text (nothing in the segment cache);
+//! * warm: a multi-turn conversation whose earlier turns were already seen, with a new last turn.
+//!
+//! Results go to stdout and `target/bench/filter.json`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let idx = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+fn measure(port: u16, bodies: &[Value]) -> Vec<f64> {
+    let mut out = Vec::with_capacity(bodies.len());
+    for b in bodies {
+        let payload = b.to_string();
+        let t = Instant::now();
+        let r = http(
+            port,
+            "POST",
+            "/v1/chat/completions",
+            &[("content-type", "application/json")],
+            payload.as_bytes(),
+        );
+        out.push(t.elapsed().as_secs_f64() * 1e3);
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    out
+}
+
+/// About `tokens` tokens of chat: a system prompt, then turns of ~1k tokens.
+fn conversation(seed: u64, tokens: usize, last_turn_seed: u64) -> Value {
+    let words_per_1k = 760; // filler() gives ~1.3 tokens per word
+    let turns = (tokens / 1000).max(1);
+    let mut messages = vec![json!({"role": "system", "content": filler(seed, words_per_1k / 2)})];
+    for t in 0..turns.saturating_sub(1) {
+        messages.push(json!({"role": "user", "content": filler(seed * 1000 + t as u64, words_per_1k / 2)}));
+        messages.push(json!({"role": "assistant", "content": filler(seed * 2000 + t as u64, words_per_1k / 2)}));
+    }
+    messages.push(json!({"role": "user", "content": filler(last_turn_seed, words_per_1k / 2)}));
+    json!({"model": "qwen3", "max_tokens": 1, "messages": messages})
+}
+
+#[test]
+#[ignore = "benchmark: run with --ignored --nocapture (cargo xtask bench filter)"]
+fn filter_added_latency() {
+    let dir = scratch("bench-filter");
+    let upstream = TestServer::start(|_| {
+        Reply::json(
+            200,
+            &json!({"choices": [{"message": {"content": "ok"}}],
+                    "usage": {"prompt_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}}),
+        )
+    });
+    let indexer = FakeIndexer::start("qwen3", RouteMode::To(upstream.addr()), TokenizerMode::Serve);
+    let cfg = json!({"route_timeout_ms": 5000, "models": {"qwen3": {}}});
+    let with = Envoy::start(
+        "bench-with",
+        &EnvoyOptions::new(indexer.server.port, vec![upstream.addr()], cfg.clone()),
+        &dir,
+    );
+    let mut plain_opts = EnvoyOptions::new(indexer.server.port, vec![upstream.addr()], cfg);
+    plain_opts.with_filter = false;
+    let without = Envoy::start("bench-without", &plain_opts, &dir);
+    with.wait_tokenizers(1);
+
+    let mut results = Vec::new();
+    println!(
+        "{:<6} {:<5} {:>5} {:>10} {:>10} {:>10} {:>10} {:>11} {:>11}",
+        "tokens", "cache", "n", "base p50", "base p99", "kvr p50", "kvr p99", "added p50", "added p99"
+    );
+    for &(tokens, n_cold, n_warm) in &[(1000usize, 40usize, 100usize), (8000, 20, 60), (32000, 8, 30)] {
+        for warm in [false, true] {
+            let n = if warm { n_warm } else { n_cold };
+            let base_seed = tokens as u64 * 7 + u64::from(warm);
+            let bodies: Vec<Value> = (0..n as u64)
+                .map(|i| {
+                    if warm {
+                        // Same earlier turns, a new last turn each time.
+                        conversation(base_seed, tokens, 900_000 + i)
+                    } else {
+                        conversation(base_seed * 100 + i, tokens, 800_000 + i)
+                    }
+                })
+                .collect();
+            if warm {
+                // Prime the segment cache and the connection pools.
+                measure(with.port, &bodies[..1]);
+            }
+            measure(without.port, &bodies[..1]);
+            let mut base = measure(without.port, &bodies);
+            let mut kvr = measure(with.port, &bodies);
+            base.sort_by(f64::total_cmp);
+            kvr.sort_by(f64::total_cmp);
+            let row = json!({
+                "tokens": tokens, "warm": warm, "n": n,
+                "baseline_p50_ms": percentile(&base, 0.5), "baseline_p99_ms": percentile(&base, 0.99),
+                "filter_p50_ms": percentile(&kvr, 0.5), "filter_p99_ms": percentile(&kvr, 0.99),
+                "added_p50_ms": percentile(&kvr, 0.5) - percentile(&base, 0.5),
+                "added_p99_ms": percentile(&kvr, 0.99) - percentile(&base, 0.99),
+            });
+            println!(
+                "{:<6} {:<5} {:>5} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>11.3} {:>11.3}",
+                tokens,
+                if warm { "warm" } else { "cold" },
+                n,
+                row["baseline_p50_ms"].as_f64().unwrap_or(f64::NAN),
+                row["baseline_p99_ms"].as_f64().unwrap_or(f64::NAN),
+                row["filter_p50_ms"].as_f64().unwrap_or(f64::NAN),
+                row["filter_p99_ms"].as_f64().unwrap_or(f64::NAN),
+                row["added_p50_ms"].as_f64().unwrap_or(f64::NAN),
+                row["added_p99_ms"].as_f64().unwrap_or(f64::NAN),
+            );
+            results.push(row);
+        }
+    }
+    assert_eq!(with.kv("routed") as usize, indexer.route_calls().len());
+    let out = workspace().join("target/bench");
+    std::fs::create_dir_all(&out).expect("mkdir target/bench");
+    let report = json!({"envoy_concurrency": 1, "results": results,
+                        "wasm_bytes": std::fs::metadata(wasm_path()).map(|m| m.len()).unwrap_or(0)});
+    std::fs::write(out.join("filter.json"), serde_json::to_string_pretty(&report).unwrap_or_default())
+        .expect("write target/bench/filter.json");
+    std::thread::sleep(Duration::from_millis(10));
+}

@@ -1,0 +1,263 @@
+//! The routing policies the benchmark compares, how each is started, and the hit-rate ceiling.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::str::FromStr;
+
+use anyhow::{bail, Result};
+
+use super::workloads::Workload;
+use crate::stack::Stack;
+
+/// A routing policy under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Policy {
+    /// kvroute: Envoy + filter + indexer `--policy kv`.
+    Kv,
+    /// Plain Envoy, `lb_policy: ROUND_ROBIN`.
+    RoundRobin,
+    /// Plain Envoy, `lb_policy: LEAST_REQUEST`.
+    LeastRequest,
+    /// Envoy + filter + indexer `--policy random`.
+    Random,
+    /// Envoy + filter + indexer `--policy session` (the `x-session-id` header).
+    Session,
+    /// Envoy + filter + indexer `--policy approx-prefix` (router-side guess, no events used).
+    ApproxPrefix,
+}
+
+impl Policy {
+    /// Every policy, in report order.
+    pub const ALL: [Policy; 6] = [
+        Policy::Kv,
+        Policy::RoundRobin,
+        Policy::LeastRequest,
+        Policy::Random,
+        Policy::Session,
+        Policy::ApproxPrefix,
+    ];
+
+    /// Name in tables and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Kv => "kv",
+            Policy::RoundRobin => "round-robin",
+            Policy::LeastRequest => "least-request",
+            Policy::Random => "random",
+            Policy::Session => "session",
+            Policy::ApproxPrefix => "approx-prefix",
+        }
+    }
+
+    /// How it runs, for the report.
+    pub fn how(self) -> &'static str {
+        match self {
+            Policy::Kv => "Envoy + kvroute filter + indexer `--policy kv` (exact index from KV events, scoring)",
+            Policy::RoundRobin => "plain Envoy, `lb_policy: ROUND_ROBIN`",
+            Policy::LeastRequest => "plain Envoy, `lb_policy: LEAST_REQUEST`",
+            Policy::Random => "Envoy + kvroute filter + indexer `--policy random`",
+            Policy::Session => "Envoy + kvroute filter + indexer `--policy session` (`x-session-id` header)",
+            Policy::ApproxPrefix => "Envoy + kvroute filter + indexer `--policy approx-prefix` (router-side prefix guess, no events)",
+        }
+    }
+
+    /// Whether it cares about load only (the no-sharing control compares kv with the best of these).
+    pub fn load_only(self) -> bool {
+        matches!(
+            self,
+            Policy::RoundRobin | Policy::LeastRequest | Policy::Random
+        )
+    }
+
+    /// The indexer's `--policy` value, for policies that go through the filter.
+    fn indexer_policy(self) -> Option<&'static str> {
+        match self {
+            Policy::Kv => Some("kv"),
+            Policy::Random => Some("random"),
+            Policy::Session => Some("session"),
+            Policy::ApproxPrefix => Some("approx-prefix"),
+            Policy::RoundRobin | Policy::LeastRequest => None,
+        }
+    }
+
+    /// Starts the router for this policy in front of the (running) replicas and returns the
+    /// `host:port` clients send to.
+    pub fn start(self, stack: &mut Stack) -> Result<String> {
+        match self.indexer_policy() {
+            Some(policy) => {
+                stack.start_indexer(policy)?;
+                stack.start_kvroute_envoy()?;
+                Ok(stack.kvroute_addr())
+            }
+            None => {
+                let lb = match self {
+                    Policy::RoundRobin => "ROUND_ROBIN",
+                    _ => "LEAST_REQUEST",
+                };
+                stack.start_baseline_envoy(lb)?;
+                Ok(stack.baseline_addr())
+            }
+        }
+    }
+
+    /// Stops what [`Policy::start`] started.
+    pub fn stop(self, stack: &mut Stack) {
+        stack.stop("envoy-");
+        stack.stop("indexer");
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Policy {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match Policy::ALL.iter().find(|p| p.name() == s) {
+            Some(p) => Ok(*p),
+            None => bail!(
+                "unknown policy {s:?} (one of: {})",
+                Policy::ALL.map(Policy::name).join(", ")
+            ),
+        }
+    }
+}
+
+/// The single-replica, infinite-cache hit-rate bound: the fraction of prompt tokens in blocks an
+/// earlier request already had, counted as vLLM counts hits (whole blocks, a chain from the first
+/// block, at most `(n - 1) / block_size` blocks so one token is always computed).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Ceiling {
+    /// Prompt tokens.
+    pub queried: u64,
+    /// Tokens that would hit.
+    pub hit: u64,
+}
+
+impl Ceiling {
+    /// hit / queried.
+    pub fn hit_rate(&self) -> f64 {
+        if self.queried == 0 {
+            0.0
+        } else {
+            self.hit as f64 / self.queried as f64
+        }
+    }
+}
+
+/// Computes [`Ceiling`] for `workload` in arrival order with `block_size`-token blocks.
+pub fn ceiling(workload: &Workload, block_size: usize) -> Ceiling {
+    let bs = block_size.max(1);
+    let mut seen: HashSet<u64> = HashSet::new();
+    let (mut queried, mut hit) = (0u64, 0u64);
+    for request in &workload.requests {
+        let tokens = request.tokens();
+        let n = tokens.len();
+        queried += n as u64;
+        let usable = n.saturating_sub(1) / bs;
+        let mut parent = 0x6b76_726f_7574_6521u64;
+        let mut hits_here = 0usize;
+        let mut chain_intact = true;
+        for (index, block) in tokens.chunks_exact(bs).enumerate() {
+            parent = chain_key(parent, block);
+            let fresh = seen.insert(parent);
+            if chain_intact && !fresh && index < usable {
+                hits_here += 1;
+            } else {
+                chain_intact = false;
+            }
+        }
+        hit += (hits_here * bs) as u64;
+    }
+    Ceiling { queried, hit }
+}
+
+/// A 64-bit chained key of a block (collisions are irrelevant at benchmark sizes).
+fn chain_key(parent: u64, block: &[u32]) -> u64 {
+    let mut h = parent ^ 0x9E37_79B9_7F4A_7C15;
+    for &t in block {
+        h = (h ^ u64::from(t)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        h ^= h >> 29;
+    }
+    h.wrapping_mul(0x94D0_49BB_1331_11EB) ^ (h >> 32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::workloads::{BenchRequest, Segment, SharedPrefix};
+    use super::*;
+
+    fn workload(requests: Vec<Vec<Segment>>) -> Workload {
+        Workload {
+            name: "t".into(),
+            rate: None,
+            description: String::new(),
+            requests: requests
+                .into_iter()
+                .enumerate()
+                .map(|(i, segments)| BenchRequest {
+                    at_ms: i as f64,
+                    segments,
+                    max_tokens: 1,
+                    session: i.to_string(),
+                })
+                .collect(),
+            notes: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn policies_parse_and_print() {
+        for p in Policy::ALL {
+            assert_eq!(p.name().parse::<Policy>().expect("parse"), p);
+        }
+        assert!("nope".parse::<Policy>().is_err());
+        assert!(Policy::RoundRobin.load_only() && !Policy::Kv.load_only());
+    }
+
+    #[test]
+    fn ceiling_counts_whole_shared_blocks_and_keeps_one_token() {
+        let a = Segment::new("a", 0, 40);
+        let b = Segment::new("b", 0, 8);
+        let c = Segment::new("c", 0, 8);
+        // 48 tokens: blocks 0,1 (32 tokens) of the 40 shared ones hit; block 2 mixes a and b.
+        let w = workload(vec![vec![a, b], vec![a, c], vec![a, b]]);
+        let ceil = ceiling(&w, 16);
+        assert_eq!(ceil.queried, 144);
+        // Second: 32 hit. Third: identical to the first, 3 blocks, but (48-1)/16 = 2 usable.
+        assert_eq!(ceil.hit, 64);
+        // Exactly one block long: never a hit ((16 - 1) / 16 = 0).
+        let one = Segment::new("one", 0, 16);
+        assert_eq!(ceiling(&workload(vec![vec![one], vec![one]]), 16).hit, 0);
+    }
+
+    #[test]
+    fn ceiling_stops_at_the_first_miss() {
+        let a = Segment::new("a", 0, 16);
+        let b = Segment::new("b", 0, 16);
+        let x = Segment::new("x", 0, 16);
+        let tail = Segment::new("t", 0, 16);
+        // Request 2 shares block a, misses x, then b at position 2 is a different chain anyway.
+        let w = workload(vec![vec![a, b, tail], vec![a, x, b, tail]]);
+        assert_eq!(ceiling(&w, 16).hit, 16);
+    }
+
+    #[test]
+    fn shared_prefix_ceiling_is_the_closed_form() {
+        let sp = SharedPrefix {
+            groups: 10,
+            prompts_per_group: 5,
+            system_tokens: 6_000,
+            question_tokens: 1_200,
+            output_tokens: 1,
+            seed: 1,
+        };
+        let w = sp.at_rate(1.0).expect("workload");
+        // 4 of 5 prompts per group hit the system prompt's whole blocks (6000 / 16 = 375).
+        let expected = (10 * 4 * 375 * 16) as f64 / (50 * 7_200) as f64;
+        assert!((ceiling(&w, 16).hit_rate() - expected).abs() < 1e-12);
+    }
+}
