@@ -204,7 +204,10 @@ impl FilterConfig {
             ("tokenizer_timeout_ms", self.tokenizer_timeout_ms),
         ] {
             if v == 0 || v > MAX_TIMEOUT_MS {
-                return Err(invalid(name, format!("must be in 1..={MAX_TIMEOUT_MS}, got {v}")));
+                return Err(invalid(
+                    name,
+                    format!("must be in 1..={MAX_TIMEOUT_MS}, got {v}"),
+                ));
             }
         }
         if self.routed_paths.is_empty() {
@@ -221,7 +224,10 @@ impl FilterConfig {
         if self.max_body_bytes < 1024 || self.max_body_bytes > MAX_BODY_LIMIT {
             return Err(invalid(
                 "max_body_bytes",
-                format!("must be in 1024..={MAX_BODY_LIMIT}, got {}", self.max_body_bytes),
+                format!(
+                    "must be in 1024..={MAX_BODY_LIMIT}, got {}",
+                    self.max_body_bytes
+                ),
             ));
         }
         if self.max_response_scan_bytes > MAX_BODY_LIMIT {
@@ -274,7 +280,10 @@ impl FilterConfig {
 
 fn check_block_size(field: &str, bs: usize) -> Result<(), ConfigError> {
     if bs == 0 || bs > MAX_BLOCK_SIZE {
-        return Err(invalid(field, format!("must be in 1..={MAX_BLOCK_SIZE}, got {bs}")));
+        return Err(invalid(
+            field,
+            format!("must be in 1..={MAX_BLOCK_SIZE}, got {bs}"),
+        ));
     }
     Ok(())
 }
@@ -286,7 +295,10 @@ mod tests {
     #[test]
     fn empty_configuration_means_defaults() {
         assert_eq!(FilterConfig::parse(b"").unwrap(), FilterConfig::default());
-        assert_eq!(FilterConfig::parse(b"  {} ").unwrap(), FilterConfig::default());
+        assert_eq!(
+            FilterConfig::parse(b"  {} ").unwrap(),
+            FilterConfig::default()
+        );
     }
 
     #[test]

@@ -5,9 +5,7 @@
 use std::collections::BTreeMap;
 
 use kvroute_core::hashing::ExtraKeyStyle;
-use kvroute_core::request::{
-    request_extras, Endpoint, ModelFiles, ModelTokenizer, PromptTokens,
-};
+use kvroute_core::request::{request_extras, Endpoint, ModelFiles, ModelTokenizer, PromptTokens};
 use kvroute_core::router_key::request_keys;
 use serde_json::Value;
 

@@ -79,7 +79,10 @@ impl KvRouteHttp {
     /// Removes any client-supplied destination header. Returns false when that was impossible
     /// (the caller then refuses the request rather than let a client pick the upstream).
     fn strip_dst_header(&self) -> bool {
-        let present = !matches!(host::get_header_bytes(Map::RequestHeaders, DST_HEADER), Ok(None));
+        let present = !matches!(
+            host::get_header_bytes(Map::RequestHeaders, DST_HEADER),
+            Ok(None)
+        );
         if !present {
             return true;
         }
@@ -91,7 +94,10 @@ impl KvRouteHttp {
                 true
             }
             Err(e) => {
-                hlog!(Error, "kvroute: cannot remove a client {DST_HEADER} ({e}); refusing");
+                hlog!(
+                    Error,
+                    "kvroute: cannot remove a client {DST_HEADER} ({e}); refusing"
+                );
                 false
             }
         }
@@ -99,8 +105,9 @@ impl KvRouteHttp {
 
     fn reject(&mut self, status: u32, details: &str, message: &str) -> Action {
         self.phase = Phase::Rejected;
-        let body = serde_json::json!({"error": {"message": message, "type": details, "code": status}})
-            .to_string();
+        let body =
+            serde_json::json!({"error": {"message": message, "type": details, "code": status}})
+                .to_string();
         if let Err(e) = host::send_local_response(
             status,
             details,
@@ -124,7 +131,12 @@ impl KvRouteHttp {
                 let _ = host::set_header(Map::RequestHeaders, DBG_FAIL_OPEN, reason.as_str());
             }
         }
-        hlog!(Debug, "kvroute: request {} fails open: {}", self.request_id, reason.as_str());
+        hlog!(
+            Debug,
+            "kvroute: request {} fails open: {}",
+            self.request_id,
+            reason.as_str()
+        );
     }
 
     fn oversized(&mut self, shared: &Shared) -> Action {
@@ -155,7 +167,10 @@ impl KvRouteHttp {
             .and_then(Value::as_str)
             .ok_or(FailOpen::NoModel)?
             .to_string();
-        let lookup = shared.models.borrow_mut().lookup(&model, host::now_millis());
+        let lookup = shared
+            .models
+            .borrow_mut()
+            .lookup(&model, host::now_millis());
         let loaded = match lookup {
             Lookup::Ready(m) => m,
             Lookup::NotReady => return Err(FailOpen::TokenizerNotReady),
@@ -165,7 +180,11 @@ impl KvRouteHttp {
         let prepared = loaded
             .prepare(endpoint_for_path(&self.path), &body)
             .map_err(|e| {
-                hlog!(Debug, "kvroute: request {} not tokenised: {e}", self.request_id);
+                hlog!(
+                    Debug,
+                    "kvroute: request {} not tokenised: {e}",
+                    self.request_id
+                );
                 FailOpen::TokenizeError
             })?;
         if let Ok(t1) = host::now_nanos() {
@@ -235,8 +254,10 @@ impl KvRouteHttp {
                     .as_deref(),
             )
         };
-        let answer_body = host::get_buffer(Buffer::CallResponseBody, 0, body_size).unwrap_or_default();
-        let answer = parse_route_answer(status, &answer_body, elapsed, shared.cfg.route_timeout_ms)?;
+        let answer_body =
+            host::get_buffer(Buffer::CallResponseBody, 0, body_size).unwrap_or_default();
+        let answer =
+            parse_route_answer(status, &answer_body, elapsed, shared.cfg.route_timeout_ms)?;
         // The indexer counted this request in flight: report its end whatever happens next.
         self.routed_to = Some(answer.endpoint.clone());
         host::set_header(Map::RequestHeaders, DST_HEADER, &answer.endpoint).map_err(|e| {
@@ -277,14 +298,21 @@ impl KvRouteHttp {
                 "content-length",
                 &new_body.len().to_string(),
             ) {
-                hlog!(Warn, "kvroute: body not rewritten, content-length not settable: {e}");
+                hlog!(
+                    Warn,
+                    "kvroute: body not rewritten, content-length not settable: {e}"
+                );
                 return;
             }
         }
         if let Err(e) = host::set_buffer(Buffer::RequestBody, 0, raw.len(), &new_body) {
             hlog!(Warn, "kvroute: body not rewritten: {e}");
             if had_length {
-                let _ = host::set_header(Map::RequestHeaders, "content-length", &raw.len().to_string());
+                let _ = host::set_header(
+                    Map::RequestHeaders,
+                    "content-length",
+                    &raw.len().to_string(),
+                );
             }
             return;
         }
@@ -298,7 +326,10 @@ impl KvRouteHttp {
         if !shared.cfg.report_completion {
             return;
         }
-        let cached = self.scanner.as_ref().and_then(ResponseScanner::cached_tokens);
+        let cached = self
+            .scanner
+            .as_ref()
+            .and_then(ResponseScanner::cached_tokens);
         let body = complete_body(&self.request_id, endpoint, cached);
         let headers = vec![
             (":method", "POST"),
@@ -351,7 +382,11 @@ impl Context for KvRouteHttp {
             Err(reason) => self.note_fail_open(reason),
         }
         if let Err(e) = host::resume_request() {
-            hlog!(Error, "kvroute: cannot resume request {}: {e}", self.request_id);
+            hlog!(
+                Error,
+                "kvroute: cannot resume request {}: {e}",
+                self.request_id
+            );
         }
     }
 }
@@ -362,13 +397,21 @@ impl HttpContext for KvRouteHttp {
             if let Some(s) = &self.shared {
                 s.metrics.inc(Counter::StripFailedRejected);
             }
-            return self.reject(503, "kvroute_header_strip_failed", "request refused by the router");
+            return self.reject(
+                503,
+                "kvroute_header_strip_failed",
+                "request refused by the router",
+            );
         }
         let Some(shared) = self.shared.clone() else {
             return Action::Continue;
         };
-        let method = host::get_header(Map::RequestHeaders, ":method").ok().flatten();
-        let path = host::get_header(Map::RequestHeaders, ":path").ok().flatten();
+        let method = host::get_header(Map::RequestHeaders, ":method")
+            .ok()
+            .flatten();
+        let path = host::get_header(Map::RequestHeaders, ":path")
+            .ok()
+            .flatten();
         let (Some(method), Some(path)) = (method, path) else {
             return Action::Continue;
         };
@@ -377,7 +420,9 @@ impl HttpContext for KvRouteHttp {
         }
         self.path = path;
         shared.metrics.inc(Counter::Requests);
-        let rid = host::get_header(Map::RequestHeaders, "x-request-id").ok().flatten();
+        let rid = host::get_header(Map::RequestHeaders, "x-request-id")
+            .ok()
+            .flatten();
         self.request_id = request_id(rid.as_deref(), self.id, host::now_nanos().unwrap_or(0));
         if end_of_stream {
             shared.metrics.inc(Counter::NoBody);

@@ -182,7 +182,10 @@ mod tests {
     #[test]
     fn metric_names_match_the_reasons() {
         for r in FailOpen::ALL {
-            assert_eq!(fail_open_name(r), format!("kvroute.fail_open.{}", r.as_str()));
+            assert_eq!(
+                fail_open_name(r),
+                format!("kvroute.fail_open.{}", r.as_str())
+            );
         }
     }
 

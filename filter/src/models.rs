@@ -222,7 +222,10 @@ mod tests {
         let mut r: ModelRegistry<u32> = ModelRegistry::new(policy(true), Vec::<String>::new());
         assert!(matches!(r.lookup("a", 0), Lookup::NotReady));
         assert!(matches!(r.lookup("b", 0), Lookup::NotReady));
-        assert!(matches!(r.lookup("c", 0), Lookup::Unknown), "max_models reached");
+        assert!(
+            matches!(r.lookup("c", 0), Lookup::Unknown),
+            "max_models reached"
+        );
         assert_eq!(r.due_fetches(0), vec!["a", "b"]);
         r.unknown("a", 0);
         assert!(matches!(r.lookup("a", 999), Lookup::Unknown));

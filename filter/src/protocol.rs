@@ -181,7 +181,9 @@ fn json_doc_bytes(v: &Value) -> Option<Vec<u8>> {
 
 /// Parses a tokenizer bundle object.
 pub fn parse_tokenizer_bundle(v: &Value) -> Result<TokenizerBundle, String> {
-    let obj = v.as_object().ok_or("tokenizer answer is not a JSON object")?;
+    let obj = v
+        .as_object()
+        .ok_or("tokenizer answer is not a JSON object")?;
     let tokenizer_json = obj
         .get("tokenizer_json")
         .and_then(json_doc_bytes)
@@ -273,7 +275,11 @@ pub fn cached_tokens_from_sse_tail(tail: &[u8]) -> Option<u64> {
         .filter_map(|l| l.strip_prefix("data:"))
         .map(str::trim)
         .filter(|d| d.starts_with('{') && d.contains("\"usage\""))
-        .find_map(|d| serde_json::from_str::<Value>(d).ok().and_then(|v| cached_tokens_of(&v)))
+        .find_map(|d| {
+            serde_json::from_str::<Value>(d)
+                .ok()
+                .and_then(|v| cached_tokens_of(&v))
+        })
 }
 
 /// Collects a response body for the `usage` scan with bounded memory: the whole body while it is
@@ -332,7 +338,8 @@ pub fn request_id(header: Option<&str>, context_id: u32, now_nanos: u64) -> Stri
         Some(h)
             if !h.is_empty()
                 && h.len() <= 128
-                && h.bytes().all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\') =>
+                && h.bytes()
+                    .all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\') =>
         {
             h.to_string()
         }
@@ -352,16 +359,34 @@ mod tests {
         assert_eq!(a.endpoint, "127.0.0.1:8001");
         assert_eq!(a.replica.as_deref(), Some("r0"));
         assert_eq!(a.matched_gpu_tokens, Some(48));
-        assert_eq!(parse_route_answer(Some(404), b"", 1, 100), Err(FailOpen::UnknownModel));
+        assert_eq!(
+            parse_route_answer(Some(404), b"", 1, 100),
+            Err(FailOpen::UnknownModel)
+        );
         assert_eq!(
             parse_route_answer(Some(503), b"no healthy upstream", 1, 100),
             Err(FailOpen::IndexerUnavailable)
         );
-        assert_eq!(parse_route_answer(Some(504), b"", 100, 100), Err(FailOpen::IndexerTimeout));
-        assert_eq!(parse_route_answer(None, b"", 100, 100), Err(FailOpen::IndexerTimeout));
-        assert_eq!(parse_route_answer(None, b"", 2, 100), Err(FailOpen::IndexerUnavailable));
-        assert_eq!(parse_route_answer(Some(500), b"", 2, 100), Err(FailOpen::IndexerError));
-        assert_eq!(parse_route_answer(Some(200), b"garbage", 2, 100), Err(FailOpen::BadAnswer));
+        assert_eq!(
+            parse_route_answer(Some(504), b"", 100, 100),
+            Err(FailOpen::IndexerTimeout)
+        );
+        assert_eq!(
+            parse_route_answer(None, b"", 100, 100),
+            Err(FailOpen::IndexerTimeout)
+        );
+        assert_eq!(
+            parse_route_answer(None, b"", 2, 100),
+            Err(FailOpen::IndexerUnavailable)
+        );
+        assert_eq!(
+            parse_route_answer(Some(500), b"", 2, 100),
+            Err(FailOpen::IndexerError)
+        );
+        assert_eq!(
+            parse_route_answer(Some(200), b"garbage", 2, 100),
+            Err(FailOpen::BadAnswer)
+        );
         assert_eq!(
             parse_route_answer(Some(200), br#"{"endpoint":"replica-0:8001"}"#, 2, 100),
             Err(FailOpen::BadAnswer)
@@ -431,7 +456,10 @@ mod tests {
         let v: Value = serde_json::from_slice(raw).unwrap();
         let back: Value =
             serde_json::from_slice(&inject_kv_cache_report_mode(raw, &v).unwrap()).unwrap();
-        assert_eq!(back["vllm_xargs"], json!({"a": 1, "kv_cache_report_mode": "full"}));
+        assert_eq!(
+            back["vllm_xargs"],
+            json!({"a": 1, "kv_cache_report_mode": "full"})
+        );
         let raw = br#"{"vllm_xargs":{"kv_cache_report_mode":"full"}}"#;
         let v: Value = serde_json::from_slice(raw).unwrap();
         assert!(inject_kv_cache_report_mode(raw, &v).is_none());
@@ -447,7 +475,10 @@ mod tests {
     fn usage_is_found_in_json_and_sse() {
         let body = br#"{"id":"x","choices":[],"usage":{"prompt_tokens":40,"prompt_tokens_details":{"cached_tokens":32}}}"#;
         assert_eq!(cached_tokens_from_json(body), Some(32));
-        assert_eq!(cached_tokens_from_json(br#"{"usage":{"prompt_tokens":4}}"#), None);
+        assert_eq!(
+            cached_tokens_from_json(br#"{"usage":{"prompt_tokens":4}}"#),
+            None
+        );
         let sse = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":16}}}\n\ndata: [DONE]\n\n";
         assert_eq!(cached_tokens_from_sse_tail(sse), Some(16));
         assert_eq!(cached_tokens_from_sse_tail(b"data: [DONE]\n\n"), None);
@@ -482,6 +513,9 @@ mod tests {
     #[test]
     fn complete_body_has_the_contract_fields() {
         let v: Value = serde_json::from_slice(&complete_body("r", "127.0.0.1:1", None)).unwrap();
-        assert_eq!(v, json!({"request_id":"r","endpoint":"127.0.0.1:1","cached_tokens":null}));
+        assert_eq!(
+            v,
+            json!({"request_id":"r","endpoint":"127.0.0.1:1","cached_tokens":null})
+        );
     }
 }

@@ -116,15 +116,21 @@ impl KvRouteRoot {
             return Ok(());
         }
         let doc: Value = serde_json::from_slice(&self.vm_config).map_err(|e| {
-            format!("models with tokenizer_source vm_config need a JSON vm_config.configuration: {e}")
+            format!(
+                "models with tokenizer_source vm_config need a JSON vm_config.configuration: {e}"
+            )
         })?;
         for name in offline {
             let entry = doc.get("models").and_then(|m| m.get(name)).ok_or_else(|| {
-                format!("vm_config.configuration has no models.{name} for tokenizer_source vm_config")
+                format!(
+                    "vm_config.configuration has no models.{name} for tokenizer_source vm_config"
+                )
             })?;
-            let bundle = parse_tokenizer_bundle(entry).map_err(|e| format!("models.{name}: {e}"))?;
-            let loaded = LoadedModel::from_bundle(&bundle, shared.cfg.models.get(name), &shared.cfg)
-                .map_err(|e| format!("models.{name}: tokenizer does not load: {e}"))?;
+            let bundle =
+                parse_tokenizer_bundle(entry).map_err(|e| format!("models.{name}: {e}"))?;
+            let loaded =
+                LoadedModel::from_bundle(&bundle, shared.cfg.models.get(name), &shared.cfg)
+                    .map_err(|e| format!("models.{name}: tokenizer does not load: {e}"))?;
             shared.models.borrow_mut().loaded(name, loaded);
             shared.metrics.inc(Counter::TokenizerLoaded);
         }
@@ -277,7 +283,10 @@ impl RootContext for KvRouteRoot {
         }
         self.shared = Some(Rc::new(shared));
         if let Err(e) = host::set_tick_period(TICK) {
-            hlog!(Warn, "kvroute: cannot set the tick period ({e}); tokenizer fetches will not be retried");
+            hlog!(
+                Warn,
+                "kvroute: cannot set the tick period ({e}); tokenizer fetches will not be retried"
+            );
         }
         self.start_due_fetches();
         true

@@ -50,7 +50,9 @@ fn conversation(seed: u64, tokens: usize, last_turn_seed: u64) -> Value {
     let turns = (tokens / 1000).max(1);
     let mut messages = vec![json!({"role": "system", "content": filler(seed, words_per_1k / 2)})];
     for t in 0..turns.saturating_sub(1) {
-        messages.push(json!({"role": "user", "content": filler(seed * 1000 + t as u64, words_per_1k / 2)}));
+        messages.push(
+            json!({"role": "user", "content": filler(seed * 1000 + t as u64, words_per_1k / 2)}),
+        );
         messages.push(json!({"role": "assistant", "content": filler(seed * 2000 + t as u64, words_per_1k / 2)}));
     }
     messages.push(json!({"role": "user", "content": filler(last_turn_seed, words_per_1k / 2)}));
@@ -68,7 +70,11 @@ fn filter_added_latency() {
                     "usage": {"prompt_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}}),
         )
     });
-    let indexer = FakeIndexer::start("qwen3", RouteMode::To(upstream.addr()), TokenizerMode::Serve);
+    let indexer = FakeIndexer::start(
+        "qwen3",
+        RouteMode::To(upstream.addr()),
+        TokenizerMode::Serve,
+    );
     let cfg = json!({"route_timeout_ms": 5000, "models": {"qwen3": {}}});
     let with = Envoy::start(
         "bench-with",
@@ -83,9 +89,21 @@ fn filter_added_latency() {
     let mut results = Vec::new();
     println!(
         "{:<6} {:<5} {:>5} {:>10} {:>10} {:>10} {:>10} {:>11} {:>11}",
-        "tokens", "cache", "n", "base p50", "base p99", "kvr p50", "kvr p99", "added p50", "added p99"
+        "tokens",
+        "cache",
+        "n",
+        "base p50",
+        "base p99",
+        "kvr p50",
+        "kvr p99",
+        "added p50",
+        "added p99"
     );
-    for &(tokens, n_cold, n_warm) in &[(1000usize, 40usize, 100usize), (8000, 20, 60), (32000, 8, 30)] {
+    for &(tokens, n_cold, n_warm) in &[
+        (1000usize, 40usize, 100usize),
+        (8000, 20, 60),
+        (32000, 8, 30),
+    ] {
         for warm in [false, true] {
             let n = if warm { n_warm } else { n_cold };
             let base_seed = tokens as u64 * 7 + u64::from(warm);
@@ -135,7 +153,10 @@ fn filter_added_latency() {
     std::fs::create_dir_all(&out).expect("mkdir target/bench");
     let report = json!({"envoy_concurrency": 1, "results": results,
                         "wasm_bytes": std::fs::metadata(wasm_path()).map(|m| m.len()).unwrap_or(0)});
-    std::fs::write(out.join("filter.json"), serde_json::to_string_pretty(&report).unwrap_or_default())
-        .expect("write target/bench/filter.json");
+    std::fs::write(
+        out.join("filter.json"),
+        serde_json::to_string_pretty(&report).unwrap_or_default(),
+    )
+    .expect("write target/bench/filter.json");
     std::thread::sleep(Duration::from_millis(10));
 }

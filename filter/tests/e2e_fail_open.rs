@@ -41,7 +41,9 @@ fn stack(name: &str, cfg: Value, tokenizer: TokenizerMode) -> Stack {
 /// Sends a routed request and checks it reached a replica through the fallback cluster.
 fn assert_fails_open(s: &Stack, body: &[u8], reason: &str) {
     let before = s.envoy.kv(&format!("fail_open.{reason}"));
-    let fallback_before = s.envoy.stat("cluster.kvroute_replicas_fallback.upstream_rq_total");
+    let fallback_before = s
+        .envoy
+        .stat("cluster.kvroute_replicas_fallback.upstream_rq_total");
     let r = http(
         s.envoy.port,
         "POST",
@@ -85,7 +87,12 @@ fn every_indexer_failure_fails_open_to_the_fallback_cluster() {
 
     // Routed: the control that shows the indexer's answer is obeyed.
     s.indexer.set_route(RouteMode::To(s.replicas[1].addr()));
-    let r = post_json(s.envoy.port, "/v1/completions", &completion("qwen3", "hi"), &[]);
+    let r = post_json(
+        s.envoy.port,
+        "/v1/completions",
+        &completion("qwen3", "hi"),
+        &[],
+    );
     assert_eq!(r.status, 200);
     assert_eq!(r.json()["served_by"], s.replicas[1].port);
     assert_eq!(s.envoy.kv("routed"), 1);
@@ -122,7 +129,12 @@ fn every_indexer_failure_fails_open_to_the_fallback_cluster() {
     assert_fails_open(&s, unknown.as_bytes(), "unknown_model");
     // Nothing panicked: the VM still routes.
     s.indexer.set_route(RouteMode::To(s.replicas[0].addr()));
-    let r = post_json(s.envoy.port, "/v1/completions", &completion("qwen3", "hi"), &[]);
+    let r = post_json(
+        s.envoy.port,
+        "/v1/completions",
+        &completion("qwen3", "hi"),
+        &[],
+    );
     assert_eq!(r.json()["served_by"], s.replicas[0].port);
     assert!(!s.envoy.log().contains("panicked"), "a VM panicked");
 }
@@ -139,8 +151,17 @@ fn indexer_down_and_tokenizer_not_ready_fail_open() {
     assert_fails_open(&s, body.as_bytes(), "tokenizer_not_ready");
     s.indexer.set_tokenizer(TokenizerMode::Serve);
     s.envoy.wait_tokenizers(1);
-    let r = post_json(s.envoy.port, "/v1/completions", &completion("qwen3", "hi"), &[]);
-    assert_eq!(r.json()["served_by"], s.replicas[0].port, "routed once ready");
+    let r = post_json(
+        s.envoy.port,
+        "/v1/completions",
+        &completion("qwen3", "hi"),
+        &[],
+    );
+    assert_eq!(
+        r.json()["served_by"],
+        s.replicas[0].port,
+        "routed once ready"
+    );
     assert!(s.envoy.kv("tokenizer_load_failed") >= 1);
 }
 
@@ -161,13 +182,23 @@ fn dead_indexer_fails_open_and_offline_tokenizers_need_no_indexer() {
     let envoy = Envoy::start("fail-open-dead", &opts, &dir);
     envoy.wait_tokenizers(1);
     for _ in 0..3 {
-        let r = post_json(envoy.port, "/v1/completions", &completion("qwen3", "anyone home?"), &[]);
+        let r = post_json(
+            envoy.port,
+            "/v1/completions",
+            &completion("qwen3", "anyone home?"),
+            &[],
+        );
         assert_eq!(r.status, 200);
         assert_eq!(r.header("x-kvroute-fail-open"), Some("indexer_unavailable"));
     }
     assert_eq!(envoy.kv("fail_open.indexer_unavailable"), 3);
     // A model whose tokenizer would come from the (dead) indexer is never ready.
-    let r = post_json(envoy.port, "/v1/completions", &completion("other", "hi"), &[]);
+    let r = post_json(
+        envoy.port,
+        "/v1/completions",
+        &completion("other", "hi"),
+        &[],
+    );
     assert_eq!(r.status, 200);
     assert_eq!(r.header("x-kvroute-fail-open"), Some("tokenizer_not_ready"));
     wait_for("a failed tokenizer fetch", Duration::from_secs(10), || {

@@ -20,8 +20,10 @@ struct Fleet {
 
 fn fleet(name: &str, n: usize) -> Fleet {
     let dir = scratch(name);
-    let sims: Vec<Sim> = (0..n).map(|i| Sim::start(&format!("r{i}"), &dir)).collect();
-    let indexer = Indexer::start(&sims.iter().collect::<Vec<_>>(), &dir);
+    let plans: Vec<SimPlan> = (0..n).map(|i| Sim::plan(&format!("r{i}"))).collect();
+    let mut indexer = Indexer::start(&plans, &dir);
+    let sims: Vec<Sim> = plans.iter().map(|p| Sim::start(p, &dir)).collect();
+    indexer.wait_ready();
     let opts = EnvoyOptions::new(
         indexer.port,
         sims.iter().map(Sim::addr).collect(),
@@ -52,16 +54,17 @@ struct Outcome {
 fn usage_of(r: &Response, streaming: bool) -> Value {
     if streaming {
         assert!(
-            r.header("content-type").is_some_and(|c| c.contains("text/event-stream")),
+            r.header("content-type")
+                .is_some_and(|c| c.contains("text/event-stream")),
             "not SSE: {:?}",
             r.headers
         );
         r.text()
             .lines()
+            .rev()
             .filter_map(|l| l.strip_prefix("data: "))
             .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-            .filter_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned())
-            .last()
+            .find_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned())
             .expect("a final usage chunk")
     } else {
         r.json()["usage"].clone()
@@ -89,7 +92,11 @@ impl Fleet {
         let ran: Vec<usize> = (0..self.sims.len())
             .filter(|&i| after[i].0 > before[i].0)
             .collect();
-        assert_eq!(ran.len(), 1, "exactly one replica ran it: {before:?} -> {after:?}");
+        assert_eq!(
+            ran.len(),
+            1,
+            "exactly one replica ran it: {before:?} -> {after:?}"
+        );
         let replica = ran[0];
         Outcome {
             replica,
@@ -128,12 +135,24 @@ fn shared_prefix_follows(f: &Fleet, what: &str, make: &dyn Fn(usize) -> (String,
     for i in 1..5 {
         let (path, body) = make(i);
         let o = f.send(&path, &body);
-        assert_eq!(o.replica, first.replica, "{what} #{i}: lands on the replica holding the prefix");
-        // The shared part is > 1000 tokens; the engine's own counters and usage both show it.
-        assert!(o.hits >= 1000, "{what} #{i}: prefix_cache_hits_total grew by {}", o.hits);
-        assert_eq!(o.cached_tokens, o.hits, "{what} #{i}: usage agrees with the counters");
         assert_eq!(
-            o.response.header("x-kvroute-reason").map(|r| r.contains("prefix") || r.contains("hit")),
+            o.replica, first.replica,
+            "{what} #{i}: lands on the replica holding the prefix"
+        );
+        // The shared part is > 1000 tokens; the engine's own counters and usage both show it.
+        assert!(
+            o.hits >= 1000,
+            "{what} #{i}: prefix_cache_hits_total grew by {}",
+            o.hits
+        );
+        assert_eq!(
+            o.cached_tokens, o.hits,
+            "{what} #{i}: usage agrees with the counters"
+        );
+        assert_eq!(
+            o.response
+                .header("x-kvroute-reason")
+                .map(|r| r.contains("prefix") || r.contains("hit")),
             Some(true),
             "{what} #{i}: decision reason {:?}",
             o.response.header("x-kvroute-reason")
@@ -149,14 +168,21 @@ fn shared_prefixes_land_on_the_replica_holding_them() {
         shared_prefix_follows(&f, &format!("chat stream={stream}"), &|i| {
             (
                 "/v1/chat/completions".to_string(),
-                chat(&system, &format!("question {i}: {}", filler(1000 + i as u64, 20)), stream),
+                chat(
+                    &system,
+                    &format!("question {i}: {}", filler(1000 + i as u64, 20)),
+                    stream,
+                ),
             )
         });
         let doc = filler(200 + k as u64, 1400);
         shared_prefix_follows(&f, &format!("completions stream={stream}"), &|i| {
             (
                 "/v1/completions".to_string(),
-                completion(&format!("{doc}\nQ{i}: {}", filler(2000 + i as u64, 20)), stream),
+                completion(
+                    &format!("{doc}\nQ{i}: {}", filler(2000 + i as u64, 20)),
+                    stream,
+                ),
             )
         });
     }
@@ -178,7 +204,10 @@ fn shared_prefixes_land_on_the_replica_holding_them() {
             None => home = Some(o.replica),
             Some(h) => {
                 assert_eq!(o.replica, h, "turn {turn} stays with its conversation");
-                assert!(o.cached_tokens > last_cached, "turn {turn}: more of the conversation is cached");
+                assert!(
+                    o.cached_tokens > last_cached,
+                    "turn {turn}: more of the conversation is cached"
+                );
             }
         }
         last_cached = o.cached_tokens;
@@ -200,7 +229,10 @@ fn sibling_bursts_land_together_and_unique_prompts_spread() {
     let before = f.counters();
     let handles: Vec<_> = (0..8)
         .map(|i| {
-            let body = completion(&format!("{prefix}\nvariant {i}: {}", filler(600 + i, 10)), false);
+            let body = completion(
+                &format!("{prefix}\nvariant {i}: {}", filler(600 + i, 10)),
+                false,
+            );
             let port = f.envoy.port;
             thread::spawn(move || post_json(port, "/v1/completions", &body, &[]))
         })
@@ -219,9 +251,16 @@ fn sibling_bursts_land_together_and_unique_prompts_spread() {
         .collect();
     let after = f.counters();
     let ran: Vec<usize> = (0..3).filter(|&i| after[i].0 > before[i].0).collect();
-    assert_eq!(ran.len(), 1, "the burst landed on one replica: {replicas:?}");
+    assert_eq!(
+        ran.len(),
+        1,
+        "the burst landed on one replica: {replicas:?}"
+    );
     let home = |r: &String| r.split('/').next().unwrap_or("").to_string();
-    assert!(replicas.iter().all(|r| home(r) == home(&replicas[0])), "{replicas:?}");
+    assert!(
+        replicas.iter().all(|r| home(r) == home(&replicas[0])),
+        "{replicas:?}"
+    );
 
     // Unique prompts (nothing shared) go by load: concurrent rounds use every replica.
     let before = f.counters();
@@ -251,9 +290,10 @@ fn sibling_bursts_land_together_and_unique_prompts_spread() {
 fn a_replica_added_at_run_time_receives_work_and_warms_up() {
     let mut f = fleet("routing-scale", 2);
     let dir = scratch("routing-scale-new");
-    let new = Sim::start("r2", &dir);
-    f.indexer.add_replica(&new);
-    f.sims.push(new);
+    let plan = Sim::plan("r2");
+    f.indexer.add_replica(&plan);
+    f.sims.push(Sim::start(&plan, &dir));
+    f.indexer.wait_ready();
     thread::sleep(Duration::from_millis(500));
     // Unique prompts, several at a time: the empty replica must win some (it is not even in
     // Envoy's fallback cluster: only the filter's routing can reach it).
@@ -271,7 +311,10 @@ fn a_replica_added_at_run_time_receives_work_and_warms_up() {
                 thread::spawn(move || post_json(port, "/v1/completions", &body, &[]))
             })
             .collect();
-        let replies: Vec<Response> = handles.into_iter().map(|h| h.join().expect("thread")).collect();
+        let replies: Vec<Response> = handles
+            .into_iter()
+            .map(|h| h.join().expect("thread"))
+            .collect();
         let after = f.counters();
         if after[2].0 > before[2].0 {
             let i = replies
@@ -285,7 +328,14 @@ fn a_replica_added_at_run_time_receives_work_and_warms_up() {
     let warmed = hit_new.expect("the new replica never received work");
     f.settle();
     // It warmed up: a sibling of what it served goes there and hits.
-    let o = f.send("/v1/completions", &completion(&format!("{warmed} and then"), false));
+    let o = f.send(
+        "/v1/completions",
+        &completion(&format!("{warmed} and then"), false),
+    );
     assert_eq!(o.replica, 2, "the sibling follows the new replica's cache");
-    assert!(o.cached_tokens >= 1000, "hit on the new replica: {}", o.cached_tokens);
+    assert!(
+        o.cached_tokens >= 1000,
+        "hit on the new replica: {}",
+        o.cached_tokens
+    );
 }

@@ -50,20 +50,41 @@ fn a_client_dst_header_never_reaches_its_target() {
         assert_eq!(r.status, 200, "{what}: {}", r.text());
         let v = r.json();
         assert!(
-            v["served_by"].as_u64().is_some_and(|p| replica_ports.contains(&p)),
+            v["served_by"]
+                .as_u64()
+                .is_some_and(|p| replica_ports.contains(&p)),
             "{what}: not served by a replica: {v}"
         );
-        assert!(v["saw_dst_header"].is_null() || v["saw_dst_header"] != evil_addr.as_str(), "{what}: replica saw the client's header");
+        assert!(
+            v["saw_dst_header"].is_null() || v["saw_dst_header"] != evil_addr.as_str(),
+            "{what}: replica saw the client's header"
+        );
     };
     let spoof: [(&str, &str); 2] = [(DST, &evil_addr), ("content-type", "application/json")];
     let completion = json!({"model": "qwen3", "prompt": "hello", "max_tokens": 2}).to_string();
 
     // Routed.
-    let r = http(envoy.port, "POST", "/v1/completions", &spoof, completion.as_bytes());
+    let r = http(
+        envoy.port,
+        "POST",
+        "/v1/completions",
+        &spoof,
+        completion.as_bytes(),
+    );
     assert!(r.header("x-kvroute-fail-open").is_none());
     check("routed", r);
-    let chat = json!({"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]}).to_string();
-    check("routed chat", http(envoy.port, "POST", "/v1/chat/completions", &spoof, chat.as_bytes()));
+    let chat =
+        json!({"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]}).to_string();
+    check(
+        "routed chat",
+        http(
+            envoy.port,
+            "POST",
+            "/v1/chat/completions",
+            &spoof,
+            chat.as_bytes(),
+        ),
+    );
     // Routed, header spelled differently and repeated.
     check(
         "mixed case, twice",
@@ -80,21 +101,71 @@ fn a_client_dst_header_never_reaches_its_target() {
         ),
     );
     // Fail-open paths.
-    check("not json", http(envoy.port, "POST", "/v1/completions", &spoof, b"{oops"));
+    check(
+        "not json",
+        http(envoy.port, "POST", "/v1/completions", &spoof, b"{oops"),
+    );
     let unknown = json!({"model": "nope", "prompt": "x"}).to_string();
-    check("unknown model", http(envoy.port, "POST", "/v1/completions", &spoof, unknown.as_bytes()));
+    check(
+        "unknown model",
+        http(
+            envoy.port,
+            "POST",
+            "/v1/completions",
+            &spoof,
+            unknown.as_bytes(),
+        ),
+    );
     let big = json!({"model": "qwen3", "prompt": "x ".repeat(4000)}).to_string();
-    check("too large", http(envoy.port, "POST", "/v1/completions", &spoof, big.as_bytes()));
+    check(
+        "too large",
+        http(
+            envoy.port,
+            "POST",
+            "/v1/completions",
+            &spoof,
+            big.as_bytes(),
+        ),
+    );
     indexer.set_route(RouteMode::Status(500));
-    check("indexer error", http(envoy.port, "POST", "/v1/completions", &spoof, completion.as_bytes()));
+    check(
+        "indexer error",
+        http(
+            envoy.port,
+            "POST",
+            "/v1/completions",
+            &spoof,
+            completion.as_bytes(),
+        ),
+    );
     indexer.set_route(RouteMode::To(replicas[0].addr()));
     // Non-routed paths and methods.
-    check("GET models", http(envoy.port, "GET", "/v1/models", &[(DST, &evil_addr)], b""));
-    check("other path", http(envoy.port, "POST", "/v1/embeddings", &spoof, completion.as_bytes()));
-    check("no body", http(envoy.port, "POST", "/v1/completions", &[(DST, &evil_addr)], b""));
+    check(
+        "GET models",
+        http(envoy.port, "GET", "/v1/models", &[(DST, &evil_addr)], b""),
+    );
+    check(
+        "other path",
+        http(
+            envoy.port,
+            "POST",
+            "/v1/embeddings",
+            &spoof,
+            completion.as_bytes(),
+        ),
+    );
+    check(
+        "no body",
+        http(
+            envoy.port,
+            "POST",
+            "/v1/completions",
+            &[(DST, &evil_addr)],
+            b"",
+        ),
+    );
 
     assert_eq!(evil.hits(), 0, "the attacker was reached");
     assert_eq!(envoy.kv("spoofed_header_removed"), 10);
     assert!(envoy.kv("routed") >= 3);
-
 }

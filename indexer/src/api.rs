@@ -241,7 +241,7 @@ async fn debug_replicas(State(state): State<Arc<AppState>>) -> Response {
         .map(|r| {
             let s = lock(&r.scraped).clone();
             let streams: Vec<Value> = r
-                .streams
+                .streams()
                 .iter()
                 .map(|st| {
                     let ss = lock(&st.state).clone();

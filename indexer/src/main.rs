@@ -33,6 +33,9 @@ enum Command {
         /// Routing policy: kv, round-robin, random, least-loaded, session, approx-prefix.
         #[arg(long, default_value = "kv")]
         policy: String,
+        /// Only validate the configuration file and the policy, then exit (0 valid, 1 not).
+        #[arg(long)]
+        check_config: bool,
     },
     /// Read a JSON object (algo, block_size, token_ids, seed, lora_name, lora_path, cache_salt,
     /// mm_features) on stdin; print vLLM's block hashes, wire values and kvroute's router keys.
@@ -60,6 +63,7 @@ fn main() -> anyhow::Result<()> {
             config,
             listen,
             policy,
+            check_config,
         } => {
             tracing_subscriber::fmt()
                 .with_env_filter(
@@ -70,6 +74,15 @@ fn main() -> anyhow::Result<()> {
                 .init();
             let policy: Policy = policy.parse().map_err(|e: String| anyhow::anyhow!(e))?;
             let cfg = Config::load(&config)?;
+            if check_config {
+                let replicas: usize = cfg.models.iter().map(|m| m.replicas.len()).sum();
+                println!(
+                    "{}: OK ({} model(s), {replicas} replica(s))",
+                    config.display(),
+                    cfg.models.len()
+                );
+                return Ok(());
+            }
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()

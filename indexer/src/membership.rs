@@ -132,8 +132,8 @@ pub struct Replica {
     pub config: RwLock<ReplicaConfig>,
     /// Routing target `IP:port`.
     pub endpoint: String,
-    /// One stream per DP rank.
-    pub streams: Vec<Arc<Stream>>,
+    /// One stream per DP rank (ranks found by discovery are appended; see [`Replica::streams`]).
+    streams: RwLock<Vec<Arc<Stream>>>,
     /// Accepts no new requests.
     pub draining: AtomicBool,
     /// Requests routed here and not yet completed.
@@ -150,9 +150,17 @@ pub struct Replica {
 pub const UNHEALTHY_AFTER_FAILURES: u32 = 3;
 
 impl Replica {
+    /// The streams, one per DP rank, rank order. Discovery may add ranks while the replica runs.
+    pub fn streams(&self) -> Vec<Arc<Stream>> {
+        self.streams
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     /// Index ids of all ranks.
     pub fn index_ids(&self) -> Vec<u32> {
-        self.streams.iter().map(|s| s.index_id).collect()
+        self.streams().iter().map(|s| s.index_id).collect()
     }
 
     /// Routable: not draining and its metrics endpoint answers (unknown counts as healthy).
@@ -168,7 +176,7 @@ impl Replica {
             let s = lock(&self.scraped);
             s.running + s.waiting > 0.0
         };
-        self.streams.iter().any(|st| {
+        self.streams().iter().any(|st| {
             let s = lock(&st.state);
             if !s.connected {
                 return true;
@@ -220,26 +228,14 @@ impl Fleet {
         let events = cfg.event_endpoints();
         let replays = cfg.replay_endpoints();
         let streams = (0..cfg.data_parallel_size)
-            .map(|rank| {
-                Arc::new(Stream {
-                    rank,
-                    index_id: self.alloc_id(&cfg.name, rank),
-                    stats: StreamStats::default(),
-                    state: Mutex::new(StreamState {
-                        endpoint: events.get(rank as usize).cloned().unwrap_or_default(),
-                        replay: replays.get(rank as usize).cloned().flatten(),
-                        ..Default::default()
-                    }),
-                    resync: AtomicBool::new(false),
-                })
-            })
+            .map(|rank| self.new_stream(&cfg.name, rank, &events, &replays))
             .collect();
         let replica = Arc::new(Replica {
             name: cfg.name.clone(),
             model: model.to_string(),
             endpoint: cfg.route_endpoint().to_string(),
             config: RwLock::new(cfg),
-            streams,
+            streams: RwLock::new(streams),
             draining: AtomicBool::new(false),
             in_flight: AtomicI64::new(0),
             scraped: Mutex::new(ScrapedLoad::default()),
@@ -248,6 +244,50 @@ impl Fleet {
         });
         reps.push(replica.clone());
         Ok(replica)
+    }
+
+    fn new_stream(
+        &self,
+        replica: &str,
+        rank: u32,
+        events: &[String],
+        replays: &[Option<String>],
+    ) -> Arc<Stream> {
+        Arc::new(Stream {
+            rank,
+            index_id: self.alloc_id(replica, rank),
+            stats: StreamStats::default(),
+            state: Mutex::new(StreamState {
+                endpoint: events.get(rank as usize).cloned().unwrap_or_default(),
+                replay: replays.get(rank as usize).cloned().flatten(),
+                ..Default::default()
+            }),
+            resync: AtomicBool::new(false),
+        })
+    }
+
+    /// Records what `GET /kv_event_sources` reported for a replica configured without event
+    /// endpoints: its config gets the endpoints and DP size, and ranks beyond its current streams
+    /// get new streams (index ids of their own, endpoints filled in). Returns the new streams; the
+    /// caller starts their subscribers. Idempotent.
+    pub fn apply_discovery(&self, replica: &Replica, discovered: &ReplicaConfig) -> Vec<Arc<Stream>> {
+        if let Ok(mut cfg) = replica.config.write() {
+            if cfg.events.is_empty() {
+                cfg.events = discovered.events.clone();
+                cfg.replay = discovered.replay.clone();
+                cfg.data_parallel_size = cfg.data_parallel_size.max(discovered.data_parallel_size);
+            }
+        }
+        let events = discovered.event_endpoints();
+        let replays = discovered.replay_endpoints();
+        let mut streams = replica.streams.write().unwrap_or_else(|p| p.into_inner());
+        let mut added = Vec::new();
+        for rank in streams.len() as u32..discovered.data_parallel_size {
+            let s = self.new_stream(&replica.name, rank, &events, &replays);
+            streams.push(s.clone());
+            added.push(s);
+        }
+        added
     }
 
     /// Removes a replica and stops its tasks; returns it so the caller can drop its index entries.
@@ -288,7 +328,7 @@ impl Fleet {
     /// The replica that owns an index id, with the rank.
     pub fn by_index_id(&self, id: u32) -> Option<(Arc<Replica>, u32)> {
         self.all().into_iter().find_map(|r| {
-            r.streams
+            r.streams()
                 .iter()
                 .find(|s| s.index_id == id)
                 .map(|s| (r.clone(), s.rank))
@@ -296,10 +336,12 @@ impl Fleet {
     }
 }
 
-/// `GET {http}/kv_event_sources` (vLLM >= 0.33): fills in `events`/`replay` of a replica that did
-/// not configure them. The answer is a JSON list (one entry per DP rank) or an object with such a
-/// list under `sources`; each entry has `endpoint` and optionally `replay_endpoint`. Wildcard hosts
-/// (`*`, `0.0.0.0`, `::`) are replaced by the replica's HTTP host.
+/// `GET {http}/kv_event_sources` (vLLM >= 0.33): fills in `events`/`replay` and
+/// `data_parallel_size` of a replica that did not configure them. vLLM answers an object keyed by
+/// DP rank (`{"0": KVEventsConfig, "1": ...}`, `{}` when events are off); a JSON list (one entry
+/// per rank) or an object with such a list under `sources` is accepted too. Each entry has
+/// `endpoint` and optionally `replay_endpoint`. Wildcard hosts (`*`, `0.0.0.0`, `::`) are
+/// replaced by the replica's HTTP host.
 pub async fn discover_event_sources(
     client: &reqwest::Client,
     cfg: &mut ReplicaConfig,
@@ -345,13 +387,35 @@ pub fn parse_event_sources(
         serde_json::Value::Array(a) => a.clone(),
         serde_json::Value::Object(o) => match o.get("sources").or_else(|| o.get("data")) {
             Some(serde_json::Value::Array(a)) => a.clone(),
-            _ => vec![body.clone()],
+            _ if o.contains_key("endpoint") => vec![body.clone()],
+            // vLLM: {"<rank>": KVEventsConfig, ...}; ranks must be 0..n.
+            _ => {
+                let mut ranked = Vec::with_capacity(o.len());
+                for (k, v) in o {
+                    let rank: usize = k
+                        .parse()
+                        .map_err(|_| format!("key {k:?} is not a data-parallel rank"))?;
+                    ranked.push((rank, v.clone()));
+                }
+                ranked.sort_by_key(|(r, _)| *r);
+                if let Some((i, (r, _))) =
+                    ranked.iter().enumerate().find(|(i, (r, _))| i != r)
+                {
+                    return Err(format!("rank {i} missing (next listed rank is {r})"));
+                }
+                ranked.into_iter().map(|(_, v)| v).collect()
+            }
         },
         _ => return Err("expected a JSON list or object".into()),
     };
     let mut events = Vec::new();
     let mut replay = Vec::new();
     for entry in &list {
+        let disabled = entry.get("enable_kv_cache_events") == Some(&serde_json::Value::Bool(false))
+            || entry.get("publisher").and_then(|p| p.as_str()) == Some("null");
+        if disabled {
+            return Err("KV events are disabled on this engine (enable --kv-events-config)".into());
+        }
         let ep = entry
             .get("endpoint")
             .and_then(|v| v.as_str())
@@ -361,6 +425,7 @@ pub fn parse_event_sources(
             entry
                 .get("replay_endpoint")
                 .and_then(|v| v.as_str())
+                .filter(|r| !r.is_empty())
                 .map(|r| resolve_wildcard(r, host)),
         );
     }
@@ -392,5 +457,42 @@ mod tests {
         let (ev, rp) = parse_event_sources(&body, "10.0.0.7").unwrap();
         assert_eq!(ev, ["tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558"]);
         assert_eq!(rp, [Some("tcp://10.0.0.7:5558".to_string()), None]);
+    }
+
+    #[test]
+    fn event_sources_in_vllms_rank_keyed_shape() {
+        // What vLLM 0.33.0's GET /kv_event_sources returns: dict[int, KVEventsConfig].
+        let body = serde_json::json!({
+            "1": {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5558",
+                  "replay_endpoint": "tcp://*:5568", "buffer_steps": 10000, "hwm": 100000,
+                  "max_queue_size": 100000, "topic": "kv-events"},
+            "0": {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
+                  "replay_endpoint": "tcp://*:5567", "buffer_steps": 10000, "hwm": 100000,
+                  "max_queue_size": 100000, "topic": "kv-events"}
+        });
+        let (ev, rp) = parse_event_sources(&body, "127.0.0.1").unwrap();
+        assert_eq!(ev, ["tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"]);
+        assert_eq!(
+            rp,
+            [
+                Some("tcp://127.0.0.1:5567".to_string()),
+                Some("tcp://127.0.0.1:5568".to_string())
+            ]
+        );
+        let one = serde_json::json!({"0": {"endpoint": "tcp://10.1.2.3:5557", "replay_endpoint": null}});
+        let (ev, rp) = parse_event_sources(&one, "127.0.0.1").unwrap();
+        assert_eq!(ev, ["tcp://10.1.2.3:5557"]);
+        assert_eq!(rp, [None]);
+    }
+
+    #[test]
+    fn event_sources_errors_are_explicit() {
+        let err = |v: serde_json::Value| parse_event_sources(&v, "h").unwrap_err();
+        assert!(err(serde_json::json!({})).contains("no event sources"));
+        assert!(err(serde_json::json!({"0": {"endpoint": "tcp://*:1"}, "2": {"endpoint": "tcp://*:3"}}))
+            .contains("rank 1 missing"));
+        assert!(err(serde_json::json!({"x": {}})).contains("not a data-parallel rank"));
+        assert!(err(serde_json::json!({"0": {"enable_kv_cache_events": false, "publisher": "null", "endpoint": "tcp://*:5557"}}))
+            .contains("disabled"));
     }
 }

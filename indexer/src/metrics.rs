@@ -72,7 +72,7 @@ pub fn render(state: &AppState) -> String {
         let full = format!("{p}_{name}");
         header(&mut out, &full, "counter", help);
         for r in &replicas {
-            for s in &r.streams {
+            for s in &r.streams() {
                 let _ = writeln!(
                     out,
                     "{full}{{replica=\"{}\",model=\"{}\",rank=\"{}\"}} {}",
@@ -92,7 +92,7 @@ pub fn render(state: &AppState) -> String {
             let full = format!("{p}_{name}");
             header(out, &full, "gauge", help);
             for r in &replicas {
-                for s in &r.streams {
+                for s in &r.streams() {
                     if let Some(v) = f(&lock(&s.state)) {
                         let _ = writeln!(
                             out,

@@ -338,7 +338,7 @@ pub fn route(
     // Record the decision.
     match state.policy {
         Policy::Kv if !usable.is_empty() => {
-            if let Some(first) = chosen.streams.first() {
+            if let Some(first) = chosen.streams().first() {
                 let ttl = state.config.index.predicted_ttl_ms;
                 if let Err(e) =
                     lock(&state.index).insert_predicted(first.index_id, usable, now_ms(), ttl)
@@ -348,7 +348,7 @@ pub fn route(
             }
         }
         Policy::ApproxPrefix if !usable.is_empty() => {
-            if let Some(first) = chosen.streams.first() {
+            if let Some(first) = chosen.streams().first() {
                 state.policy_state.approx_record(first.index_id, usable);
             }
         }

@@ -123,7 +123,7 @@ async fn scrape_one(state: Arc<AppState>, replica: Arc<Replica>, timeout: Durati
                     .restarts_detected
                     .fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(replica = %replica.name, "engine restart detected (process_start_time_seconds changed); resynchronising its streams");
-                for s in &replica.streams {
+                for s in &replica.streams() {
                     s.resync.store(true, Ordering::Relaxed);
                 }
             }

@@ -172,7 +172,7 @@ pub fn capture(state: &AppState) -> Result<Snapshot, String> {
     let mut streams = Vec::new();
     for r in &replicas {
         let process_start = lock(&r.scraped).process_start;
-        for s in &r.streams {
+        for s in &r.streams() {
             let ss = lock(&s.state).clone();
             streams.push(StreamSnapshot {
                 replica: r.name.clone(),
@@ -316,7 +316,7 @@ pub fn apply_restore(state: &AppState, restore: Restore) {
             if r.model != s.model {
                 return None;
             }
-            r.streams
+            r.streams()
                 .iter()
                 .find(|st| st.rank == s.rank && st.index_id == s.index_id)
                 .cloned()

@@ -113,12 +113,17 @@ impl SeqTracker {
 
 /// Starts the subscriber tasks of a replica (one per rank).
 pub fn spawn_replica(state: &Arc<AppState>, replica: &Arc<Replica>) {
+    spawn_streams(state, replica, &replica.streams());
+}
+
+/// Starts the subscriber tasks of some of a replica's streams (ranks added by discovery).
+fn spawn_streams(state: &Arc<AppState>, replica: &Arc<Replica>, streams: &[Arc<Stream>]) {
     let Some(model) = state.models.get(&replica.model).cloned() else {
         tracing::error!(replica = %replica.name, model = %replica.model, "replica of unknown model; not subscribing");
         return;
     };
     let mut tasks = lock(&replica.tasks);
-    for stream in &replica.streams {
+    for stream in streams {
         let ctx = StreamCtx {
             state: state.clone(),
             replica: replica.clone(),
@@ -228,6 +233,12 @@ impl StreamCtx {
         discover_event_sources(&self.state.http, &mut cfg)
             .await
             .map_err(|e| StreamError::NoEndpoint(e.to_string()))?;
+        // The engine may run more DP ranks than configured: each gets its own stream.
+        let added = self.state.fleet.apply_discovery(&self.replica, &cfg);
+        if !added.is_empty() {
+            tracing::info!(replica = %self.replica.name, ranks = cfg.data_parallel_size, "discovered more data-parallel ranks; subscribing to them");
+            spawn_streams(&self.state, &self.replica, &added);
+        }
         let events = cfg.event_endpoints();
         let replays = cfg.replay_endpoints();
         let rank = self.stream.rank as usize;

@@ -182,7 +182,7 @@ async fn reconnects_after_publisher_restart_on_same_port() {
     assert!(wait_until(T, || held(&state, "r0", &a) == 1).await);
     p.stop().await;
     assert!(
-        wait_until(T, || !state.fleet.get("r0").unwrap().streams[0]
+        wait_until(T, || !state.fleet.get("r0").unwrap().streams()[0]
             .state
             .lock()
             .unwrap()
@@ -199,7 +199,7 @@ async fn reconnects_after_publisher_restart_on_same_port() {
     let c = toks(600, 5);
     let start = std::time::Instant::now();
     assert!(
-        wait_until(T, || state.fleet.get("r0").unwrap().streams[0]
+        wait_until(T, || state.fleet.get("r0").unwrap().streams()[0]
             .state
             .lock()
             .unwrap()

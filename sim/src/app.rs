@@ -54,14 +54,15 @@ pub enum AppError {
 
 /// vLLM with xxhash* and no PYTHONHASHSEED picks a random NONE_HASH seed per process; so do we.
 fn hash_config(cli: &Cli) -> Result<HashConfig, AppError> {
-    let algo: HashAlgo = cli
-        .prefix_caching_hash_algo
-        .parse()
-        .map_err(|_| CliError::Invalid(format!(
+    let algo: HashAlgo = cli.prefix_caching_hash_algo.parse().map_err(|_| {
+        CliError::Invalid(format!(
             "--prefix-caching-hash-algo: unknown {:?} (sha256, sha256_cbor, xxhash, xxhash_cbor)",
             cli.prefix_caching_hash_algo
-        )))?;
-    let seed = std::env::var("PYTHONHASHSEED").ok().filter(|s| !s.is_empty());
+        ))
+    })?;
+    let seed = std::env::var("PYTHONHASHSEED")
+        .ok()
+        .filter(|s| !s.is_empty());
     let cfg = HashConfig::new(algo, seed);
     if cfg.none_hash_seed().is_ok() {
         return Ok(cfg);
@@ -144,7 +145,10 @@ pub async fn run(cli: Cli) -> Result<(), AppError> {
         tokenizer: Arc::new(tokenizer),
         hasher,
         engines,
-        loras: loras.into_iter().map(|l| (l.name.clone(), l)).collect::<HashMap<_, _>>(),
+        loras: loras
+            .into_iter()
+            .map(|l| (l.name.clone(), l))
+            .collect::<HashMap<_, _>>(),
         block_size: cli.block_size,
         max_model_len,
         default_max_tokens: cli.default_max_tokens,

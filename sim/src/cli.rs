@@ -157,7 +157,14 @@ impl KvEventsConfig {
         let mut c: KvEventsConfig =
             serde_json::from_str(json).map_err(|e| CliError::EventsConfig(e.to_string()))?;
         if c.publisher.is_none() {
-            c.publisher = Some(if c.enable_kv_cache_events { "zmq" } else { "null" }.into());
+            c.publisher = Some(
+                if c.enable_kv_cache_events {
+                    "zmq"
+                } else {
+                    "null"
+                }
+                .into(),
+            );
         }
         match c.publisher.as_deref() {
             Some("zmq") | Some("null") => {}
@@ -233,7 +240,10 @@ pub fn parse_lora_modules(values: &[String]) -> Result<Vec<LoraModule>, CliError
         let (name, path) = if v.trim_start().starts_with('{') {
             let j: serde_json::Value =
                 serde_json::from_str(v).map_err(|_| CliError::Lora(v.clone()))?;
-            match (j.get("name").and_then(|x| x.as_str()), j.get("path").and_then(|x| x.as_str())) {
+            match (
+                j.get("name").and_then(|x| x.as_str()),
+                j.get("path").and_then(|x| x.as_str()),
+            ) {
                 (Some(n), Some(p)) => (n.to_string(), p.to_string()),
                 _ => return Err(CliError::Lora(v.clone())),
             }
@@ -300,7 +310,9 @@ impl Cli {
             return Err(CliError::Invalid("--block-size must be > 0".into()));
         }
         if self.num_gpu_blocks < 2 {
-            return Err(CliError::Invalid("--num-gpu-blocks-override must be >= 2".into()));
+            return Err(CliError::Invalid(
+                "--num-gpu-blocks-override must be >= 2".into(),
+            ));
         }
         if self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
             return Err(CliError::Invalid(
@@ -308,13 +320,17 @@ impl Cli {
             ));
         }
         if self.data_parallel_size == 0 || self.data_parallel_size > 64 {
-            return Err(CliError::Invalid("--data-parallel-size must be 1..=64".into()));
+            return Err(CliError::Invalid(
+                "--data-parallel-size must be 1..=64".into(),
+            ));
         }
         if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
             return Err(CliError::Invalid("--time-scale must be > 0".into()));
         }
         if !(self.prefill_tokens_per_s.is_finite() && self.prefill_tokens_per_s > 0.0) {
-            return Err(CliError::Invalid("--prefill-tokens-per-s must be > 0".into()));
+            return Err(CliError::Invalid(
+                "--prefill-tokens-per-s must be > 0".into(),
+            ));
         }
         for v in [
             self.decode_step_ms,
@@ -341,7 +357,10 @@ mod tests {
         let r1 = c.for_rank(1).unwrap();
         assert_eq!(r1.endpoint, "tcp://*:5558");
         assert_eq!(r1.replay_endpoint.as_deref(), Some("tcp://*:5559"));
-        assert_eq!(offset_endpoint_port("inproc://x", 2).unwrap(), "inproc://x_dp2");
+        assert_eq!(
+            offset_endpoint_port("inproc://x", 2).unwrap(),
+            "inproc://x_dp2"
+        );
         assert_eq!(offset_endpoint_port("tcp://*:0", 2).unwrap(), "tcp://*:0");
         assert!(KvEventsConfig::parse("{").is_err());
         let off = KvEventsConfig::parse(r#"{"endpoint":"tcp://*:1"}"#).unwrap();
@@ -350,11 +369,8 @@ mod tests {
 
     #[test]
     fn lora_modules_both_forms() {
-        let l = parse_lora_modules(&[
-            "sql=/a/b".into(),
-            r#"{"name":"x","path":"/p"}"#.into(),
-        ])
-        .unwrap();
+        let l =
+            parse_lora_modules(&["sql=/a/b".into(), r#"{"name":"x","path":"/p"}"#.into()]).unwrap();
         assert_eq!(l[0].name, "sql");
         assert_eq!(l[1].id, 2);
         assert!(parse_lora_modules(&["nopath".into()]).is_err());

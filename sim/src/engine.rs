@@ -267,7 +267,7 @@ impl Loop {
                 // vLLM publishes the AllBlocksCleared with its next step; an idle engine here
                 // publishes it at once.
                 if !self.sched.has_work() {
-                    self.publish(Vec::new());
+                    self.publish();
                 }
             }
         }
@@ -303,7 +303,7 @@ impl Loop {
         if plan.is_empty() {
             // Nothing fits (should not happen with validated request sizes): publish what the
             // lookups produced and back off briefly instead of spinning.
-            self.publish(Vec::new());
+            self.publish();
             self.update_gauges();
             tokio::time::sleep(Duration::from_millis(1)).await;
             return;
@@ -315,9 +315,8 @@ impl Loop {
         tokio::time::sleep_until(self.deadline.into()).await;
         let end_s = self.cfg.clock.at(self.deadline);
 
-        let num_prefill = plan.shape.prefill_tokens;
         let outcome = self.sched.finish_step(plan, end_s);
-        self.publish(Vec::new());
+        self.publish();
 
         let mut m = EngineMetricsDelta::default();
         for s in &outcome.sampled {
@@ -355,17 +354,15 @@ impl Loop {
                 g.requests_finished += 1;
             }
         }
-        let _ = num_prefill;
         self.update_gauges();
     }
 
-    fn publish(&mut self, mut extra: Vec<kvroute_core::events::KvEvent>) {
+    fn publish(&mut self) {
         let pool_events = self.sched.take_events();
         let Some(sink) = &self.cfg.events else {
             return;
         };
-        let mut events = to_kv_events(&pool_events);
-        events.append(&mut extra);
+        let events = to_kv_events(&pool_events);
         if events.is_empty() {
             return;
         }

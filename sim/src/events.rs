@@ -15,8 +15,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use kvroute_core::events::{
-    encode_batch, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium, WireBlockHash,
-    WireLayout,
+    encode_batch, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium, WireBlockHash, WireLayout,
 };
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;

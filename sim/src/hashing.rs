@@ -43,10 +43,14 @@ impl RequestChainHasher {
 
 impl ChainHasher for RequestChainHasher {
     fn hash_block(&self, parent: Option<&BlockHash>, idx: usize, tokens: &[u32]) -> BlockHash {
-        let keys = self.extras.block_extra_keys(idx, self.block_size, self.style);
+        let keys = self
+            .extras
+            .block_extra_keys(idx, self.block_size, self.style);
         let parent_digest = parent.and_then(|p| Digest::from_slice(p.as_bytes()));
         let parent_ref = parent_digest.as_ref().unwrap_or(self.hasher.none_hash());
-        let d = self.hasher.hash_block(parent_ref, tokens, keys.hash.as_deref());
+        let d = self
+            .hasher
+            .hash_block(parent_ref, tokens, keys.hash.as_deref());
         BlockHash::from_digest(d.as_bytes())
     }
 }

@@ -149,9 +149,7 @@ pub fn gen_params(
     };
     if let Some(n) = opt_u64(body, "n")? {
         if n != 1 {
-            return Err(ApiError::bad_request(
-                "kvroute-sim supports only n = 1",
-            ));
+            return Err(ApiError::bad_request("kvroute-sim supports only n = 1"));
         }
     }
     let stream = opt_bool(body, "stream")?;

@@ -184,7 +184,10 @@ impl Scheduler {
                 continue;
             }
             loop {
-                if self.kv.allocate_slots(&self.running[i], num_new, None, false) {
+                if self
+                    .kv
+                    .allocate_slots(&self.running[i], num_new, None, false)
+                {
                     break;
                 }
                 let Some(mut victim) = self.running.pop() else {

@@ -50,8 +50,12 @@ impl BlockHash {
 pub trait ChainHasher: Send + Sync {
     /// Hash of block `block_index` whose tokens are `tokens`, chained on `parent` (`None` = the
     /// engine's NONE_HASH).
-    fn hash_block(&self, parent: Option<&BlockHash>, block_index: usize, tokens: &[u32])
-        -> BlockHash;
+    fn hash_block(
+        &self,
+        parent: Option<&BlockHash>,
+        block_index: usize,
+        tokens: &[u32],
+    ) -> BlockHash;
 }
 
 /// What KV events say about the request that stored a block.
@@ -267,10 +271,7 @@ mod tests {
     fn wire_value_is_last_eight_bytes_big_endian() {
         let mut d = [0u8; 32];
         d[24..].copy_from_slice(&[1, 2, 3, 4, 5, 6, 7, 8]);
-        assert_eq!(
-            BlockHash::from_digest(&d).wire_u64(),
-            0x0102_0304_0506_0708
-        );
+        assert_eq!(BlockHash::from_digest(&d).wire_u64(), 0x0102_0304_0506_0708);
         assert_eq!(BlockHash::from_u64(42).wire_u64(), 42);
     }
 

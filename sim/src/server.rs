@@ -115,7 +115,13 @@ impl AppState {
         generate: bool,
     ) -> Result<Prepared, ApiError> {
         if let Some(ct) = headers.get(header::CONTENT_TYPE) {
-            let media = ct.to_str().unwrap_or("").split(';').next().unwrap_or("").trim();
+            let media = ct
+                .to_str()
+                .unwrap_or("")
+                .split(';')
+                .next()
+                .unwrap_or("")
+                .trim();
             if !media.eq_ignore_ascii_case("application/json") {
                 return Err(ApiError::validation(
                     "Unsupported Media Type: Only 'application/json' is allowed",
@@ -198,7 +204,10 @@ impl AppState {
             prep.lora.as_ref().map(|l| l.id),
             prep.params.session_id.clone(),
         );
-        let seed = prep.params.seed.unwrap_or_else(|| mix_seed(self.seed, prompt));
+        let seed = prep
+            .params
+            .seed
+            .unwrap_or_else(|| mix_seed(self.seed, prompt));
         let req = NewRequest {
             prompt: prompt.to_vec(),
             max_tokens: prep.params.max_tokens,
@@ -412,16 +421,19 @@ async fn render(s: Arc<AppState>, ep: Endpoint, headers: HeaderMap, raw: Bytes) 
         Err(e) => return e.into_response(),
     };
     let n = s.counter.fetch_add(1, Ordering::Relaxed);
-    let one = |i: usize, ids: &Vec<u32>| {
-        json!({"request_id": format!("render-{n:016x}-{i}"), "model": prep.model, "token_ids": ids})
-    };
+    let one = |i: usize, ids: &Vec<u32>| json!({"request_id": format!("render-{n:016x}-{i}"), "model": prep.model, "token_ids": ids});
     if ep == Endpoint::ChatCompletions {
         match prep.prompts.first() {
             Some(ids) => Json(one(0, ids)).into_response(),
             None => ApiError::bad_request("no prompt").into_response(),
         }
     } else {
-        let all: Vec<Value> = prep.prompts.iter().enumerate().map(|(i, p)| one(i, p)).collect();
+        let all: Vec<Value> = prep
+            .prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| one(i, p))
+            .collect();
         Json(Value::from(all)).into_response()
     }
 }
@@ -476,7 +488,10 @@ async fn metrics_text(State(s): State<Arc<AppState>>) -> Response {
         .collect();
     let text = metrics::render(&s.served_names[0], &snapshot, s.start_unix_s);
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         text,
     )
         .into_response()

@@ -30,7 +30,10 @@ fn seq(id: u64, prompt: Vec<u32>) -> Sequence {
 fn admit(kv: &mut KvCacheManager, s: &mut Sequence) -> usize {
     let hit = kv.get_computed_blocks(s);
     let n = s.num_tokens() - hit.num_tokens;
-    assert!(kv.allocate_slots(s, n, Some(&hit), true), "admission failed");
+    assert!(
+        kv.allocate_slots(s, n, Some(&hit), true),
+        "admission failed"
+    );
     s.num_computed_tokens = s.num_tokens();
     hit.num_tokens
 }
@@ -113,7 +116,12 @@ fn stored_events_chain_parents_and_carry_tokens() {
     assert_eq!(admit(&mut kv, &mut b), 8);
     let ev = kv.take_events();
     match &ev[..] {
-        [PoolEvent::Stored { parent, hashes, token_ids, .. }] => {
+        [PoolEvent::Stored {
+            parent,
+            hashes,
+            token_ids,
+            ..
+        }] => {
             assert_eq!(*parent, Some(b.block_hashes[1]));
             assert_eq!(hashes, &b.block_hashes[2..3]);
             assert_eq!(token_ids, &(8..12).collect::<Vec<u32>>());
@@ -255,8 +263,16 @@ fn report_full_mode_reannounces_hits_without_parent() {
     admit(&mut kv, &mut b);
     let ev = kv.take_events();
     match &ev[..] {
-        [PoolEvent::Stored { parent: None, hashes: h0, token_ids: t0, .. }, PoolEvent::Stored { parent: Some(p), hashes: h1, .. }] =>
-        {
+        [PoolEvent::Stored {
+            parent: None,
+            hashes: h0,
+            token_ids: t0,
+            ..
+        }, PoolEvent::Stored {
+            parent: Some(p),
+            hashes: h1,
+            ..
+        }] => {
             assert_eq!(h0, &b.block_hashes[..2]);
             assert_eq!(t0.len(), 8);
             assert_eq!(*p, b.block_hashes[1]);

@@ -94,8 +94,10 @@ async fn chat_non_streaming_and_streaming() {
 
     let resp = c
         .post(s.url("/v1/chat/completions"))
-        .json(&json!({"model": "qwen3", "messages": msgs, "max_tokens": 4, "stream": true,
-                      "stream_options": {"include_usage": true}}))
+        .json(
+            &json!({"model": "qwen3", "messages": msgs, "max_tokens": 4, "stream": true,
+                      "stream_options": {"include_usage": true}}),
+        )
         .send()
         .await
         .unwrap();
@@ -120,7 +122,9 @@ async fn chat_non_streaming_and_streaming() {
     let usage = &chunks.last().unwrap()["usage"];
     assert_eq!(usage["completion_tokens"], 4);
     assert_eq!(
-        usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(),
+        usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap(),
         (n - 1) / BS * BS
     );
     let finish: Vec<&Value> = chunks
@@ -158,23 +162,55 @@ async fn metrics_counters_move() {
     };
     let before = get_metrics().await;
     let l = "{engine=\"0\",model_name=\"qwen3\"}";
-    assert_eq!(metric(&before, &format!("vllm:prefix_cache_queries_total{l}")), Some(0.0));
+    assert_eq!(
+        metric(&before, &format!("vllm:prefix_cache_queries_total{l}")),
+        Some(0.0)
+    );
     assert!(metric(&before, "process_start_time_seconds").unwrap() > 1.0e9);
     let body = json!({"model": "qwen3", "prompt": long_prompt("m"), "max_tokens": 3});
     let (_, a) = post(&c, &s.url("/v1/completions"), &body).await;
     let (_, b) = post(&c, &s.url("/v1/completions"), &body).await;
     let n = a["usage"]["prompt_tokens"].as_f64().unwrap();
-    let hit = b["usage"]["prompt_tokens_details"]["cached_tokens"].as_f64().unwrap();
+    let hit = b["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_f64()
+        .unwrap();
     assert!(hit > 0.0);
     let after = get_metrics().await;
-    assert_eq!(metric(&after, &format!("vllm:prefix_cache_queries_total{l}")), Some(2.0 * n));
-    assert_eq!(metric(&after, &format!("vllm:prefix_cache_hits_total{l}")), Some(hit));
-    assert_eq!(metric(&after, &format!("vllm:time_to_first_token_seconds_count{l}")), Some(2.0));
-    assert_eq!(metric(&after, &format!("vllm:e2e_request_latency_seconds_count{l}")), Some(2.0));
-    assert_eq!(metric(&after, &format!("vllm:num_requests_running{l}")), Some(0.0));
-    assert_eq!(metric(&after, &format!("vllm:num_preemptions_total{l}")), Some(0.0));
+    assert_eq!(
+        metric(&after, &format!("vllm:prefix_cache_queries_total{l}")),
+        Some(2.0 * n)
+    );
+    assert_eq!(
+        metric(&after, &format!("vllm:prefix_cache_hits_total{l}")),
+        Some(hit)
+    );
+    assert_eq!(
+        metric(
+            &after,
+            &format!("vllm:time_to_first_token_seconds_count{l}")
+        ),
+        Some(2.0)
+    );
+    assert_eq!(
+        metric(
+            &after,
+            &format!("vllm:e2e_request_latency_seconds_count{l}")
+        ),
+        Some(2.0)
+    );
+    assert_eq!(
+        metric(&after, &format!("vllm:num_requests_running{l}")),
+        Some(0.0)
+    );
+    assert_eq!(
+        metric(&after, &format!("vllm:num_preemptions_total{l}")),
+        Some(0.0)
+    );
     // Freed blocks stay cached but count as free: usage back to 0.
-    assert_eq!(metric(&after, &format!("vllm:kv_cache_usage_perc{l}")), Some(0.0));
+    assert_eq!(
+        metric(&after, &format!("vllm:kv_cache_usage_perc{l}")),
+        Some(0.0)
+    );
 }
 
 #[tokio::test]
@@ -239,15 +275,44 @@ async fn info_endpoints_and_reset() {
         "sql-lora=/models/loras/sql",
     ]);
     let c = reqwest::Client::new();
-    let models: Value = c.get(s.url("/v1/models")).send().await.unwrap().json().await.unwrap();
+    let models: Value = c
+        .get(s.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     let data = models["data"].as_array().unwrap();
     assert_eq!(data[0]["id"], "qwen3");
     assert_eq!(data[0]["owned_by"], "vllm");
     assert_eq!(data[1]["id"], "sql-lora");
-    let v: Value = c.get(s.url("/version")).send().await.unwrap().json().await.unwrap();
+    let v: Value = c
+        .get(s.url("/version"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(v["version"], "0.33.0");
-    assert_eq!(c.get(s.url("/health")).send().await.unwrap().status().as_u16(), 200);
-    let src: Value = c.get(s.url("/kv_event_sources")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(
+        c.get(s.url("/health"))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16(),
+        200
+    );
+    let src: Value = c
+        .get(s.url("/kv_event_sources"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(src, json!({}));
 
     let body = json!({"model": "qwen3", "prompt": long_prompt("r"), "max_tokens": 2});
@@ -260,7 +325,12 @@ async fn info_endpoints_and_reset() {
 
     // A LoRA request and a salted request do not hit the base model's blocks.
     let (_, base) = post(&c, &s.url("/v1/completions"), &body).await;
-    assert!(base["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0);
+    assert!(
+        base["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
     let mut lora = body.clone();
     lora["model"] = json!("sql-lora");
     let (st, l) = post(&c, &s.url("/v1/completions"), &lora).await;
@@ -284,6 +354,8 @@ async fn sigterm_stops_cleanly() {
     )
     .await;
     assert_eq!(st, 200);
-    let status = s.terminate(Duration::from_secs(10)).expect("did not exit after SIGTERM");
+    let status = s
+        .terminate(Duration::from_secs(10))
+        .expect("did not exit after SIGTERM");
     assert!(status.success(), "{status:?}");
 }

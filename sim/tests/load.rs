@@ -26,7 +26,10 @@ fn cpu_seconds(pid: u32) -> f64 {
 }
 
 fn env_num(name: &str, default: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -70,21 +73,33 @@ async fn sustained_load_8k_prompts_time_scale_10() {
     let cached = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::new();
     for w in 0..conc {
-        let (c, url, done, cached) = (c.clone(), s.url("/v1/completions"), done.clone(), cached.clone());
+        let (c, url, done, cached) = (
+            c.clone(),
+            s.url("/v1/completions"),
+            done.clone(),
+            cached.clone(),
+        );
         tasks.push(tokio::spawn(async move {
             let mut i: u64 = 0;
             while Instant::now() < deadline {
                 // 8192-token prompts: 6144 tokens from one of 16 shared prefixes + a unique tail.
                 let group = (w * 7919 + i) % 16;
-                let mut ids: Vec<u32> = (0..6144u32).map(|k| 1000 + (group as u32 * 6144 + k) % 30000).collect();
-                ids.extend((0..2048u32).map(|k| 1000 + ((w as u32 * 1_000_003 + i as u32 * 8191 + k * 7) % 30000)));
+                let mut ids: Vec<u32> = (0..6144u32)
+                    .map(|k| 1000 + (group as u32 * 6144 + k) % 30000)
+                    .collect();
+                ids.extend(
+                    (0..2048u32)
+                        .map(|k| 1000 + ((w as u32 * 1_000_003 + i as u32 * 8191 + k * 7) % 30000)),
+                );
                 let body = json!({"model": "qwen3", "prompt": ids, "max_tokens": 16});
                 if let Ok(resp) = c.post(&url).json(&body).send().await {
                     if let Ok(v) = resp.json::<serde_json::Value>().await {
                         if v["usage"].is_object() {
                             done.fetch_add(1, Ordering::Relaxed);
                             cached.fetch_add(
-                                v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
+                                v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                                    .as_u64()
+                                    .unwrap_or(0),
                                 Ordering::Relaxed,
                             );
                         }
@@ -100,10 +115,21 @@ async fn sustained_load_8k_prompts_time_scale_10() {
     let wall = start.elapsed().as_secs_f64();
     let cpu = cpu_seconds(s.child.id()) - cpu0;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let m = c.get(s.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let m = c
+        .get(s.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     let l = "{engine=\"0\",model_name=\"qwen3\"}";
     let events = metric(&m, &format!("kvroute_sim:kv_events_total{l}")).unwrap_or(0.0);
-    let dropped = metric(&m, &format!("kvroute_sim:kv_event_batches_dropped_total{l}")).unwrap_or(0.0);
+    let dropped = metric(
+        &m,
+        &format!("kvroute_sim:kv_event_batches_dropped_total{l}"),
+    )
+    .unwrap_or(0.0);
     let steps = metric(&m, &format!("kvroute_sim:steps_total{l}")).unwrap_or(0.0);
     let ttft_sum = metric(&m, &format!("vllm:time_to_first_token_seconds_sum{l}")).unwrap_or(0.0);
     let ttft_n = metric(&m, &format!("vllm:time_to_first_token_seconds_count{l}")).unwrap_or(1.0);

@@ -40,7 +40,11 @@ fn prompt(base: u32, n: usize) -> Vec<u32> {
 
 /// Runs the scheduler on a simulated clock until idle; returns (id, ttft, e2e, cached) per
 /// finished sequence and the number of steps.
-fn run(s: &mut Scheduler, model: &LatencyModel, mut now: f64) -> (Vec<(u64, f64, f64, usize)>, usize) {
+fn run(
+    s: &mut Scheduler,
+    model: &LatencyModel,
+    mut now: f64,
+) -> (Vec<(u64, f64, f64, usize)>, usize) {
     let mut done = Vec::new();
     let mut steps = 0;
     while s.has_work() {

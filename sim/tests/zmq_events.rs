@@ -90,7 +90,12 @@ async fn stream_seq_from_zero_hashes_match_block_hasher_and_replay() {
     let mut sub = subscribe(p).await;
     let c = reqwest::Client::new();
     let prompt = "Prefix caching stores KV blocks; ".repeat(12);
-    let v = complete(&c, &s.base, json!({"model": "qwen3", "prompt": prompt, "max_tokens": 2})).await;
+    let v = complete(
+        &c,
+        &s.base,
+        json!({"model": "qwen3", "prompt": prompt, "max_tokens": 2}),
+    )
+    .await;
     let n = v["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
 
     let (topic, seq, batch) = recv_batch(&mut sub).await;
@@ -140,7 +145,12 @@ async fn stream_seq_from_zero_hashes_match_block_hasher_and_replay() {
         json!({"model": "qwen3", "prompt": format!("{prompt}{}", "and more text ".repeat(10)), "max_tokens": 1}),
     )
     .await;
-    assert!(v2["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0);
+    assert!(
+        v2["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
     let (_, seq1, b1) = recv_batch(&mut sub).await;
     assert_eq!(seq1, 1);
     let st1 = stored(&b1);
@@ -148,7 +158,10 @@ async fn stream_seq_from_zero_hashes_match_block_hasher_and_replay() {
 
     // Replay from 0 over a DEALER: both batches, in order, then the end marker.
     let mut dealer = zeromq::DealerSocket::new();
-    dealer.connect(&format!("tcp://127.0.0.1:{r}")).await.unwrap();
+    dealer
+        .connect(&format!("tcp://127.0.0.1:{r}"))
+        .await
+        .unwrap();
     let req = ZmqMessage::try_from(vec![
         bytes::Bytes::new(),
         bytes::Bytes::copy_from_slice(&0u64.to_be_bytes()),
@@ -200,7 +213,9 @@ async fn golden_vectors_lora_and_report_full_session() {
     .await;
     let (_, _, batch) = recv_batch(&mut sub).await;
     // Byte-compare with vLLM's own batch once the timestamp is the golden one.
-    let golden_hex = case["output"]["kv_event_batch_msgpack_hex"].as_str().unwrap();
+    let golden_hex = case["output"]["kv_event_batch_msgpack_hex"]
+        .as_str()
+        .unwrap();
     let mut ours = batch.clone();
     ours.ts = case["output"]["kv_event_batch_ts"].as_f64().unwrap();
     assert_eq!(
@@ -212,9 +227,18 @@ async fn golden_vectors_lora_and_report_full_session() {
     // Base-model golden case, then a repeat with report-full + session: one re-announcement.
     let case = golden_case("sha256_cbor_bs16_40_partial_last");
     let ids = case["input"]["token_ids"].clone();
-    complete(&c, &s.base, json!({"model": "qwen3", "prompt": ids, "max_tokens": 1})).await;
+    complete(
+        &c,
+        &s.base,
+        json!({"model": "qwen3", "prompt": ids, "max_tokens": 1}),
+    )
+    .await;
     let (_, _, b) = recv_batch(&mut sub).await;
-    let got: Vec<u64> = stored(&b)[0].block_hashes.iter().map(|h| h.as_u64()).collect();
+    let got: Vec<u64> = stored(&b)[0]
+        .block_hashes
+        .iter()
+        .map(|h| h.as_u64())
+        .collect();
     let want: Vec<u64> = case["output"]["wire_block_hashes_u64"]
         .as_array()
         .unwrap()
@@ -270,10 +294,19 @@ async fn data_parallel_ranks_publish_on_port_plus_rank() {
     let mut s0 = subscribe(p).await;
     let mut s1 = subscribe(p + 1).await;
     // Two concurrent requests: the second goes to the less loaded rank.
-    let a = complete(&c, &s.base, json!({"model": "qwen3", "prompt": "alpha ".repeat(40), "max_tokens": 40}));
+    let a = complete(
+        &c,
+        &s.base,
+        json!({"model": "qwen3", "prompt": "alpha ".repeat(40), "max_tokens": 40}),
+    );
     let b = async {
         tokio::time::sleep(Duration::from_millis(50)).await;
-        complete(&c, &s.base, json!({"model": "qwen3", "prompt": "beta ".repeat(40), "max_tokens": 40})).await
+        complete(
+            &c,
+            &s.base,
+            json!({"model": "qwen3", "prompt": "beta ".repeat(40), "max_tokens": 40}),
+        )
+        .await
     };
     let (va, vb) = tokio::join!(a, b);
     assert_ne!(va["kvroute_sim"]["engine"], vb["kvroute_sim"]["engine"]);
@@ -282,7 +315,14 @@ async fn data_parallel_ranks_publish_on_port_plus_rank() {
     assert_eq!((q0, q1), (0, 0));
     assert_eq!(b0.data_parallel_rank, Some(0));
     assert_eq!(b1.data_parallel_rank, Some(1));
-    let metrics = c.get(format!("{}/metrics", s.base)).send().await.unwrap().text().await.unwrap();
+    let metrics = c
+        .get(format!("{}/metrics", s.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     assert!(metrics.contains("vllm:request_success_total{engine=\"1\",model_name=\"qwen3\""));
 }
 
@@ -299,7 +339,12 @@ async fn older_wire_layout_and_replay_without_topic() {
     ]);
     let mut sub = subscribe(p).await;
     let c = reqwest::Client::new();
-    complete(&c, &s.base, json!({"model": "qwen3", "prompt": "gamma ".repeat(50), "max_tokens": 1})).await;
+    complete(
+        &c,
+        &s.base,
+        json!({"model": "qwen3", "prompt": "gamma ".repeat(50), "max_tokens": 1}),
+    )
+    .await;
     let m = tokio::time::timeout(Duration::from_secs(10), sub.recv())
         .await
         .unwrap()
@@ -310,7 +355,10 @@ async fn older_wire_layout_and_replay_without_topic() {
     assert_eq!(stored(&batch).len(), 1);
     assert_eq!(encode_batch(&batch, WireLayout::Array0_23), m[2].to_vec());
     let mut dealer = zeromq::DealerSocket::new();
-    dealer.connect(&format!("tcp://127.0.0.1:{r}")).await.unwrap();
+    dealer
+        .connect(&format!("tcp://127.0.0.1:{r}"))
+        .await
+        .unwrap();
     dealer
         .send(
             ZmqMessage::try_from(vec![
@@ -326,7 +374,11 @@ async fn older_wire_layout_and_replay_without_topic() {
         .unwrap()
         .unwrap()
         .into_vec();
-    assert_eq!(first.len(), 3, "legacy replay frames are [b\"\", seq, payload]");
+    assert_eq!(
+        first.len(),
+        3,
+        "legacy replay frames are [b\"\", seq, payload]"
+    );
     let end = tokio::time::timeout(Duration::from_secs(5), dealer.recv())
         .await
         .unwrap()
@@ -361,14 +413,28 @@ async fn a_full_event_queue_never_stalls_the_engine() {
         .await
         .expect("requests stalled");
     assert_eq!(out.len(), 24);
-    let m = c.get(format!("{}/metrics", s.base)).send().await.unwrap().text().await.unwrap();
+    let m = c
+        .get(format!("{}/metrics", s.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     let l = "{engine=\"0\",model_name=\"qwen3\"}";
     let sent = common::metric(&m, &format!("kvroute_sim:kv_event_batches_total{l}")).unwrap();
-    let dropped = common::metric(&m, &format!("kvroute_sim:kv_event_batches_dropped_total{l}")).unwrap();
+    let dropped = common::metric(
+        &m,
+        &format!("kvroute_sim:kv_event_batches_dropped_total{l}"),
+    )
+    .unwrap();
     // Every step with events was either published or dropped (never waited for).
-    assert!(sent >= 1.0 && sent + dropped >= 2.0, "sent {sent} dropped {dropped}");
+    assert!(
+        sent >= 1.0 && sent + dropped >= 2.0,
+        "sent {sent} dropped {dropped}"
+    );
     // The small cache evicted blocks along the way.
-    assert!(common::metric(&m, &format!("vllm:request_success_total{{engine=\"0\",model_name=\"qwen3\",finished_reason=\"length\"}}")).unwrap() >= 24.0);
+    assert!(common::metric(&m, "vllm:request_success_total{engine=\"0\",model_name=\"qwen3\",finished_reason=\"length\"}").unwrap() >= 24.0);
 }
 
 #[tokio::test]
@@ -390,8 +456,19 @@ async fn vllm_own_msgspec_classes_decode_the_stream() {
     let count = 4;
     let child = std::process::Command::new(&py)
         .arg(&script)
-        .args(["--endpoint", &format!("tcp://127.0.0.1:{p}"), "--topic", "kv-events"])
-        .args(["--count", &count.to_string(), "--timeout", "30", "--require-identical"])
+        .args([
+            "--endpoint",
+            &format!("tcp://127.0.0.1:{p}"),
+            "--topic",
+            "kv-events",
+        ])
+        .args([
+            "--count",
+            &count.to_string(),
+            "--timeout",
+            "30",
+            "--require-identical",
+        ])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -429,7 +506,10 @@ async fn vllm_own_msgspec_classes_decode_the_stream() {
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
-    let lines: Vec<Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(lines.len(), count);
     let types: Vec<String> = lines
         .iter()

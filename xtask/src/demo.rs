@@ -50,7 +50,7 @@ pub struct DemoOptions {
     #[arg(long, default_value_t = 4)]
     pub replicas: usize,
     /// KV cache capacity of each replica, in 16-token blocks.
-    #[arg(long, default_value_t = 640)]
+    #[arg(long, default_value_t = 400)]
     pub gpu_blocks: usize,
     /// The simulator's speed-up over real time (1 = real time).
     #[arg(long, default_value_t = 1.0)]

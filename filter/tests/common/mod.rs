@@ -270,7 +270,13 @@ fn read_body<R: BufRead>(
 }
 
 /// Sends one request and reads the whole response.
-pub fn http(port: u16, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Response {
+pub fn http(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Response {
     try_http(port, method, path, headers, body, Duration::from_secs(60))
         .unwrap_or_else(|e| panic!("{method} 127.0.0.1:{port}{path}: {e}"))
 }
@@ -286,7 +292,8 @@ pub fn try_http(
     let mut s = TcpStream::connect(("127.0.0.1", port))?;
     s.set_read_timeout(Some(timeout))?;
     s.set_nodelay(true)?;
-    let mut req = format!("{method} {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\nconnection: close\r\n");
+    let mut req =
+        format!("{method} {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\nconnection: close\r\n");
     let mut has_length = false;
     for (k, v) in headers {
         if k.eq_ignore_ascii_case("content-length") || k.eq_ignore_ascii_case("transfer-encoding") {
@@ -536,7 +543,8 @@ fn has_placeholder(yaml: &str) -> bool {
 }
 
 pub fn render_envoy(opts: &EnvoyOptions, listen: u16, admin: u16) -> String {
-    let template = std::fs::read_to_string(workspace().join("envoy/envoy.yaml")).expect("read envoy/envoy.yaml");
+    let template = std::fs::read_to_string(workspace().join("envoy/envoy.yaml"))
+        .expect("read envoy/envoy.yaml");
     let mut text = template;
     if !opts.with_filter {
         text = cut_wasm_filter(&text);
@@ -558,7 +566,10 @@ pub fn render_envoy(opts: &EnvoyOptions, listen: u16, admin: u16) -> String {
         .replace("{{ADMIN_PORT}}", &admin.to_string())
         .replace("{{WASM_PATH}}", &wasm)
         .replace("{{INDEXER_PORT}}", &opts.indexer_port.to_string())
-        .replace("{{FALLBACK_LB_ENDPOINTS}}", &Value::Array(endpoints).to_string())
+        .replace(
+            "{{FALLBACK_LB_ENDPOINTS}}",
+            &Value::Array(endpoints).to_string(),
+        )
         .replace(
             "{{VM_CONFIG}}",
             &Value::String(if opts.vm_config.is_null() {
@@ -618,7 +629,13 @@ impl Envoy {
 
     /// A counter or gauge from the admin stats (0 when absent).
     pub fn stat(&self, name: &str) -> u64 {
-        let r = http(self.admin, "GET", &format!("/stats?filter=^{name}$"), &[], b"");
+        let r = http(
+            self.admin,
+            "GET",
+            &format!("/stats?filter=^{name}$"),
+            &[],
+            b"",
+        );
         r.text()
             .lines()
             .filter_map(|l| l.split_once(": "))
@@ -654,7 +671,8 @@ impl Envoy {
 pub fn tokenizer_answer(model: &str, block_size: usize) -> Value {
     let dir = model_dir();
     let tj = std::fs::read_to_string(dir.join("tokenizer.json")).expect("tokenizer.json");
-    let tc = std::fs::read_to_string(dir.join("tokenizer_config.json")).expect("tokenizer_config.json");
+    let tc =
+        std::fs::read_to_string(dir.join("tokenizer_config.json")).expect("tokenizer_config.json");
     serde_json::json!({"model": model, "block_size": block_size, "tokenizer_json": tj, "tokenizer_config_json": tc})
 }
 
@@ -723,14 +741,21 @@ impl FakeIndexer {
                 }
                 let mode = r2.lock().expect("lock").clone();
                 return match mode {
-                    RouteMode::To(ep) => Reply::json(200, &serde_json::json!({"endpoint": ep, "replica": "fake", "reason": "test"})),
+                    RouteMode::To(ep) => Reply::json(
+                        200,
+                        &serde_json::json!({"endpoint": ep, "replica": "fake", "reason": "test"}),
+                    ),
                     RouteMode::Slow(d, ep) => Reply {
                         delay: d,
                         ..Reply::json(200, &serde_json::json!({"endpoint": ep}))
                     },
-                    RouteMode::Status(s) => Reply::json(s, &serde_json::json!({"error": "injected"})),
+                    RouteMode::Status(s) => {
+                        Reply::json(s, &serde_json::json!({"error": "injected"}))
+                    }
                     RouteMode::Garbage => Reply::text(200, "<html>surprise</html>"),
-                    RouteMode::BadEndpoint => Reply::json(200, &serde_json::json!({"endpoint": "replica-0.svc:8000"})),
+                    RouteMode::BadEndpoint => {
+                        Reply::json(200, &serde_json::json!({"endpoint": "replica-0.svc:8000"}))
+                    }
                 };
             }
             Reply::text(404, "no such path")
@@ -798,6 +823,30 @@ pub fn echo_replica() -> TestServer {
 
 pub const ADMIN_TOKEN: &str = "e2e-admin-token";
 
+/// The ports of one kvroute-sim replica.
+#[derive(Debug, Clone)]
+pub struct SimPlan {
+    pub name: String,
+    pub port: u16,
+    pub events: u16,
+    pub replay: u16,
+}
+
+impl SimPlan {
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// The indexer's replica entry. As in vLLM, a publisher endpoint with a concrete address
+    /// connects out, so the indexer binds it (`bind = true`): everything stays on loopback.
+    pub fn replica_config(&self) -> Value {
+        serde_json::json!({"name": self.name, "http": self.addr(),
+            "events": [format!("tcp://127.0.0.1:{}", self.events)],
+            "replay": [format!("tcp://127.0.0.1:{}", self.replay)],
+            "bind": true})
+    }
+}
+
 /// One kvroute-sim replica.
 pub struct Sim {
     pub name: String,
@@ -808,15 +857,31 @@ pub struct Sim {
 }
 
 impl Sim {
-    pub fn start(name: &str, dir: &Path) -> Sim {
-        let (port, events, replay) = (free_port(), free_port(), free_port());
+    /// Ports for a replica that is not started yet (so the indexer can bind its event endpoint
+    /// first: a publisher with a concrete address connects out, as in vLLM).
+    pub fn plan(name: &str) -> SimPlan {
+        SimPlan {
+            name: name.to_string(),
+            port: free_port(),
+            events: free_port(),
+            replay: free_port(),
+        }
+    }
+
+    pub fn start(plan: &SimPlan, dir: &Path) -> Sim {
+        let SimPlan {
+            name,
+            port,
+            events,
+            replay,
+        } = plan.clone();
         let kv = serde_json::json!({
             "enable_kv_cache_events": true, "publisher": "zmq",
             "endpoint": format!("tcp://127.0.0.1:{events}"),
             "replay_endpoint": format!("tcp://127.0.0.1:{replay}"),
             "topic": "kv-events"});
         let proc = Proc::spawn(
-            name,
+            &name,
             Command::new(bin("kvroute-sim"))
                 .arg("--port")
                 .arg(port.to_string())
@@ -829,7 +894,7 @@ impl Sim {
             dir,
         );
         let mut sim = Sim {
-            name: name.to_string(),
+            name: name.clone(),
             port,
             events,
             replay,
@@ -851,13 +916,6 @@ impl Sim {
 
     pub fn addr(&self) -> String {
         format!("127.0.0.1:{}", self.port)
-    }
-
-    /// The indexer's replica entry.
-    pub fn replica_config(&self) -> Value {
-        serde_json::json!({"name": self.name, "http": self.addr(),
-            "events": [format!("tcp://127.0.0.1:{}", self.events)],
-            "replay": [format!("tcp://127.0.0.1:{}", self.replay)]})
     }
 
     /// Sum of a Prometheus counter over its label sets.
@@ -887,11 +945,16 @@ fn toml_str(s: &str) -> String {
 fn replica_toml(r: &Value) -> String {
     let list = |k: &str| {
         r[k].as_array()
-            .map(|a| a.iter().map(|v| toml_str(v.as_str().unwrap_or(""))).collect::<Vec<_>>().join(", "))
+            .map(|a| {
+                a.iter()
+                    .map(|v| toml_str(v.as_str().unwrap_or("")))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })
             .unwrap_or_default()
     };
     format!(
-        "[[models.replicas]]\nname = {}\nhttp = {}\nevents = [{}]\nreplay = [{}]\n\n",
+        "[[models.replicas]]\nname = {}\nhttp = {}\nevents = [{}]\nreplay = [{}]\nbind = true\n\n",
         toml_str(r["name"].as_str().unwrap_or("")),
         toml_str(r["http"].as_str().unwrap_or("")),
         list("events"),
@@ -906,7 +969,9 @@ pub struct Indexer {
 }
 
 impl Indexer {
-    pub fn start(sims: &[&Sim], dir: &Path) -> Indexer {
+    /// Starts the indexer for replicas that are not running yet (it binds their event
+    /// endpoints); call [`Indexer::wait_ready`] once they run.
+    pub fn start(sims: &[SimPlan], dir: &Path) -> Indexer {
         let port = free_port();
         let mut cfg = format!(
             "listen = {}\nadmin_token = {}\n\n[[models]]\nname = \"qwen3\"\nmodel_dir = {}\nblock_size = 16\n\n[models.hash]\nalgo = \"sha256\"\n\n",
@@ -932,14 +997,14 @@ impl Indexer {
         let start = Instant::now();
         loop {
             ix.proc.assert_running();
-            if try_http(port, "GET", "/readyz", &[], b"", Duration::from_secs(2))
+            if try_http(port, "GET", "/healthz", &[], b"", Duration::from_secs(2))
                 .is_ok_and(|r| r.status == 200)
             {
                 break;
             }
             assert!(
                 start.elapsed() < Duration::from_secs(60),
-                "indexer not ready; log:\n{}",
+                "indexer not up; log:\n{}",
                 ix.proc.log_tail()
             );
             thread::sleep(Duration::from_millis(100));
@@ -947,12 +1012,36 @@ impl Indexer {
         ix
     }
 
+    /// Waits until every replica is healthy and its event stream connected (`/readyz` says
+    /// "ready", not "degraded").
+    pub fn wait_ready(&mut self) {
+        let start = Instant::now();
+        loop {
+            self.proc.assert_running();
+            let r = try_http(self.port, "GET", "/readyz", &[], b"", Duration::from_secs(2));
+            if r.as_ref().is_ok_and(|r| r.status == 200 && r.json()["status"] == "ready") {
+                return;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "indexer not ready: {:?}",
+                r.map(|r| r.text())
+            );
+            thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// Adds a replica at run time through the admin API.
-    pub fn add_replica(&self, sim: &Sim) {
+    pub fn add_replica(&self, sim: &SimPlan) {
         let mut body = sim.replica_config();
         body["model"] = Value::from("qwen3");
         let auth = format!("Bearer {ADMIN_TOKEN}");
-        let r = post_json(self.port, "/admin/replicas", &body, &[("authorization", &auth)]);
+        let r = post_json(
+            self.port,
+            "/admin/replicas",
+            &body,
+            &[("authorization", &auth)],
+        );
         assert_eq!(r.status, 201, "add replica: {}", r.text());
     }
 

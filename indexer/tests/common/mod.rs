@@ -238,7 +238,7 @@ pub async fn wait_connected(state: &AppState, replica: &str) {
         state
             .fleet
             .get(replica)
-            .is_some_and(|r| r.streams.iter().all(|s| s.state.lock().unwrap().connected))
+            .is_some_and(|r| r.streams().iter().all(|s| s.state.lock().unwrap().connected))
     })
     .await;
     assert!(ok, "replica {replica} never connected");
@@ -278,7 +278,7 @@ pub fn stat(
     f: impl Fn(&kvroute_indexer::membership::StreamStats) -> u64,
 ) -> u64 {
     let r = state.fleet.get(replica).unwrap();
-    f(&r.streams[0].stats)
+    f(&r.streams()[0].stats)
 }
 
 /// An unused TCP port on 127.0.0.1.

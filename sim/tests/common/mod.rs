@@ -32,7 +32,11 @@ pub fn python() -> PathBuf {
     let py = std::env::var_os("KVROUTE_PYTHON")
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace().join("target/kvroute-cache/venv/bin/python"));
-    assert!(py.exists(), "python {} not found: run `cargo xtask setup`", py.display());
+    assert!(
+        py.exists(),
+        "python {} not found: run `cargo xtask setup`",
+        py.display()
+    );
     py
 }
 
@@ -75,15 +79,30 @@ impl Sim {
     /// As [`Sim::start`] with extra environment variables.
     pub fn start_env(args: &[&str], env: &[(&str, &str)]) -> Sim {
         let model = model_dir();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvroute-sim"));
-        cmd.args(["--host", "127.0.0.1", "--port", "0", "--served-model-name", "qwen3"])
-            .arg("--model-dir")
-            .arg(&model)
-            .args(args)
-            .env_remove("PYTHONHASHSEED")
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
+        // KVROUTE_SIM_TASKSET=0 pins the simulator (only) to CPU 0, for benchmarks.
+        let mut cmd = match std::env::var("KVROUTE_SIM_TASKSET") {
+            Ok(cpus) if !cpus.is_empty() => {
+                let mut c = Command::new("taskset");
+                c.args(["-c", &cpus]).arg(env!("CARGO_BIN_EXE_kvroute-sim"));
+                c
+            }
+            _ => Command::new(env!("CARGO_BIN_EXE_kvroute-sim")),
+        };
+        cmd.args([
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--served-model-name",
+            "qwen3",
+        ])
+        .arg("--model-dir")
+        .arg(&model)
+        .args(args)
+        .env_remove("PYTHONHASHSEED")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
         for (k, v) in env {
             cmd.env(k, v);
         }

@@ -1,0 +1,423 @@
+//! End to end with the engine simulator: two `kvroute-sim` processes (one with two data-parallel
+//! engines) and the real `kvroute-indexer serve`, configured with HTTP addresses only, so the
+//! event endpoints (and the number of DP ranks) come from each sim's `GET /kv_event_sources`.
+//! Completions go to the sims directly; the indexer must then route the same prompts to the
+//! replica that served them, matching exactly the tokens the sim reports as cached on a repeat.
+//! It scrapes the sims' load, stops routing to a killed sim, and drops a restarted sim's entries.
+
+mod procs;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use procs::*;
+use serde_json::{json, Value};
+
+const MODEL: &str = "qwen3";
+const BS: u64 = 16;
+
+/// `<target>/debug/kvroute-sim`, built with `cargo build -p kvroute-sim` when missing or older
+/// than the sim's sources (`cargo test --workspace` builds it anyway).
+fn sim_binary() -> PathBuf {
+    let bin = target_dir().join("debug/kvroute-sim");
+    let newest_src = std::fs::read_dir(workspace().join("sim/src"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.metadata().ok()?.modified().ok())
+        .max();
+    let fresh = bin
+        .metadata()
+        .and_then(|m| m.modified())
+        .ok()
+        .is_some_and(|t| newest_src.is_none_or(|s| t >= s));
+    if !fresh {
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let mut child = Command::new(cargo)
+            .args(["build", "-p", "kvroute-sim"])
+            .current_dir(workspace())
+            .spawn()
+            .expect("run cargo build -p kvroute-sim");
+        let deadline = Instant::now() + Duration::from_secs(900);
+        let status = loop {
+            if let Some(st) = child.try_wait().expect("wait for cargo") {
+                break st;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("`cargo build -p kvroute-sim` took more than 15 min");
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        assert!(status.success(), "`cargo build -p kvroute-sim` failed");
+    }
+    assert!(
+        bin.is_file(),
+        "{} missing: run `cargo build -p kvroute-sim`",
+        bin.display()
+    );
+    bin
+}
+
+/// `n` consecutive free loopback ports (DP rank r publishes on port + r, as vLLM does).
+fn free_port_run(n: u16) -> u16 {
+    for _ in 0..200 {
+        let Ok(base) = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+        else {
+            continue;
+        };
+        if base > 65000 {
+            continue;
+        }
+        if (0..n).all(|i| std::net::TcpListener::bind(("127.0.0.1", base + i)).is_ok()) {
+            return base;
+        }
+    }
+    panic!("no run of {n} free ports");
+}
+
+/// One simulated replica: fixed ports so it can be restarted in place.
+struct SimSpec {
+    name: &'static str,
+    http: u16,
+    pub_port: u16,
+    replay_port: u16,
+    dp: u16,
+}
+
+impl SimSpec {
+    fn new(name: &'static str, dp: u16) -> SimSpec {
+        SimSpec {
+            name,
+            http: free_port_run(1),
+            pub_port: free_port_run(dp),
+            replay_port: free_port_run(dp),
+            dp,
+        }
+    }
+
+    fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.http)
+    }
+
+    /// Starts the sim; retries while the previous incarnation's ports are still being released.
+    fn start(&self, bin: &PathBuf, dir: &std::path::Path, attempt_tag: &str) -> Proc {
+        let events = format!(
+            r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{}","replay_endpoint":"tcp://*:{}","topic":"kv-events"}}"#,
+            self.pub_port, self.replay_port
+        );
+        let mut last_log = String::new();
+        for attempt in 0..20 {
+            let mut cmd = Command::new(bin);
+            cmd.args(["--host", "127.0.0.1", "--port", &self.http.to_string()])
+                .args(["--served-model-name", MODEL])
+                .arg("--model-dir")
+                .arg(model_dir())
+                .args(["--block-size", &BS.to_string()])
+                .args(["--num-gpu-blocks-override", "2048"])
+                .args(["--prefix-caching-hash-algo", "sha256"])
+                .args(["--data-parallel-size", &self.dp.to_string()])
+                .args(["--kv-events-config", &events])
+                .env_remove("PYTHONHASHSEED")
+                .env("RUST_LOG", "warn");
+            let log = dir.join(format!("{}-{attempt_tag}-{attempt}.log", self.name));
+            let mut p = Proc::spawn(self.name, cmd, log, false);
+            // The sim prints its address once every socket is bound.
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let mut started = false;
+            while Instant::now() < deadline {
+                match p.try_line(Duration::from_millis(200)) {
+                    Some(l) if l.starts_with("kvroute-sim listening on") => {
+                        started = true;
+                        break;
+                    }
+                    Some(_) => {}
+                    None if p.exited() => break,
+                    None => {}
+                }
+            }
+            if started {
+                return p;
+            }
+            last_log = p.log_tail();
+            p.kill();
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        panic!("{} did not start: {last_log}", self.name);
+    }
+}
+
+async fn complete(c: &reqwest::Client, sim: &SimSpec, prompt: &[u32], max_tokens: u32) -> Value {
+    let (status, body) = post_json(
+        c,
+        &format!("http://{}/v1/completions", sim.addr()),
+        &json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(status, 200, "completion on {}: {body}", sim.name);
+    body
+}
+
+fn cached(resp: &Value) -> u64 {
+    resp["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no cached_tokens in {resp}"))
+}
+
+async fn route(c: &reqwest::Client, base: &str, prompt: &[u32]) -> Value {
+    let (status, d) = post_json(
+        c,
+        &format!("{base}/v1/route"),
+        &json!({"model": MODEL, "token_ids": prompt}),
+    )
+    .await;
+    assert_eq!(status, 200, "route: {d}");
+    d
+}
+
+/// GPU blocks per replica name for `prompt` (no routing side effects).
+async fn lookup(c: &reqwest::Client, base: &str, prompt: &[u32]) -> Vec<(String, u64)> {
+    let (status, d) = post_json(
+        c,
+        &format!("{base}/debug/lookup"),
+        &json!({"model": MODEL, "token_ids": prompt}),
+    )
+    .await;
+    assert_eq!(status, 200, "lookup: {d}");
+    d["replicas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["replica"].as_str().unwrap().to_string(),
+                r["blocks"]["gpu"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+async fn gpu_blocks(c: &reqwest::Client, base: &str, prompt: &[u32], replica: &str) -> u64 {
+    lookup(c, base, prompt)
+        .await
+        .into_iter()
+        .find(|(n, _)| n == replica)
+        .map(|(_, b)| b)
+        .unwrap_or(0)
+}
+
+/// Distinct prompts: `n` token ids from a seed, inside the tokenizer's ordinary vocabulary.
+fn prompt(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| 1000 + (seed * 7919 + i * 104_729) % 20_000)
+        .collect()
+}
+
+async fn debug(c: &reqwest::Client, base: &str) -> Value {
+    get_json(c, &format!("{base}/debug/replicas")).await
+}
+
+/// Polls `/debug/replicas` until `f` holds; panics with the last document and the log.
+async fn wait_debug(
+    c: &reqwest::Client,
+    base: &str,
+    idx: &Proc,
+    what: &str,
+    timeout: Duration,
+    f: impl Fn(&Value) -> bool,
+) -> Value {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let d = debug(c, base).await;
+        if f(&d) {
+            return d;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}; /debug/replicas: {d:#}\nindexer log:\n{}",
+            idx.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Polls a lookup until `replica` holds `want` GPU blocks of `prompt`.
+async fn wait_blocks(c: &reqwest::Client, base: &str, prompt: &[u32], replica: &str, want: u64) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let got = gpu_blocks(c, base, prompt, replica).await;
+        if got == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{replica} holds {got} GPU blocks of the prompt, expected {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn all_connected(d: &Value, name: &str, ranks: usize) -> bool {
+    let s = streams_of(d, name);
+    s.len() == ranks && s.iter().all(|s| s["connected"] == true)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn indexer_routes_a_simulated_fleet_found_through_kv_event_sources() {
+    let bin = sim_binary();
+    let model = model_dir();
+    let dir = TempDir::new("sim-e2e");
+    let a = SimSpec::new("sim-a", 1);
+    let b = SimSpec::new("sim-b", 2);
+    let mut sim_a = a.start(&bin, &dir.0, "first");
+    let _sim_b = b.start(&bin, &dir.0, "first");
+
+    // HTTP addresses only: events, replay endpoints and DP size come from /kv_event_sources.
+    let cfg = format!(
+        "scrape_interval_ms = 100\nstale_after_ms = 2000\n\
+         [events]\nmax_backoff_ms = 200\n\
+         [[models]]\nname = \"{MODEL}\"\nmodel_dir = \"{}\"\n\
+         [models.hash]\nalgo = \"sha256\"\nengine_version = \"0.33.0\"\n\
+         [[models.replicas]]\nname = \"{}\"\nhttp = \"{}\"\ntopic = \"kv-events\"\n\
+         [[models.replicas]]\nname = \"{}\"\nhttp = \"{}\"\ntopic = \"kv-events\"\n",
+        model.display(),
+        a.name,
+        a.addr(),
+        b.name,
+        b.addr()
+    );
+    let cfg_path = dir.0.join("indexer.toml");
+    std::fs::write(&cfg_path, cfg).unwrap();
+    let (idx, base) = start_indexer(&cfg_path, &dir.0, &[]);
+    let c = client();
+
+    let d = wait_debug(&c, &base, &idx, "discovery and connection", Duration::from_secs(30), |d| {
+        all_connected(d, a.name, 1) && all_connected(d, b.name, 2)
+    })
+    .await;
+    // Discovered endpoints: the sims' wildcard binds resolved to their HTTP host, rank r at +r.
+    let sb = streams_of(&d, b.name);
+    for (r, s) in sb.iter().enumerate() {
+        assert_eq!(
+            s["endpoint"],
+            format!("tcp://127.0.0.1:{}", b.pub_port + r as u16)
+        );
+        assert_eq!(
+            s["replay"],
+            format!("tcp://127.0.0.1:{}", b.replay_port + r as u16)
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    // Warm one prompt on each sim, directly.
+    let p1 = prompt(1, 200);
+    let p2 = prompt(2, 150);
+    complete(&c, &a, &p1, 1).await;
+    complete(&c, &b, &p2, 1).await;
+    // What the engine itself reports as cached on a repeat (usable blocks only: (n-1)/bs).
+    let hit1 = cached(&complete(&c, &a, &p1, 1).await);
+    let hit2 = cached(&complete(&c, &b, &p2, 1).await);
+    assert_eq!(hit1, (200 - 1) / BS * BS);
+    assert_eq!(hit2, (150 - 1) / BS * BS);
+    wait_blocks(&c, &base, &p1, a.name, hit1 / BS).await;
+    wait_blocks(&c, &base, &p2, b.name, hit2 / BS).await;
+
+    let r1 = route(&c, &base, &p1).await;
+    assert_eq!(r1["endpoint"], a.addr(), "{r1}");
+    assert_eq!(r1["matched_tokens"]["gpu"], hit1, "{r1}");
+    assert_eq!(r1["reason"], "prefix_hit", "{r1}");
+    let r2 = route(&c, &base, &p2).await;
+    assert_eq!(r2["endpoint"], b.addr(), "{r2}");
+    assert_eq!(r2["matched_tokens"]["gpu"], hit2, "{r2}");
+
+    // Load scraping: a long request keeps sim-b's rank 0 busy...
+    let long_prompt = prompt(3, 64);
+    let long = {
+        let c = c.clone();
+        let url = format!("http://{}/v1/completions", b.addr());
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(
+                Duration::from_secs(60),
+                c.post(url)
+                    .json(&json!({"model": MODEL, "prompt": long_prompt, "max_tokens": 1000}))
+                    .send(),
+            )
+            .await;
+        })
+    };
+    wait_debug(&c, &base, &idx, "scraped num_requests_running", Duration::from_secs(20), |d| {
+        replica_of(d, b.name).is_some_and(|r| r["running"].as_f64() >= Some(1.0))
+    })
+    .await;
+    // ... so the next request goes to rank 1, whose stream the indexer found by discovery.
+    let p3 = prompt(4, 100);
+    complete(&c, &b, &p3, 1).await;
+    let hit3 = cached(&complete(&c, &b, &p3, 1).await);
+    assert_eq!(hit3, (100 - 1) / BS * BS);
+    wait_blocks(&c, &base, &p3, b.name, hit3 / BS).await;
+    let d = debug(&c, &base).await;
+    let sb = streams_of(&d, b.name);
+    assert!(
+        sb[1]["events"].as_u64().unwrap_or(0) > 0,
+        "rank 1 stream saw no events: {d:#}"
+    );
+    let rb = replica_of(&d, b.name).unwrap();
+    assert!(rb["process_start"].as_f64().unwrap_or(0.0) > 1.0e9, "{rb}");
+    assert!(rb["kv_usage"].as_f64().is_some(), "{rb}");
+    long.abort();
+
+    // Hash self-check: vLLM's sha256 recomputed from the events, no mismatch.
+    let m = get_text(&c, &format!("{base}/metrics")).await;
+    assert!(metric_sum(&m, "kvroute_indexer_hash_checks_total").unwrap_or(0.0) >= 1.0);
+    assert_eq!(metric_sum(&m, "kvroute_indexer_hash_mismatches_total"), Some(0.0));
+    assert_eq!(metric_sum(&m, "kvroute_indexer_event_decode_errors_total"), Some(0.0));
+
+    // Kill sim-a: its streams disconnect, scrapes fail, and p1 (cached only there) goes elsewhere.
+    let old_start = replica_of(&d, a.name).unwrap()["process_start"].as_f64();
+    sim_a.kill();
+    wait_debug(&c, &base, &idx, "sim-a unhealthy and stale", Duration::from_secs(20), |d| {
+        replica_of(d, a.name)
+            .is_some_and(|r| r["healthy"] == false && r["stale"] == true)
+    })
+    .await;
+    let r = route(&c, &base, &p1).await;
+    assert_eq!(r["endpoint"], b.addr(), "a dead replica was chosen: {r}");
+    // Its entries are kept while it is away (it may come back with the same cache) ...
+    assert_eq!(gpu_blocks(&c, &base, &p1, a.name).await, hit1 / BS);
+
+    // ... and dropped when it comes back as a new engine (seq from 0, new process start time).
+    let _sim_a2 = a.start(&bin, &dir.0, "restart");
+    let d = wait_debug(&c, &base, &idx, "sim-a back", Duration::from_secs(30), |d| {
+        all_connected(d, a.name, 1)
+            && replica_of(d, a.name).is_some_and(|r| {
+                r["healthy"] == true && r["process_start"].as_f64() != old_start
+            })
+    })
+    .await;
+    wait_blocks(&c, &base, &p1, a.name, 0).await;
+    let resets = streams_of(&d, a.name)[0]["resets"].as_u64().unwrap_or(0);
+    let m = get_text(&c, &format!("{base}/metrics")).await;
+    let restarts = metric_sum(&m, "kvroute_indexer_engine_restarts_detected_total").unwrap_or(0.0);
+    let resets_now = streams_of(&debug(&c, &base).await, a.name)[0]["resets"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(
+        resets.max(resets_now) >= 1 || restarts >= 1.0,
+        "restart not detected: resets {resets_now}, restarts {restarts}"
+    );
+
+    // The new engine warms up again and wins its prompt back.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    complete(&c, &a, &p1, 1).await;
+    let hit1b = cached(&complete(&c, &a, &p1, 1).await);
+    assert_eq!(hit1b, hit1);
+    wait_blocks(&c, &base, &p1, a.name, hit1 / BS).await;
+    let r = route(&c, &base, &p1).await;
+    assert_eq!(r["endpoint"], a.addr(), "{r}");
+    assert_eq!(r["matched_tokens"]["gpu"], hit1, "{r}");
+    drop(idx);
+}
