@@ -224,6 +224,7 @@ pub fn start_indexer(config: &Path, dir: &Path, extra_args: &[&str]) -> (Proc, S
         .arg(config)
         .args(["--listen", "127.0.0.1:0"])
         .args(extra_args)
+        .env("NO_COLOR", "1")
         .env(
             "RUST_LOG",
             std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
