@@ -37,11 +37,15 @@ import re
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10 (README's minimum): the TOML parser pip itself vendors
+    from pip._vendor import tomli as tomllib  # type: ignore[no-redef]
 
 HERE = Path(__file__).resolve().parent
 COMPOSE_FILES = {"docker-compose.yml": "vllm", "docker-compose.sim.yml": "sim"}
@@ -515,6 +519,11 @@ def check_compose(path: Path, expected_kind: str, template: Path, problems: Prob
     if not problems.check(len(subnets) == 1, where, f"network {network} needs ipam.config with one subnet"):
         return {}
     subnet = ipaddress.ip_network(subnets[0])
+    ranges = [c.get("ip_range") for c in net["ipam"]["config"] if c.get("ip_range")]
+    dynamic = ipaddress.ip_network(ranges[0]) if ranges else None
+    problems.check(dynamic is not None and dynamic.subnet_of(subnet), where,
+                   f"network {network} needs an ip_range inside {subnet} for dynamic addresses, "
+                   "so no container started first can take a static address")
 
     envoy_s, indexer_s = services["envoy"], services["indexer"]
     problems.check(re.fullmatch(r"envoyproxy/envoy:v\d+\.\d+\.\d+", str(envoy_s.get("image", ""))) is not None,
@@ -544,6 +553,9 @@ def check_compose(path: Path, expected_kind: str, template: Path, problems: Prob
             replicas.append(r)
     ips = [static_ip(s, network) for s in services.values() if static_ip(s, network)]
     problems.check(len(ips) == len(set(ips)), where, f"static addresses are not unique: {ips}")
+    for ip in ips:
+        problems.check(dynamic is None or ipaddress.ip_address(ip) not in dynamic, where,
+                       f"static address {ip} is inside the dynamic ip_range {dynamic}")
     if expected_kind == "vllm":
         check_gpus(replica_services, where, problems)
         check_hf_cache(replica_services, doc.get("volumes") or {}, where, problems)

@@ -267,7 +267,11 @@ impl ScoringConfig {
     /// Load cost of one replica.
     pub fn load_cost(&self, load: &Load) -> f64 {
         let kv = f64::from(load.kv_usage);
-        let kv = if kv.is_finite() { kv.clamp(0.0, 1.0) } else { 0.0 };
+        let kv = if kv.is_finite() {
+            kv.clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
         f64::from(load.in_flight) * self.w_in_flight
             + f64::from(load.waiting) * self.w_waiting
             + f64::from(load.running) * self.w_running
@@ -304,7 +308,11 @@ pub fn choose(
     let mean_load = loads.iter().sum::<f64>() / n;
     let min_load = loads.iter().copied().fold(f64::INFINITY, f64::min);
     let overload_threshold = cfg.overload_factor * mean_load + cfg.overload_slack;
-    let load_unit = if cfg.w_in_flight > 0.0 { cfg.w_in_flight } else { 1.0 };
+    let load_unit = if cfg.w_in_flight > 0.0 {
+        cfg.w_in_flight
+    } else {
+        1.0
+    };
 
     let mut terms: alloc::vec::Vec<CostTerms> = alloc::vec::Vec::with_capacity(eligible.len());
     for (c, &load_cost) in eligible.iter().zip(&loads) {

@@ -119,6 +119,8 @@ pub struct ScrapedLoad {
     pub last_ok: Option<Instant>,
     /// Consecutive failures.
     pub failures: u32,
+    /// Running + waiting requests per engine (DP rank), from the `engine` label.
+    pub busy_by_engine: std::collections::BTreeMap<u32, f64>,
 }
 
 /// A replica of one model.
@@ -170,13 +172,16 @@ impl Replica {
     }
 
     /// The index may be out of date for this replica: a stream is disconnected, or silent for
-    /// `stale_after` while the engine reports work.
+    /// `stale_after` while its engine reports work. With data parallelism each rank's stream is
+    /// judged by its own engine's load (vLLM's `engine="<rank>"` label), so an idle rank next to a
+    /// busy one is not stale; without per-engine metrics the replica's total counts.
     pub fn stale(&self, stale_after: Duration) -> bool {
-        let busy = {
+        let (total, by_engine) = {
             let s = lock(&self.scraped);
-            s.running + s.waiting > 0.0
+            (s.running + s.waiting, s.busy_by_engine.clone())
         };
         self.streams().iter().any(|st| {
+            let busy = by_engine.get(&st.rank).copied().unwrap_or(total) > 0.0;
             let s = lock(&st.state);
             if !s.connected {
                 return true;
@@ -270,7 +275,11 @@ impl Fleet {
     /// endpoints: its config gets the endpoints and DP size, and ranks beyond its current streams
     /// get new streams (index ids of their own, endpoints filled in). Returns the new streams; the
     /// caller starts their subscribers. Idempotent.
-    pub fn apply_discovery(&self, replica: &Replica, discovered: &ReplicaConfig) -> Vec<Arc<Stream>> {
+    pub fn apply_discovery(
+        &self,
+        replica: &Replica,
+        discovered: &ReplicaConfig,
+    ) -> Vec<Arc<Stream>> {
         if let Ok(mut cfg) = replica.config.write() {
             if cfg.events.is_empty() {
                 cfg.events = discovered.events.clone();
@@ -398,9 +407,7 @@ pub fn parse_event_sources(
                     ranked.push((rank, v.clone()));
                 }
                 ranked.sort_by_key(|(r, _)| *r);
-                if let Some((i, (r, _))) =
-                    ranked.iter().enumerate().find(|(i, (r, _))| i != r)
-                {
+                if let Some((i, (r, _))) = ranked.iter().enumerate().find(|(i, (r, _))| i != r) {
                     return Err(format!("rank {i} missing (next listed rank is {r})"));
                 }
                 ranked.into_iter().map(|(_, v)| v).collect()
@@ -479,7 +486,8 @@ mod tests {
                 Some("tcp://127.0.0.1:5568".to_string())
             ]
         );
-        let one = serde_json::json!({"0": {"endpoint": "tcp://10.1.2.3:5557", "replay_endpoint": null}});
+        let one =
+            serde_json::json!({"0": {"endpoint": "tcp://10.1.2.3:5557", "replay_endpoint": null}});
         let (ev, rp) = parse_event_sources(&one, "127.0.0.1").unwrap();
         assert_eq!(ev, ["tcp://10.1.2.3:5557"]);
         assert_eq!(rp, [None]);
@@ -489,8 +497,10 @@ mod tests {
     fn event_sources_errors_are_explicit() {
         let err = |v: serde_json::Value| parse_event_sources(&v, "h").unwrap_err();
         assert!(err(serde_json::json!({})).contains("no event sources"));
-        assert!(err(serde_json::json!({"0": {"endpoint": "tcp://*:1"}, "2": {"endpoint": "tcp://*:3"}}))
-            .contains("rank 1 missing"));
+        assert!(err(
+            serde_json::json!({"0": {"endpoint": "tcp://*:1"}, "2": {"endpoint": "tcp://*:3"}})
+        )
+        .contains("rank 1 missing"));
         assert!(err(serde_json::json!({"x": {}})).contains("not a data-parallel rank"));
         assert!(err(serde_json::json!({"0": {"enable_kv_cache_events": false, "publisher": "null", "endpoint": "tcp://*:5557"}}))
             .contains("disabled"));

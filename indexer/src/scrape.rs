@@ -21,6 +21,8 @@ pub struct EngineMetrics {
     pub kv_usage: f64,
     /// `process_start_time_seconds`.
     pub process_start: Option<f64>,
+    /// Running + waiting per `engine` label (vLLM labels each data-parallel engine by its rank).
+    pub busy_by_engine: std::collections::BTreeMap<u32, f64>,
 }
 
 /// Parses Prometheus text exposition (only the four series kvroute needs).
@@ -35,13 +37,13 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
             Some(i) => (&line[..i], &line[i..]),
             None => continue,
         };
-        let rest = if rest.starts_with('{') {
+        let (labels, rest) = if rest.starts_with('{') {
             match rest.rfind('}') {
-                Some(j) => &rest[j + 1..],
+                Some(j) => (&rest[1..j], &rest[j + 1..]),
                 None => continue,
             }
         } else {
-            rest
+            ("", rest)
         };
         let Some(value) = rest
             .split_whitespace()
@@ -54,8 +56,16 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
             continue;
         }
         match name {
-            "vllm:num_requests_waiting" => m.waiting += value,
-            "vllm:num_requests_running" => m.running += value,
+            "vllm:num_requests_waiting" | "vllm:num_requests_running" => {
+                if name.ends_with("waiting") {
+                    m.waiting += value;
+                } else {
+                    m.running += value;
+                }
+                if let Some(engine) = engine_label(labels) {
+                    *m.busy_by_engine.entry(engine).or_default() += value;
+                }
+            }
             "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
                 m.kv_usage = m.kv_usage.max(value)
             }
@@ -66,6 +76,16 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
         }
     }
     m
+}
+
+/// The value of an `engine="N"` label, if present and numeric.
+fn engine_label(labels: &str) -> Option<u32> {
+    let start = labels
+        .match_indices("engine=\"")
+        .find(|(i, _)| *i == 0 || labels.as_bytes()[i - 1] == b',')
+        .map(|(i, m)| i + m.len())?;
+    let rest = &labels[start..];
+    rest[..rest.find('"')?].parse().ok()
 }
 
 /// Runs forever: scrapes every replica every `scrape_interval_ms`.
@@ -110,6 +130,7 @@ async fn scrape_one(state: Arc<AppState>, replica: Arc<Replica>, timeout: Durati
                 s.waiting = m.waiting;
                 s.running = m.running;
                 s.kv_usage = m.kv_usage;
+                s.busy_by_engine = m.busy_by_engine;
                 if m.process_start.is_some() {
                     s.process_start = m.process_start;
                 }
@@ -167,6 +188,10 @@ vllm:num_requests_waiting_bogus 99
         assert_eq!(m.running, 7.0);
         assert_eq!(m.kv_usage, 0.5);
         assert_eq!(m.process_start, Some(1.7e9));
+        assert_eq!(
+            m.busy_by_engine.into_iter().collect::<Vec<_>>(),
+            [(0, 10.0), (1, 2.0)]
+        );
     }
 
     #[test]

@@ -17,16 +17,34 @@ use serde_json::{json, Value};
 const MODEL: &str = "qwen3";
 const BS: u64 = 16;
 
+/// Newest modification time under `path` (files, recursively).
+fn newest_mtime(path: &std::path::Path) -> Option<std::time::SystemTime> {
+    let meta = std::fs::metadata(path).ok()?;
+    if meta.is_file() {
+        return meta.modified().ok();
+    }
+    std::fs::read_dir(path)
+        .ok()?
+        .flatten()
+        .filter_map(|e| newest_mtime(&e.path()))
+        .max()
+}
+
 /// `<target>/debug/kvroute-sim`, built with `cargo build -p kvroute-sim` when missing or older
-/// than the sim's sources (`cargo test --workspace` builds it anyway).
+/// than its sources (sim, core, Cargo.lock); `cargo test --workspace` builds it anyway.
 fn sim_binary() -> PathBuf {
     let bin = target_dir().join("debug/kvroute-sim");
-    let newest_src = std::fs::read_dir(workspace().join("sim/src"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.metadata().ok()?.modified().ok())
-        .max();
+    let ws = workspace();
+    let newest_src = [
+        "sim/src",
+        "sim/Cargo.toml",
+        "core/src",
+        "core/Cargo.toml",
+        "Cargo.lock",
+    ]
+    .iter()
+    .filter_map(|p| newest_mtime(&ws.join(p)))
+    .max();
     let fresh = bin
         .metadata()
         .and_then(|m| m.modified())
@@ -295,9 +313,14 @@ async fn indexer_routes_a_simulated_fleet_found_through_kv_event_sources() {
     let (idx, base) = start_indexer(&cfg_path, &dir.0, &[]);
     let c = client();
 
-    let d = wait_debug(&c, &base, &idx, "discovery and connection", Duration::from_secs(30), |d| {
-        all_connected(d, a.name, 1) && all_connected(d, b.name, 2)
-    })
+    let d = wait_debug(
+        &c,
+        &base,
+        &idx,
+        "discovery and connection",
+        Duration::from_secs(30),
+        |d| all_connected(d, a.name, 1) && all_connected(d, b.name, 2),
+    )
     .await;
     // Discovered endpoints: the sims' wildcard binds resolved to their HTTP host, rank r at +r.
     let sb = streams_of(&d, b.name);
@@ -343,15 +366,20 @@ async fn indexer_routes_a_simulated_fleet_found_through_kv_event_sources() {
             let _ = tokio::time::timeout(
                 Duration::from_secs(60),
                 c.post(url)
-                    .json(&json!({"model": MODEL, "prompt": long_prompt, "max_tokens": 1000}))
+                    .json(&json!({"model": MODEL, "prompt": long_prompt, "max_tokens": 2000}))
                     .send(),
             )
             .await;
         })
     };
-    wait_debug(&c, &base, &idx, "scraped num_requests_running", Duration::from_secs(20), |d| {
-        replica_of(d, b.name).is_some_and(|r| r["running"].as_f64() >= Some(1.0))
-    })
+    wait_debug(
+        &c,
+        &base,
+        &idx,
+        "scraped num_requests_running",
+        Duration::from_secs(20),
+        |d| replica_of(d, b.name).is_some_and(|r| r["running"].as_f64() >= Some(1.0)),
+    )
     .await;
     // ... so the next request goes to rank 1, whose stream the indexer found by discovery.
     let p3 = prompt(4, 100);
@@ -368,21 +396,45 @@ async fn indexer_routes_a_simulated_fleet_found_through_kv_event_sources() {
     let rb = replica_of(&d, b.name).unwrap();
     assert!(rb["process_start"].as_f64().unwrap_or(0.0) > 1.0e9, "{rb}");
     assert!(rb["kv_usage"].as_f64().is_some(), "{rb}");
+    // Rank 1 is now idle (silent) while rank 0 decodes (its stream carries a BlockStored per
+    // filled block): that is not staleness. Staleness is judged per rank, from the engine-labelled
+    // metrics, so the whole replica keeps its cache credit.
+    tokio::time::sleep(Duration::from_millis(2600)).await;
+    let d = debug(&c, &base).await;
+    let rb = replica_of(&d, b.name).unwrap();
+    assert!(
+        rb["running"].as_f64() >= Some(1.0),
+        "long request ended early: {rb}"
+    );
+    assert_eq!(
+        rb["stale"], false,
+        "an idle DP rank made a busy replica stale: {rb}"
+    );
     long.abort();
 
     // Hash self-check: vLLM's sha256 recomputed from the events, no mismatch.
     let m = get_text(&c, &format!("{base}/metrics")).await;
     assert!(metric_sum(&m, "kvroute_indexer_hash_checks_total").unwrap_or(0.0) >= 1.0);
-    assert_eq!(metric_sum(&m, "kvroute_indexer_hash_mismatches_total"), Some(0.0));
-    assert_eq!(metric_sum(&m, "kvroute_indexer_event_decode_errors_total"), Some(0.0));
+    assert_eq!(
+        metric_sum(&m, "kvroute_indexer_hash_mismatches_total"),
+        Some(0.0)
+    );
+    assert_eq!(
+        metric_sum(&m, "kvroute_indexer_event_decode_errors_total"),
+        Some(0.0)
+    );
 
     // Kill sim-a: its streams disconnect, scrapes fail, and p1 (cached only there) goes elsewhere.
     let old_start = replica_of(&d, a.name).unwrap()["process_start"].as_f64();
     sim_a.kill();
-    wait_debug(&c, &base, &idx, "sim-a unhealthy and stale", Duration::from_secs(20), |d| {
-        replica_of(d, a.name)
-            .is_some_and(|r| r["healthy"] == false && r["stale"] == true)
-    })
+    wait_debug(
+        &c,
+        &base,
+        &idx,
+        "sim-a unhealthy and stale",
+        Duration::from_secs(20),
+        |d| replica_of(d, a.name).is_some_and(|r| r["healthy"] == false && r["stale"] == true),
+    )
     .await;
     let r = route(&c, &base, &p1).await;
     assert_eq!(r["endpoint"], b.addr(), "a dead replica was chosen: {r}");
@@ -391,12 +443,19 @@ async fn indexer_routes_a_simulated_fleet_found_through_kv_event_sources() {
 
     // ... and dropped when it comes back as a new engine (seq from 0, new process start time).
     let _sim_a2 = a.start(&bin, &dir.0, "restart");
-    let d = wait_debug(&c, &base, &idx, "sim-a back", Duration::from_secs(30), |d| {
-        all_connected(d, a.name, 1)
-            && replica_of(d, a.name).is_some_and(|r| {
-                r["healthy"] == true && r["process_start"].as_f64() != old_start
-            })
-    })
+    let d = wait_debug(
+        &c,
+        &base,
+        &idx,
+        "sim-a back",
+        Duration::from_secs(30),
+        |d| {
+            all_connected(d, a.name, 1)
+                && replica_of(d, a.name).is_some_and(|r| {
+                    r["healthy"] == true && r["process_start"].as_f64() != old_start
+                })
+        },
+    )
     .await;
     wait_blocks(&c, &base, &p1, a.name, 0).await;
     let resets = streams_of(&d, a.name)[0]["resets"].as_u64().unwrap_or(0);

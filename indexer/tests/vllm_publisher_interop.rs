@@ -1,7 +1,7 @@
 //! The real `kvroute-indexer serve` against vLLM 0.33.0's own `ZmqEventPublisher` (made by
 //! `EventPublisherFactory.create` from the release wheel's `kv_events.py`, two DP ranks, replay
-//! enabled), publishing `tests/vllm_reference/scenarios/indexer_interop.json`: block hashes
-//! >= 2^63 and raw 32-byte hashes, parents, a `kv_cache_report_mode: full` re-announce,
+//! enabled), publishing `tests/vllm_reference/scenarios/indexer_interop.json`: block hashes of
+//! 2^63 and above, raw 32-byte hashes, parents, a `kv_cache_report_mode: full` re-announce,
 //! `BlockRemoved`, `AllBlocksCleared` on one rank, CPU offload, LoRA + cache salt extra keys, an
 //! unknown parent. Phase 0 is published before the indexer subscribes (it can only arrive through
 //! vLLM's ROUTER replay); phase 1 is live. The index must match the scenario's expected end state
@@ -148,9 +148,9 @@ async fn indexer_follows_vllms_own_publisher_live_and_through_replay() {
         .arg(&pkg)
         .args(["--linger", "120"]);
     let mut publisher = Proc::spawn("vllm_publisher.py", cmd, dir.0.join("publisher.log"), true);
-    let ready: Value = serde_json::from_str(&publisher.wait_line(Duration::from_secs(30), |l| {
-        l.contains("\"ready\"")
-    }))
+    let ready: Value = serde_json::from_str(
+        &publisher.wait_line(Duration::from_secs(30), |l| l.contains("\"ready\"")),
+    )
     .expect("ready line");
     let sources = &ready["kv_event_sources"];
     let phase0: Value = serde_json::from_str(
@@ -215,7 +215,10 @@ async fn indexer_follows_vllms_own_publisher_live_and_through_replay() {
             .unwrap_or_else(|| panic!("{name} missing from /metrics"))
     };
     assert_eq!(sum("event_decode_errors_total"), 0.0);
-    assert_eq!(sum("events_rejected_total"), expect["rejected_events"].as_f64().unwrap());
+    assert_eq!(
+        sum("events_rejected_total"),
+        expect["rejected_events"].as_f64().unwrap()
+    );
     assert_eq!(sum("stream_resets_total"), 0.0);
     assert_eq!(sum("event_gaps_total"), 0.0);
     assert_eq!(sum("event_batches_total"), 13.0);

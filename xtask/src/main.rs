@@ -5,6 +5,7 @@
 //! * `cargo xtask demo`: the whole stack on loopback, kvroute against round robin.
 //! * `cargo xtask bench routing`: the routing benchmark.
 
+mod bench;
 mod cmd;
 mod demo;
 mod http;
@@ -18,7 +19,7 @@ mod workload;
 
 use std::process::ExitCode;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 use crate::paths::Layout;
@@ -54,11 +55,8 @@ enum Cmd {
     },
     /// Start 4 simulated replicas, the indexer and Envoy, and compare kvroute with round robin.
     Demo(demo::DemoOptions),
-    /// Benchmarks (`cargo xtask bench routing`).
-    Bench {
-        /// Which benchmark.
-        which: String,
-    },
+    /// Benchmarks (`cargo xtask bench routing`; `--full` for the big sweep).
+    Bench(bench::BenchOptions),
 }
 
 fn main() -> ExitCode {
@@ -93,8 +91,6 @@ fn run(cli: Cli) -> Result<()> {
             },
         ),
         Cmd::Demo(opts) => demo::run(&layout, &opts),
-        Cmd::Bench { which } => {
-            bail!("`cargo xtask bench {which}` is not built yet (issue 6)")
-        }
+        Cmd::Bench(opts) => bench::run(&layout, &opts),
     }
 }

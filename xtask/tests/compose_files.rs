@@ -206,6 +206,12 @@ fn each_inconsistency_is_reported() {
             "outside 172.30.57.0/24",
         ),
         (
+            "docker-compose.yml",
+            "ipv4_address: 172.30.57.21",
+            "ipv4_address: 172.30.57.200",
+            "static address 172.30.57.200 is inside the dynamic ip_range",
+        ),
+        (
             "indexer.toml",
             "events = [\"tcp://172.30.57.21:5557\"]",
             "events = [\"tcp://172.30.57.21:5559\"]",

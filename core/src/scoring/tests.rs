@@ -19,7 +19,12 @@ fn cand(replica: u32, gpu: u32, in_flight: u32) -> Candidate {
 #[test]
 fn hit_wins_at_equal_load() {
     let cfg = ScoringConfig::default();
-    let cands = [cand(0, 0, 1), cand(1, 0, 1), cand(2, 100, 1), cand(3, 10, 1)];
+    let cands = [
+        cand(0, 0, 1),
+        cand(1, 0, 1),
+        cand(2, 100, 1),
+        cand(3, 10, 1),
+    ];
     let d = choose(&cfg, 110, &cands, 7).expect("a decision");
     assert_eq!(d.replica, 2);
     assert_eq!(d.reason, DecisionReason::PrefixHit);
@@ -60,7 +65,12 @@ fn credit_is_capped_at_prompt_blocks() {
 #[test]
 fn hot_spot_affinity_is_broken() {
     let cfg = ScoringConfig::default();
-    let cands = [cand(0, 100, 20), cand(1, 0, 2), cand(2, 0, 2), cand(3, 0, 3)];
+    let cands = [
+        cand(0, 100, 20),
+        cand(1, 0, 2),
+        cand(2, 0, 2),
+        cand(3, 0, 3),
+    ];
     let d = choose(&cfg, 110, &cands, 3).expect("decision");
     assert_ne!(d.replica, 0, "the hot replica must not win: {d:?}");
     assert_eq!(d.reason, DecisionReason::OverloadBrokenAffinity);
@@ -161,7 +171,13 @@ impl ToyFleet {
         prefix: u32,
     ) -> Decision {
         let cands: Vec<Candidate> = (0..self.in_flight.len())
-            .map(|r| cand(r as u32, if self.warm[r] { prefix } else { 0 }, self.in_flight[r]))
+            .map(|r| {
+                cand(
+                    r as u32,
+                    if self.warm[r] { prefix } else { 0 },
+                    self.in_flight[r],
+                )
+            })
             .collect();
         let d = choose(cfg, prompt, &cands, tick as u64 ^ 0xA5A5).expect("decision");
         let r = d.replica as usize;

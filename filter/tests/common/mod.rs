@@ -869,6 +869,15 @@ impl Sim {
     }
 
     pub fn start(plan: &SimPlan, dir: &Path) -> Sim {
+        Self::spawn(plan, dir, true)
+    }
+
+    /// A replica without a KV event publisher (for tests with no real indexer).
+    pub fn start_without_events(name: &str, dir: &Path) -> Sim {
+        Self::spawn(&Self::plan(name), dir, false)
+    }
+
+    fn spawn(plan: &SimPlan, dir: &Path, with_events: bool) -> Sim {
         let SimPlan {
             name,
             port,
@@ -880,19 +889,23 @@ impl Sim {
             "endpoint": format!("tcp://127.0.0.1:{events}"),
             "replay_endpoint": format!("tcp://127.0.0.1:{replay}"),
             "topic": "kv-events"});
-        let proc = Proc::spawn(
-            &name,
-            Command::new(bin("kvroute-sim"))
-                .arg("--port")
-                .arg(port.to_string())
-                .args(["--served-model-name", "qwen3", "--block-size", "16"])
-                .arg("--model-dir")
-                .arg(model_dir())
-                .args(["--num-gpu-blocks-override", "4096", "--time-scale", "20"])
-                .arg("--kv-events-config")
-                .arg(kv.to_string()),
-            dir,
-        );
+        let mut cmd = Command::new(bin("kvroute-sim"));
+        cmd.arg("--port")
+            .arg(port.to_string())
+            .args(["--block-size", "16", "--served-model-name", "qwen3"])
+            // Names the fail-open tests use for models the indexer does not know.
+            .args(if with_events {
+                &[][..]
+            } else {
+                &["other", "unlisted"][..]
+            })
+            .arg("--model-dir")
+            .arg(model_dir())
+            .args(["--num-gpu-blocks-override", "4096", "--time-scale", "20"]);
+        if with_events {
+            cmd.arg("--kv-events-config").arg(kv.to_string());
+        }
+        let proc = Proc::spawn(&name, &mut cmd, dir);
         let mut sim = Sim {
             name: name.clone(),
             port,
@@ -908,7 +921,10 @@ impl Sim {
             {
                 break;
             }
-            assert!(start.elapsed() < Duration::from_secs(60), "{name} not healthy");
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "{name} not healthy"
+            );
             thread::sleep(Duration::from_millis(100));
         }
         sim
@@ -972,6 +988,11 @@ impl Indexer {
     /// Starts the indexer for replicas that are not running yet (it binds their event
     /// endpoints); call [`Indexer::wait_ready`] once they run.
     pub fn start(sims: &[SimPlan], dir: &Path) -> Indexer {
+        Self::start_with(sims, dir, "")
+    }
+
+    /// Like [`Indexer::start`], with extra TOML tables (e.g. `[scoring]`) appended.
+    pub fn start_with(sims: &[SimPlan], dir: &Path, extra_toml: &str) -> Indexer {
         let port = free_port();
         let mut cfg = format!(
             "listen = {}\nadmin_token = {}\n\n[[models]]\nname = \"qwen3\"\nmodel_dir = {}\nblock_size = 16\n\n[models.hash]\nalgo = \"sha256\"\n\n",
@@ -982,6 +1003,7 @@ impl Indexer {
         for s in sims {
             cfg.push_str(&replica_toml(&s.replica_config()));
         }
+        cfg.push_str(extra_toml);
         let path = dir.join("indexer.toml");
         std::fs::write(&path, cfg).expect("write indexer config");
         let proc = Proc::spawn(
@@ -1018,8 +1040,17 @@ impl Indexer {
         let start = Instant::now();
         loop {
             self.proc.assert_running();
-            let r = try_http(self.port, "GET", "/readyz", &[], b"", Duration::from_secs(2));
-            if r.as_ref().is_ok_and(|r| r.status == 200 && r.json()["status"] == "ready") {
+            let r = try_http(
+                self.port,
+                "GET",
+                "/readyz",
+                &[],
+                b"",
+                Duration::from_secs(2),
+            );
+            if r.as_ref()
+                .is_ok_and(|r| r.status == 200 && r.json()["status"] == "ready")
+            {
                 return;
             }
             assert!(

@@ -235,10 +235,11 @@ pub async fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool 
 /// Waits until every stream of the replica is connected.
 pub async fn wait_connected(state: &AppState, replica: &str) {
     let ok = wait_until(Duration::from_secs(10), || {
-        state
-            .fleet
-            .get(replica)
-            .is_some_and(|r| r.streams().iter().all(|s| s.state.lock().unwrap().connected))
+        state.fleet.get(replica).is_some_and(|r| {
+            r.streams()
+                .iter()
+                .all(|s| s.state.lock().unwrap().connected)
+        })
     })
     .await;
     assert!(ok, "replica {replica} never connected");

@@ -87,10 +87,7 @@ impl TempDir {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.subsec_nanos())
             .unwrap_or(0);
-        let p = std::env::temp_dir().join(format!(
-            "kvroute-{tag}-{}-{nanos}",
-            std::process::id()
-        ));
+        let p = std::env::temp_dir().join(format!("kvroute-{tag}-{}-{nanos}", std::process::id()));
         std::fs::create_dir_all(&p).expect("create temp dir");
         TempDir(p)
     }

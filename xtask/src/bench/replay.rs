@@ -44,8 +44,10 @@ pub struct RequestOutcome {
     pub ttft_wall_ms: Option<f64>,
     /// The engine's own TTFT (`kvroute_sim.ttft_s`), model ms.
     pub engine_ttft_model_ms: Option<f64>,
-    /// Mean gap between output tokens, wall ms (None with fewer than 2 tokens).
+    /// Mean gap between output tokens seen by the client, wall ms (None with fewer than 2).
     pub itl_wall_ms: Option<f64>,
+    /// The engine's mean gap between output tokens, `(e2e_s - ttft_s) / (tokens - 1)`, model ms.
+    pub engine_itl_model_ms: Option<f64>,
     /// End-to-end latency, wall ms.
     pub latency_wall_ms: f64,
     /// Output tokens (`usage.completion_tokens`, else token chunks counted).
@@ -70,9 +72,11 @@ impl RequestOutcome {
         })
     }
 
-    /// Mean inter-token latency in model time (wall gaps times the time scale).
+    /// Mean inter-token latency in model time: the engine's own figure, else the client's wall
+    /// gaps times the time scale (coarse: chunks coalesce in buffers at high time scales).
     pub fn itl_model_ms(&self, time_scale: f64) -> Option<f64> {
-        self.itl_wall_ms.map(|v| v * time_scale)
+        self.engine_itl_model_ms
+            .or_else(|| self.itl_wall_ms.map(|v| v * time_scale))
     }
 }
 
@@ -213,6 +217,8 @@ pub struct StreamTally {
     pub cached_tokens: Option<u64>,
     /// `kvroute_sim.ttft_s` (model seconds).
     pub engine_ttft_s: Option<f64>,
+    /// `kvroute_sim.e2e_s` (model seconds).
+    pub engine_e2e_s: Option<f64>,
     /// `[DONE]` seen.
     pub done: bool,
 }
@@ -238,6 +244,9 @@ impl StreamTally {
         }
         if let Some(ttft) = chunk.pointer("/kvroute_sim/ttft_s").and_then(Value::as_f64) {
             self.engine_ttft_s = Some(ttft);
+        }
+        if let Some(e2e) = chunk.pointer("/kvroute_sim/e2e_s").and_then(Value::as_f64) {
+            self.engine_e2e_s = Some(e2e);
         }
         if let Some(usage) = chunk.get("usage").filter(|u| !u.is_null()) {
             self.completion_tokens = usage.get("completion_tokens").and_then(Value::as_u64);
@@ -312,6 +321,12 @@ fn stream(
             outcome.itl_wall_ms = Some((last - first) * 1000.0 / (tally.token_chunks - 1) as f64);
         }
     }
+    if let (Some(ttft), Some(e2e)) = (tally.engine_ttft_s, tally.engine_e2e_s) {
+        if outcome.output_tokens >= 2 {
+            outcome.engine_itl_model_ms =
+                Some((e2e - ttft).max(0.0) * 1000.0 / (outcome.output_tokens - 1) as f64);
+        }
+    }
     if outcome.output_tokens > 0 && outcome.ttft_wall_ms.is_none() {
         bail!("usage reports output tokens but no token chunk arrived");
     }
@@ -344,6 +359,7 @@ mod tests {
         assert_eq!(t.completion_tokens, Some(3));
         assert_eq!(t.cached_tokens, Some(32));
         assert_eq!(t.engine_ttft_s, Some(0.25));
+        assert_eq!(t.engine_e2e_s, Some(1.0));
         assert!(t.done);
         assert!(StreamTally::default().feed("{not json", 0.0).is_err());
         assert!(StreamTally::default()
@@ -362,6 +378,11 @@ mod tests {
         // Engine part: 200 model ms = 20 wall ms at x10; the other 10 wall ms are overhead.
         assert_eq!(o.ttft_model_ms(10.0), Some(210.0));
         assert_eq!(o.itl_model_ms(10.0), Some(15.0));
+        let engine_itl = RequestOutcome {
+            engine_itl_model_ms: Some(7.0),
+            ..o.clone()
+        };
+        assert_eq!(engine_itl.itl_model_ms(10.0), Some(7.0), "the engine's figure wins");
         let no_engine = RequestOutcome {
             ttft_wall_ms: Some(30.0),
             ..RequestOutcome::default()
@@ -424,7 +445,7 @@ mod tests {
                 );
                 let events = "data: {\"choices\":[{\"index\":0,\"text\":\"x\",\"finish_reason\":null}]}\n\n\
                               data: {\"choices\":[{\"index\":0,\"text\":\"y\",\"finish_reason\":null}]}\n\n\
-                              data: {\"choices\":[{\"index\":0,\"text\":\"\",\"finish_reason\":\"length\"}],\"kvroute_sim\":{\"ttft_s\":0.1}}\n\n\
+                              data: {\"choices\":[{\"index\":0,\"text\":\"\",\"finish_reason\":\"length\"}],\"kvroute_sim\":{\"ttft_s\":0.1,\"e2e_s\":0.3}}\n\n\
                               data: {\"choices\":[],\"usage\":{\"completion_tokens\":2,\"prompt_tokens_details\":{\"cached_tokens\":16}}}\n\n\
                               data: [DONE]\n\n";
                 let _ = write!(
@@ -474,6 +495,7 @@ mod tests {
             assert_eq!(o.cached_tokens, Some(16));
             assert_eq!(o.engine_ttft_model_ms, Some(100.0));
             assert!(o.itl_wall_ms.is_some());
+            assert!((o.engine_itl_model_ms.unwrap_or(0.0) - 200.0).abs() < 1e-9);
         }
         // Arrivals at 0, 100 and 200 model ms at x10: the last is sent >= 20 wall ms in.
         assert!(wall >= Duration::from_millis(20));

@@ -1,0 +1,685 @@
+//! `cargo xtask bench routing`: the routing benchmark. Every workload is replayed through every
+//! policy against the same `kvroute-sim` replicas (restarted cold before each policy), with the
+//! same arrival times; the replicas' own counters give the hit rate, the streaming client gives
+//! TTFT and inter-token latency; `docs/benchmarks.md` gets the tables and `docs/benchmarks/` the
+//! plots.
+//!
+//! The default is a quick run (one load point of each of three workloads, 4 replicas, ~10 min on
+//! 2 cores); `--full` sweeps fleets (4, 8, 16 replicas), KV capacity and every workload at a load
+//! ladder.
+
+mod policies;
+mod replay;
+mod report;
+mod summary;
+mod workloads;
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::Ordering;
+use std::thread;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use serde_json::json;
+
+use crate::paths::Layout;
+use crate::procs;
+use crate::stack::{Binaries, Stack, StackConfig};
+
+use policies::Policy;
+use replay::{Progress, ReplayConfig};
+use report::{RunFacts, WorkloadResults};
+use summary::{ReplicaCounters, RunContext, RunSummary};
+use workloads::{MooncakeTrace, MooncakeWindow, MultiTurn, NoSharing, SharedPrefix, Workload};
+
+/// Which benchmark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BenchTarget {
+    /// Routing quality and latency against the baselines (Envoy + filter + indexer + replicas).
+    Routing,
+    /// The filter's own costs (tokenise, hash, callout): `cargo bench -p kvroute-core` for now.
+    Filter,
+}
+
+/// The workloads `--workloads` can name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum WorkloadKind {
+    /// llm-d's shared prefix: 150 groups x 5 prompts, 6,000 + 1,200 tokens, 1,000 output tokens.
+    SharedPrefix,
+    /// Mooncake's synthetic trace (a window of it).
+    MooncakeSynthetic,
+    /// Mooncake's conversation trace (a window of it).
+    MooncakeConversation,
+    /// Multi-turn chat under shared system prompts.
+    MultiTurn,
+    /// Every prompt unique (the control).
+    NoSharing,
+}
+
+/// Options of `cargo xtask bench`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchOptions {
+    /// Which benchmark.
+    #[arg(value_enum)]
+    pub what: BenchTarget,
+    /// The big sweep: 4, 8 and 16 replicas, two KV capacities, every workload, a load ladder.
+    #[arg(long)]
+    pub full: bool,
+    /// Workloads (default: shared-prefix, mooncake-synthetic, no-sharing; --full: all).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub workloads: Vec<WorkloadKind>,
+    /// Policies (default: all): kv, round-robin, least-request, random, session, approx-prefix.
+    #[arg(long, value_delimiter = ',')]
+    pub policies: Vec<Policy>,
+    /// Fleet sizes (default 4; --full: 4,8,16). Loads scale with the fleet (given for 4).
+    #[arg(long, value_delimiter = ',')]
+    pub replicas: Vec<usize>,
+    /// KV capacity per replica in 16-token blocks (default 32768; --full: 8192,32768).
+    #[arg(long, value_delimiter = ',')]
+    pub gpu_blocks: Vec<usize>,
+    /// Shared-prefix load ladder, requests per model second for 4 replicas
+    /// (default 6; --full: 2,4,6,8,10).
+    #[arg(long, value_delimiter = ',')]
+    pub rates: Vec<f64>,
+    /// Shared-prefix groups (llm-d: 150).
+    #[arg(long, default_value_t = 150)]
+    pub groups: usize,
+    /// Shared-prefix output tokens (llm-d: 1000).
+    #[arg(long, default_value_t = 1000)]
+    pub output_tokens: u32,
+    /// First Mooncake record replayed (default: the synthetic trace's last 500 records, where
+    /// its reuse is; the conversation trace from 0).
+    #[arg(long)]
+    pub mooncake_start: Option<usize>,
+    /// Mooncake records replayed.
+    #[arg(long, default_value_t = 500)]
+    pub mooncake_count: usize,
+    /// The simulator's speed-up over real time.
+    #[arg(long, default_value_t = 4.0)]
+    pub time_scale: f64,
+    /// TTFT SLO for goodput and the highest load meeting it, model ms.
+    #[arg(long, default_value_t = 2000.0)]
+    pub slo_ms: f64,
+    /// Requests in flight at most (client threads).
+    #[arg(long, default_value_t = 384)]
+    pub concurrency: usize,
+    /// Longest wall time of one policy's replay, s (later arrivals are recorded as not sent).
+    #[arg(long, default_value_t = 300)]
+    pub max_run_s: u64,
+    /// Engine max-model-len; longer Mooncake records are dropped (and reported).
+    #[arg(long, default_value_t = 131_072)]
+    pub max_model_len: u32,
+    /// Seed of the synthetic workloads.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Where the report goes (its generated section is replaced).
+    #[arg(long, default_value = "docs/benchmarks.md")]
+    pub out: PathBuf,
+    /// Do not write the report (results still go to <target>/bench/routing/).
+    #[arg(long)]
+    pub no_report: bool,
+    /// Do not run setup first.
+    #[arg(long)]
+    pub no_setup: bool,
+    /// Do not build; use the release binaries and .wasm already built.
+    #[arg(long)]
+    pub no_build: bool,
+}
+
+/// Runs `cargo xtask bench ...`.
+pub fn run(layout: &Layout, opts: &BenchOptions) -> Result<()> {
+    match opts.what {
+        BenchTarget::Routing => routing(layout, opts),
+        BenchTarget::Filter => bail!(
+            "`cargo xtask bench filter` is not built yet; the filter's building blocks have criterion benchmarks: `cargo bench -p kvroute-core`"
+        ),
+    }
+}
+
+/// The resolved plan of a run.
+struct Plan {
+    workloads: Vec<WorkloadKind>,
+    policies: Vec<Policy>,
+    replicas: Vec<usize>,
+    gpu_blocks: Vec<usize>,
+    rates: Vec<f64>,
+}
+
+impl Plan {
+    fn from(opts: &BenchOptions) -> Result<Self> {
+        let or = |given: &[usize], quick: &[usize], full: &[usize]| -> Vec<usize> {
+            if !given.is_empty() {
+                given.to_vec()
+            } else if opts.full {
+                full.to_vec()
+            } else {
+                quick.to_vec()
+            }
+        };
+        let workloads = if !opts.workloads.is_empty() {
+            opts.workloads.clone()
+        } else if opts.full {
+            WorkloadKind::value_variants().to_vec()
+        } else {
+            vec![
+                WorkloadKind::SharedPrefix,
+                WorkloadKind::MooncakeSynthetic,
+                WorkloadKind::NoSharing,
+            ]
+        };
+        let policies = if opts.policies.is_empty() {
+            Policy::ALL.to_vec()
+        } else {
+            opts.policies.clone()
+        };
+        let rates = if !opts.rates.is_empty() {
+            opts.rates.clone()
+        } else if opts.full {
+            vec![2.0, 4.0, 6.0, 8.0, 10.0]
+        } else {
+            vec![6.0]
+        };
+        let plan = Self {
+            workloads,
+            policies,
+            replicas: or(&opts.replicas, &[4], &[4, 8, 16]),
+            gpu_blocks: or(&opts.gpu_blocks, &[32_768], &[8_192, 32_768]),
+            rates,
+        };
+        if plan.replicas.contains(&0) || plan.gpu_blocks.iter().any(|&b| b < 64) {
+            bail!("--replicas must be >= 1 and --gpu-blocks >= 64");
+        }
+        if plan.rates.iter().any(|r| !(r.is_finite() && *r > 0.0)) {
+            bail!("--rates must be > 0");
+        }
+        if !(opts.time_scale.is_finite() && opts.time_scale > 0.0) {
+            bail!("--time-scale must be > 0");
+        }
+        Ok(plan)
+    }
+}
+
+/// Builds the workloads of `kind` for a fleet of `replicas` (loads given for 4 replicas scale).
+fn build_workloads(
+    layout: &Layout,
+    kind: WorkloadKind,
+    opts: &BenchOptions,
+    plan: &Plan,
+    replicas: usize,
+) -> Result<Vec<Workload>> {
+    let fleet = replicas as f64 / 4.0;
+    let data = layout.root.join("bench").join("data").join("mooncake");
+    Ok(match kind {
+        WorkloadKind::SharedPrefix => {
+            let sp = SharedPrefix {
+                groups: opts.groups,
+                output_tokens: opts.output_tokens,
+                ..SharedPrefix::llm_d(opts.seed)
+            };
+            plan.rates
+                .iter()
+                .map(|r| sp.at_rate(r * fleet))
+                .collect::<Result<_>>()?
+        }
+        WorkloadKind::MooncakeSynthetic | WorkloadKind::MooncakeConversation => {
+            let trace = if kind == WorkloadKind::MooncakeSynthetic {
+                MooncakeTrace::Synthetic
+            } else {
+                MooncakeTrace::Conversation
+            };
+            let records = workloads::read_mooncake(&data, trace)?;
+            let start = opts.mooncake_start.unwrap_or(match trace {
+                MooncakeTrace::Synthetic => records.len().saturating_sub(opts.mooncake_count),
+                MooncakeTrace::Conversation => 0,
+            });
+            let mut w = workloads::mooncake(
+                trace,
+                &records,
+                MooncakeWindow {
+                    start,
+                    count: opts.mooncake_count,
+                    rate_multiplier: fleet,
+                    max_model_len: opts.max_model_len,
+                    max_output_tokens: 2_000,
+                },
+            )?;
+            if replicas != 4 {
+                w.notes.push(format!(
+                    "arrivals compressed x{fleet} for {replicas} replicas (the trace's own rate is for 4)"
+                ));
+            }
+            vec![w]
+        }
+        WorkloadKind::MultiTurn => {
+            let mt = MultiTurn {
+                conversations: 100,
+                turns: 4,
+                system_prompts: 10,
+                system_tokens: 3_000,
+                user_tokens: 300,
+                reply_tokens: 200,
+                turn_gap_s: 20.0,
+                seed: opts.seed,
+            };
+            vec![mt.at_rate(0.6 * fleet)?]
+        }
+        WorkloadKind::NoSharing => {
+            let ns = NoSharing {
+                requests: 400,
+                min_tokens: 1_000,
+                max_tokens: 6_000,
+                output_tokens: 200,
+                seed: opts.seed,
+            };
+            vec![ns.at_rate(8.0 * fleet)?]
+        }
+    })
+}
+
+fn routing(layout: &Layout, opts: &BenchOptions) -> Result<()> {
+    procs::install_ctrl_c()?;
+    let plan = Plan::from(opts)?;
+    let begun = Instant::now();
+    if !opts.no_setup {
+        crate::setup::run(layout)?;
+    }
+    if !opts.no_build {
+        build_release(layout)?;
+    }
+    let out_dir = layout.target_dir.join("bench").join("routing");
+    fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+
+    let mut results: Vec<WorkloadResults> = Vec::new();
+    for &replicas in &plan.replicas {
+        for &gpu_blocks in &plan.gpu_blocks {
+            let cfg = StackConfig {
+                replicas,
+                model: "qwen3".to_string(),
+                model_dir: layout.model_dir(),
+                block_size: 16,
+                gpu_blocks,
+                time_scale: opts.time_scale,
+                hash_algo: "sha256_cbor".to_string(),
+                envoy_concurrency: 2,
+                sim_args: vec!["--max-model-len".into(), opts.max_model_len.to_string()],
+            };
+            let work_dir = out_dir.join(format!("{replicas}x{gpu_blocks}"));
+            let mut stack = Stack::new(layout, cfg, Binaries::new(layout, "release"), work_dir.clone(), true)?;
+            for &kind in &plan.workloads {
+                for workload in build_workloads(layout, kind, opts, &plan, replicas)? {
+                    let ceiling = policies::ceiling(&workload, 16).hit_rate();
+                    println!(
+                        "\n==> bench: {} at {} on {replicas} replicas x {gpu_blocks} blocks: {} requests, {:.0} model s ({:.0} wall s at x{}), {:.1}M prompt tokens, ceiling {:.1} %",
+                        workload.name,
+                        workload.load_label(),
+                        workload.requests.len(),
+                        workload.span_s(),
+                        workload.span_s() / opts.time_scale,
+                        opts.time_scale,
+                        workload.prompt_tokens() as f64 / 1e6,
+                        ceiling * 100.0
+                    );
+                    let slot = match results.iter().position(|w| w.name == workload.name) {
+                        Some(i) => i,
+                        None => {
+                            results.push(WorkloadResults {
+                                name: workload.name.clone(),
+                                description: workload.description.clone(),
+                                notes: Vec::new(),
+                                runs: Vec::new(),
+                            });
+                            results.len() - 1
+                        }
+                    };
+                    for note in &workload.notes {
+                        if !results[slot].notes.contains(note) {
+                            results[slot].notes.push(note.clone());
+                        }
+                    }
+                    for &policy in &plan.policies {
+                        let ctx = RunContext {
+                            workload: workload.name.clone(),
+                            load: workload.load_label(),
+                            offered_rate: workload.offered_rate(),
+                            replicas,
+                            gpu_blocks,
+                            policy: policy.name().to_string(),
+                            ceiling,
+                            time_scale: opts.time_scale,
+                            slo_ms: opts.slo_ms,
+                        };
+                        let summary = match run_policy(&mut stack, policy, &workload, &ctx, opts, &work_dir) {
+                            Ok(s) => s,
+                            Err(e) if procs::interrupted() => return Err(e),
+                            Err(e) => {
+                                println!("    {policy}: FAILED: {e:#}");
+                                RunSummary::failed(&ctx, workload.requests.len(), format!("{e:#}"))
+                            }
+                        };
+                        print_line(&summary);
+                        results[slot].runs.push(summary);
+                        write_json(&out_dir.join("results.json"), &results)?;
+                    }
+                }
+            }
+            stack.stop("");
+        }
+    }
+
+    let facts = RunFacts {
+        command: command_line(),
+        date: utc_now(),
+        machine: machine_facts(),
+        revision: git_revision(&layout.root),
+        stack: format!(
+            "kvroute-sim replicas (block size 16, sha256_cbor, default cost model: 30k prefill tokens/s, 6 ms decode step), time scale x{}, kvroute-indexer, Envoy ({}) with 2 workers, all on 127.0.0.1; open-loop client with at most {} requests in flight",
+            opts.time_scale,
+            envoy_version(&layout.envoy_bin()),
+            opts.concurrency
+        ),
+        total_wall_s: begun.elapsed().as_secs_f64(),
+    };
+    write_json(&out_dir.join("results.json"), &results)?;
+    println!("\nbench: results in {}", out_dir.join("results.json").display());
+    if !opts.no_report {
+        let out = layout.root.join(&opts.out);
+        let plot_dir = out
+            .parent()
+            .unwrap_or(&layout.root)
+            .join("benchmarks");
+        let plots = report::write_plots(&plot_dir, &results)?;
+        let section = report::render_section(&facts, &results, &plots);
+        report::splice_into(&out, PREAMBLE, &section)?;
+        println!("bench: wrote {} and {} plots in {}", out.display(), plots.len(), plot_dir.display());
+    }
+    for check in report::check_goals(&results) {
+        println!(
+            "goal: {} [{}]: {} -> {}",
+            check.goal,
+            check.scope,
+            check.measured,
+            match check.met {
+                Some(true) => "met",
+                Some(false) => "MISSED",
+                None => "n/a",
+            }
+        );
+    }
+    Ok(())
+}
+
+/// Release builds of the simulator and the indexer, and the filter's .wasm.
+fn build_release(layout: &Layout) -> Result<()> {
+    println!("==> bench: building (release): kvroute-sim, kvroute-indexer, kvroute_filter.wasm");
+    for args in [
+        &["build", "--release", "-p", "kvroute-sim", "-p", "kvroute-indexer"][..],
+        &["build", "--release", "-p", "kvroute-filter", "--target", "wasm32-wasip1"][..],
+    ] {
+        let mut cargo = Command::new(crate::paths::cargo_bin());
+        cargo.args(args).current_dir(&layout.root);
+        crate::cmd::run(&mut cargo)?;
+    }
+    Ok(())
+}
+
+const PREAMBLE: &str = "# Benchmarks\n\nProduced by `cargo xtask bench routing` (see below for the command of the numbers shown).\n";
+
+fn run_policy(
+    stack: &mut Stack,
+    policy: Policy,
+    workload: &Workload,
+    ctx: &RunContext,
+    opts: &BenchOptions,
+    work_dir: &Path,
+) -> Result<RunSummary> {
+    // Cold start: fresh replicas and a fresh router for every policy.
+    policy.stop(stack);
+    stack.stop_replicas();
+    stack.start_replicas()?;
+    let addr = policy.start(stack)?;
+    let replica_addrs = stack.replica_addrs();
+    let before = replica_addrs
+        .iter()
+        .map(|a| ReplicaCounters::scrape(a))
+        .collect::<Result<Vec<_>>>()?;
+    let cfg = ReplayConfig {
+        addr,
+        model: "qwen3".to_string(),
+        time_scale: opts.time_scale,
+        concurrency: opts.concurrency,
+        io_timeout: Duration::from_secs(120),
+        max_wall: Duration::from_secs(opts.max_run_s),
+    };
+    let progress = Progress::default();
+    let total = workload.requests.len();
+    let started = Instant::now();
+    let (outcomes, wall) = thread::scope(|scope| {
+        let runner = scope.spawn(|| replay::replay(&cfg, workload, &progress));
+        let mut last = Instant::now();
+        while !runner.is_finished() {
+            thread::sleep(Duration::from_millis(200));
+            if last.elapsed() >= Duration::from_secs(15) {
+                eprintln!(
+                    "    {:<14} {:>5}/{total} done, {} errors, {:.0} s",
+                    policy.name(),
+                    progress.done.load(Ordering::Relaxed),
+                    progress.errors.load(Ordering::Relaxed),
+                    started.elapsed().as_secs_f64()
+                );
+                last = Instant::now();
+            }
+        }
+        runner.join()
+    })
+    .map_err(|_| anyhow::anyhow!("the replay thread panicked"))??;
+    if procs::interrupted() {
+        bail!("interrupted");
+    }
+    stack.check_alive()?;
+    let after = replica_addrs
+        .iter()
+        .map(|a| ReplicaCounters::scrape(a))
+        .collect::<Result<Vec<_>>>()?;
+    let deltas: Vec<ReplicaCounters> = after.iter().zip(&before).map(|(a, b)| a.since(b)).collect();
+    let summary = RunSummary::new(ctx, &outcomes, wall, &deltas);
+    let log = work_dir.join(format!(
+        "requests-{}-{}-{}.jsonl",
+        workload.name,
+        workload.load_label().replace([' ', '/'], ""),
+        policy.name()
+    ));
+    write_outcomes(&log, &outcomes, opts.time_scale)?;
+    policy.stop(stack);
+    Ok(summary)
+}
+
+fn print_line(s: &RunSummary) {
+    let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
+    println!(
+        "    {:<14} hit {:>5.1} % (ceiling {:>5.1} %)  TTFT p50/p90/p99 {:>6}/{:>6}/{:>6} ms  ITL p50 {:>5} ms  {:>7.0} tok/s  SLO {:>5.1} %  imbalance {:.2}  errors {}  ({:.0} s)",
+        s.policy,
+        s.hit_rate * 100.0,
+        s.ceiling * 100.0,
+        ms(s.ttft_p50_ms),
+        ms(s.ttft_p90_ms),
+        ms(s.ttft_p99_ms),
+        ms(s.itl_p50_ms),
+        s.output_tokens_per_s,
+        s.slo_attainment * 100.0,
+        s.imbalance,
+        s.errors,
+        s.wall_s
+    );
+    if let Some(e) = &s.first_error {
+        println!("      first error: {}", e.chars().take(300).collect::<String>());
+    }
+}
+
+fn write_json(path: &Path, results: &[WorkloadResults]) -> Result<()> {
+    let value: Vec<serde_json::Value> = results
+        .iter()
+        .map(|w| {
+            json!({
+                "workload": w.name,
+                "description": w.description,
+                "notes": w.notes,
+                "runs": w.runs,
+            })
+        })
+        .collect();
+    fs::write(path, serde_json::to_string_pretty(&value)? + "\n")
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+fn write_outcomes(path: &Path, outcomes: &[replay::RequestOutcome], scale: f64) -> Result<()> {
+    let mut out = fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    for o in outcomes {
+        let line = json!({
+            "index": o.index,
+            "ttft_model_ms": o.ttft_model_ms(scale),
+            "engine_ttft_model_ms": o.engine_ttft_model_ms,
+            "ttft_wall_ms": o.ttft_wall_ms,
+            "itl_model_ms": o.itl_model_ms(scale),
+            "itl_wall_ms": o.itl_wall_ms,
+            "latency_wall_ms": o.latency_wall_ms,
+            "send_lag_ms": o.send_lag_ms,
+            "prompt_tokens": o.prompt_tokens,
+            "cached_tokens": o.cached_tokens,
+            "output_tokens": o.output_tokens,
+            "error": o.error,
+        });
+        writeln!(out, "{line}").with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Facts for the report
+
+fn command_line() -> String {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    format!("cargo xtask {}", args.join(" "))
+}
+
+fn machine_facts() -> String {
+    let cpuinfo = fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name")?.split_once(':').map(|(_, v)| v.trim().to_string()))
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = thread::available_parallelism().map_or(0, |n| n.get());
+    let mem_kb: f64 = fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:")?.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0.0);
+    format!(
+        "{model}, {cores} cores available (nproc), {:.1} GiB memory, {}",
+        mem_kb / 1024.0 / 1024.0,
+        std::env::consts::OS
+    )
+}
+
+fn git_revision(root: &Path) -> String {
+    let run = |args: &[&str]| {
+        Command::new("git")
+            .args(args)
+            .current_dir(root)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let rev = run(&["rev-parse", "--short", "HEAD"]).unwrap_or_else(|| "unknown".into());
+    let dirty = run(&["status", "--porcelain"]).is_some_and(|s| !s.is_empty());
+    if dirty {
+        format!("{rev} (with uncommitted changes)")
+    } else {
+        rev
+    }
+}
+
+fn envoy_version(envoy: &Path) -> String {
+    Command::new(envoy)
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| {
+            let text = String::from_utf8_lossy(&o.stdout).to_string();
+            let v = text.split_whitespace().find_map(|w| {
+                let w = w.split('/').nth(1)?;
+                w.chars().next()?.is_ascii_digit().then(|| w.to_string())
+            })?;
+            Some(format!("Envoy {v}"))
+        })
+        .unwrap_or_else(|| "Envoy".into())
+}
+
+/// The current UTC time as `YYYY-MM-DD HH:MM UTC`.
+fn utc_now() -> String {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs()) as i64;
+    let (y, m, d) = civil_from_days(secs.div_euclid(86_400));
+    let rem = secs.rem_euclid(86_400);
+    format!("{y:04}-{m:02}-{d:02} {:02}:{:02} UTC", rem / 3600, rem % 3600 / 60)
+}
+
+/// Days since 1970-01-01 to (year, month, day), proleptic Gregorian (H. Hinnant's algorithm).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn civil_dates() {
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(19_723), (2024, 1, 1));
+        assert_eq!(civil_from_days(20_148), (2025, 3, 1));
+    }
+
+    #[test]
+    fn quick_and_full_plans() {
+        let parse = |args: &[&str]| {
+            #[derive(clap::Parser)]
+            struct Cli {
+                #[command(flatten)]
+                opts: BenchOptions,
+            }
+            let mut all = vec!["bench"];
+            all.extend_from_slice(args);
+            <Cli as clap::Parser>::try_parse_from(all).map(|c| c.opts)
+        };
+        let quick = Plan::from(&parse(&["routing"]).expect("parse")).expect("plan");
+        assert_eq!(quick.replicas, [4]);
+        assert_eq!(quick.policies.len(), 6);
+        assert_eq!(quick.workloads.len(), 3);
+        let full = Plan::from(&parse(&["routing", "--full"]).expect("parse")).expect("plan");
+        assert_eq!(full.replicas, [4, 8, 16]);
+        assert_eq!(full.workloads.len(), 5);
+        assert!(full.rates.len() > 1);
+        let picked = parse(&["routing", "--policies", "kv,round-robin", "--workloads", "no-sharing"])
+            .expect("parse");
+        let plan = Plan::from(&picked).expect("plan");
+        assert_eq!(plan.policies, [Policy::Kv, Policy::RoundRobin]);
+        assert_eq!(plan.workloads, [WorkloadKind::NoSharing]);
+        assert!(parse(&["routing", "--policies", "bogus"]).is_err());
+        assert!(Plan::from(&parse(&["routing", "--replicas", "0"]).expect("parse")).is_err());
+    }
+}
