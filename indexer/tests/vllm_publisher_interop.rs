@@ -21,7 +21,7 @@ fn scenario_path() -> std::path::PathBuf {
     workspace().join("tests/vllm_reference/scenarios/indexer_interop.json")
 }
 
-/// The port of `tcp://host:port`.
+/// `ep`, checked to be a loopback TCP endpoint.
 fn tcp(ep: &str) -> &str {
     assert!(ep.starts_with("tcp://127.0.0.1:"), "not loopback: {ep}");
     ep

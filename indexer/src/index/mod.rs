@@ -271,7 +271,17 @@ pub struct IndexStats {
     pub predicted_evicted: u64,
 }
 
-/// An identity hasher: keys are already uniformly distributed 64-bit hashes.
+/// Spreads a 64-bit key over all bits (a SplitMix64 finaliser, ~1 ns). Router keys and real engine
+/// hashes are already uniform, but an engine or simulator that emits structured hashes (counters,
+/// small integers) must not turn the tables into long probe chains.
+#[inline]
+pub(crate) fn mix(x: u64) -> u64 {
+    let x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    let x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// A hasher for 64-bit hash keys: [`mix`] only, no per-byte work.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct IdHasher(u64);
 
@@ -286,7 +296,7 @@ impl Hasher for IdHasher {
         }
     }
     fn write_u64(&mut self, v: u64) {
-        self.0 = v;
+        self.0 = mix(v);
     }
     fn write_u32(&mut self, v: u32) {
         // Replica ids are small: spread them.
@@ -515,13 +525,18 @@ impl KvIndex {
     #[inline]
     fn find_key(&self, key: u64) -> Option<u32> {
         let slab = &self.slab;
-        self.by_key.find(key, |&i| slab.get(i).key == key).copied()
+        self.by_key
+            .find(mix(key), |&i| slab.get(i).key == key)
+            .copied()
     }
 
     #[inline]
     fn find_engine(&self, h: u64) -> Option<u32> {
         let slab = &self.slab;
-        if let Some(&i) = self.by_engine.find(h, |&i| slab.get(i).engine_hash == h) {
+        if let Some(&i) = self
+            .by_engine
+            .find(mix(h), |&i| slab.get(i).engine_hash == h)
+        {
             return Some(i);
         }
         if self.alias_node.is_empty() {
@@ -723,12 +738,13 @@ impl KvIndex {
         }
         let idx = self.slab.alloc(key, eh)?;
         let slab = &self.slab;
-        self.by_key.insert_unique(key, idx, |&i| slab.get(i).key);
+        self.by_key
+            .insert_unique(mix(key), idx, |&i| mix(slab.get(i).key));
         match self.find_engine(eh) {
             None => {
                 let slab = &self.slab;
                 self.by_engine
-                    .insert_unique(eh, idx, |&i| slab.get(i).engine_hash);
+                    .insert_unique(mix(eh), idx, |&i| mix(slab.get(i).engine_hash));
             }
             Some(_) => {
                 // The engine hash already names another block: keep that mapping (this node's
@@ -800,14 +816,14 @@ impl KvIndex {
         let slab = &self.slab;
         if let Ok(e) = self
             .by_key
-            .find_entry(key, |&j| j == i && slab.get(j).key == key)
+            .find_entry(mix(key), |&j| j == i && slab.get(j).key == key)
         {
             e.remove();
         }
         let slab = &self.slab;
         if let Ok(e) = self
             .by_engine
-            .find_entry(eh, |&j| j == i && slab.get(j).engine_hash == eh)
+            .find_entry(mix(eh), |&j| j == i && slab.get(j).engine_hash == eh)
         {
             e.remove();
         }

@@ -85,9 +85,9 @@ pub struct BenchOptions {
     /// (default 6; --full: 2,4,6,8,10).
     #[arg(long, value_delimiter = ',')]
     pub rates: Vec<f64>,
-    /// Shared-prefix groups (llm-d: 150).
-    #[arg(long, default_value_t = 150)]
-    pub groups: usize,
+    /// Shared-prefix groups (llm-d: 150; the quick run uses 60: same load, shorter run).
+    #[arg(long)]
+    pub groups: Option<usize>,
     /// Shared-prefix output tokens (llm-d: 1000).
     #[arg(long, default_value_t = 1000)]
     pub output_tokens: u32,
@@ -216,7 +216,7 @@ fn build_workloads(
     Ok(match kind {
         WorkloadKind::SharedPrefix => {
             let sp = SharedPrefix {
-                groups: opts.groups,
+                groups: opts.groups.unwrap_or(if opts.full { 150 } else { 60 }),
                 output_tokens: opts.output_tokens,
                 ..SharedPrefix::llm_d(opts.seed)
             };
@@ -275,7 +275,7 @@ fn build_workloads(
                 output_tokens: 200,
                 seed: opts.seed,
             };
-            vec![ns.at_rate(8.0 * fleet)?]
+            vec![ns.at_rate(14.0 * fleet)?]
         }
     })
 }
@@ -308,7 +308,13 @@ fn routing(layout: &Layout, opts: &BenchOptions) -> Result<()> {
                 sim_args: vec!["--max-model-len".into(), opts.max_model_len.to_string()],
             };
             let work_dir = out_dir.join(format!("{replicas}x{gpu_blocks}"));
-            let mut stack = Stack::new(layout, cfg, Binaries::new(layout, "release"), work_dir.clone(), true)?;
+            let mut stack = Stack::new(
+                layout,
+                cfg,
+                Binaries::new(layout, "release"),
+                work_dir.clone(),
+                true,
+            )?;
             for &kind in &plan.workloads {
                 for workload in build_workloads(layout, kind, opts, &plan, replicas)? {
                     let ceiling = policies::ceiling(&workload, 16).hit_rate();
@@ -352,7 +358,15 @@ fn routing(layout: &Layout, opts: &BenchOptions) -> Result<()> {
                             time_scale: opts.time_scale,
                             slo_ms: opts.slo_ms,
                         };
-                        let summary = match run_policy(&mut stack, policy, &workload, &ctx, opts, &work_dir) {
+                        let summary = match run_policy(
+                            &layout.envoy_bin(),
+                            &mut stack,
+                            policy,
+                            &workload,
+                            &ctx,
+                            opts,
+                            &work_dir,
+                        ) {
                             Ok(s) => s,
                             Err(e) if procs::interrupted() => return Err(e),
                             Err(e) => {
@@ -384,17 +398,22 @@ fn routing(layout: &Layout, opts: &BenchOptions) -> Result<()> {
         total_wall_s: begun.elapsed().as_secs_f64(),
     };
     write_json(&out_dir.join("results.json"), &results)?;
-    println!("\nbench: results in {}", out_dir.join("results.json").display());
+    println!(
+        "\nbench: results in {}",
+        out_dir.join("results.json").display()
+    );
     if !opts.no_report {
         let out = layout.root.join(&opts.out);
-        let plot_dir = out
-            .parent()
-            .unwrap_or(&layout.root)
-            .join("benchmarks");
+        let plot_dir = out.parent().unwrap_or(&layout.root).join("benchmarks");
         let plots = report::write_plots(&plot_dir, &results)?;
         let section = report::render_section(&facts, &results, &plots);
         report::splice_into(&out, PREAMBLE, &section)?;
-        println!("bench: wrote {} and {} plots in {}", out.display(), plots.len(), plot_dir.display());
+        println!(
+            "bench: wrote {} and {} plots in {}",
+            out.display(),
+            plots.len(),
+            plot_dir.display()
+        );
     }
     for check in report::check_goals(&results) {
         println!(
@@ -416,8 +435,22 @@ fn routing(layout: &Layout, opts: &BenchOptions) -> Result<()> {
 fn build_release(layout: &Layout) -> Result<()> {
     println!("==> bench: building (release): kvroute-sim, kvroute-indexer, kvroute_filter.wasm");
     for args in [
-        &["build", "--release", "-p", "kvroute-sim", "-p", "kvroute-indexer"][..],
-        &["build", "--release", "-p", "kvroute-filter", "--target", "wasm32-wasip1"][..],
+        &[
+            "build",
+            "--release",
+            "-p",
+            "kvroute-sim",
+            "-p",
+            "kvroute-indexer",
+        ][..],
+        &[
+            "build",
+            "--release",
+            "-p",
+            "kvroute-filter",
+            "--target",
+            "wasm32-wasip1",
+        ][..],
     ] {
         let mut cargo = Command::new(crate::paths::cargo_bin());
         cargo.args(args).current_dir(&layout.root);
@@ -429,6 +462,7 @@ fn build_release(layout: &Layout) -> Result<()> {
 const PREAMBLE: &str = "# Benchmarks\n\nProduced by `cargo xtask bench routing` (see below for the command of the numbers shown).\n";
 
 fn run_policy(
+    envoy: &Path,
     stack: &mut Stack,
     policy: Policy,
     workload: &Workload,
@@ -440,7 +474,8 @@ fn run_policy(
     policy.stop(stack);
     stack.stop_replicas();
     stack.start_replicas()?;
-    let addr = policy.start(stack)?;
+    let router = policy.start(stack, envoy, work_dir)?;
+    let addr = router.addr.clone();
     let replica_addrs = stack.replica_addrs();
     let before = replica_addrs
         .iter()
@@ -493,6 +528,7 @@ fn run_policy(
         policy.name()
     ));
     write_outcomes(&log, &outcomes, opts.time_scale)?;
+    drop(router);
     policy.stop(stack);
     Ok(summary)
 }
@@ -515,7 +551,10 @@ fn print_line(s: &RunSummary) {
         s.wall_s
     );
     if let Some(e) = &s.first_error {
-        println!("      first error: {}", e.chars().take(300).collect::<String>());
+        println!(
+            "      first error: {}",
+            e.chars().take(300).collect::<String>()
+        );
     }
 }
 
@@ -569,13 +608,24 @@ fn machine_facts() -> String {
     let cpuinfo = fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpuinfo
         .lines()
-        .find_map(|l| l.strip_prefix("model name")?.split_once(':').map(|(_, v)| v.trim().to_string()))
+        .find_map(|l| {
+            l.strip_prefix("model name")?
+                .split_once(':')
+                .map(|(_, v)| v.trim().to_string())
+        })
         .unwrap_or_else(|| "unknown CPU".into());
     let cores = thread::available_parallelism().map_or(0, |n| n.get());
     let mem_kb: f64 = fs::read_to_string("/proc/meminfo")
         .unwrap_or_default()
         .lines()
-        .find_map(|l| l.strip_prefix("MemTotal:")?.trim().trim_end_matches("kB").trim().parse().ok())
+        .find_map(|l| {
+            l.strip_prefix("MemTotal:")?
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .ok()
+        })
         .unwrap_or(0.0);
     format!(
         "{model}, {cores} cores available (nproc), {:.1} GiB memory, {}",
@@ -626,7 +676,11 @@ fn utc_now() -> String {
         .map_or(0, |d| d.as_secs()) as i64;
     let (y, m, d) = civil_from_days(secs.div_euclid(86_400));
     let rem = secs.rem_euclid(86_400);
-    format!("{y:04}-{m:02}-{d:02} {:02}:{:02} UTC", rem / 3600, rem % 3600 / 60)
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02} UTC",
+        rem / 3600,
+        rem % 3600 / 60
+    )
 }
 
 /// Days since 1970-01-01 to (year, month, day), proleptic Gregorian (H. Hinnant's algorithm).
@@ -674,8 +728,14 @@ mod tests {
         assert_eq!(full.replicas, [4, 8, 16]);
         assert_eq!(full.workloads.len(), 5);
         assert!(full.rates.len() > 1);
-        let picked = parse(&["routing", "--policies", "kv,round-robin", "--workloads", "no-sharing"])
-            .expect("parse");
+        let picked = parse(&[
+            "routing",
+            "--policies",
+            "kv,round-robin",
+            "--workloads",
+            "no-sharing",
+        ])
+        .expect("parse");
         let plan = Plan::from(&picked).expect("plan");
         assert_eq!(plan.policies, [Policy::Kv, Policy::RoundRobin]);
         assert_eq!(plan.workloads, [WorkloadKind::NoSharing]);

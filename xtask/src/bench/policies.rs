@@ -2,12 +2,29 @@
 
 use std::collections::HashSet;
 use std::fmt;
+use std::fs;
+use std::path::Path;
+use std::process::Command;
 use std::str::FromStr;
+use std::time::Duration;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
+use serde_json::json;
 
 use super::workloads::Workload;
-use crate::stack::Stack;
+use crate::procs::Supervisor;
+use crate::stack::{self, Stack};
+
+/// Envoy with header session affinity (RING_HASH on `x-session-id`).
+const SESSION_TEMPLATE: &str = include_str!("../../templates/envoy-session.yaml");
+
+/// A started router: where clients send, and any process the benchmark owns directly.
+pub struct Router {
+    /// `host:port` of the listener.
+    pub addr: String,
+    /// Processes started outside [`Stack`] (stopped when dropped).
+    _own: Option<Supervisor>,
+}
 
 /// A routing policy under test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -20,7 +37,7 @@ pub enum Policy {
     LeastRequest,
     /// Envoy + filter + indexer `--policy random`.
     Random,
-    /// Envoy + filter + indexer `--policy session` (the `x-session-id` header).
+    /// Plain Envoy, `RING_HASH` on the `x-session-id` header (header session affinity).
     Session,
     /// Envoy + filter + indexer `--policy approx-prefix` (router-side guess, no events used).
     ApproxPrefix,
@@ -56,7 +73,7 @@ impl Policy {
             Policy::RoundRobin => "plain Envoy, `lb_policy: ROUND_ROBIN`",
             Policy::LeastRequest => "plain Envoy, `lb_policy: LEAST_REQUEST`",
             Policy::Random => "Envoy + kvroute filter + indexer `--policy random`",
-            Policy::Session => "Envoy + kvroute filter + indexer `--policy session` (`x-session-id` header)",
+            Policy::Session => "plain Envoy, `lb_policy: RING_HASH` with a route `hash_policy` on the `x-session-id` header (header session affinity; the filter does not pass the header to the indexer, so the indexer's `--policy session` cannot be reached through Envoy)",
             Policy::ApproxPrefix => "Envoy + kvroute filter + indexer `--policy approx-prefix` (router-side prefix guess, no events)",
         }
     }
@@ -74,37 +91,89 @@ impl Policy {
         match self {
             Policy::Kv => Some("kv"),
             Policy::Random => Some("random"),
-            Policy::Session => Some("session"),
             Policy::ApproxPrefix => Some("approx-prefix"),
-            Policy::RoundRobin | Policy::LeastRequest => None,
+            Policy::RoundRobin | Policy::LeastRequest | Policy::Session => None,
         }
     }
 
-    /// Starts the router for this policy in front of the (running) replicas and returns the
-    /// `host:port` clients send to.
-    pub fn start(self, stack: &mut Stack) -> Result<String> {
-        match self.indexer_policy() {
-            Some(policy) => {
+    /// Starts the router for this policy in front of the (running) replicas; `envoy` is the
+    /// Envoy binary and `work_dir` takes configs and logs of processes started here.
+    pub fn start(self, stack: &mut Stack, envoy: &Path, work_dir: &Path) -> Result<Router> {
+        let router = |addr: String| Router { addr, _own: None };
+        match (self, self.indexer_policy()) {
+            (_, Some(policy)) => {
                 stack.start_indexer(policy)?;
                 stack.start_kvroute_envoy()?;
-                Ok(stack.kvroute_addr())
+                Ok(router(stack.kvroute_addr()))
             }
-            None => {
+            (Policy::Session, None) => start_session_envoy(stack, envoy, work_dir),
+            (_, None) => {
                 let lb = match self {
                     Policy::RoundRobin => "ROUND_ROBIN",
                     _ => "LEAST_REQUEST",
                 };
                 stack.start_baseline_envoy(lb)?;
-                Ok(stack.baseline_addr())
+                Ok(router(stack.baseline_addr()))
             }
         }
     }
 
-    /// Stops what [`Policy::start`] started.
+    /// Stops what [`Policy::start`] started in the stack (drop the [`Router`] for the rest).
     pub fn stop(self, stack: &mut Stack) {
         stack.stop("envoy-");
         stack.stop("indexer");
     }
+}
+
+/// Envoy with RING_HASH on `x-session-id`, on the stack's baseline ports.
+fn start_session_envoy(stack: &Stack, envoy: &Path, work_dir: &Path) -> Result<Router> {
+    let (listen, admin) = stack.ports.baseline;
+    let endpoints: Vec<_> = stack
+        .ports
+        .replicas
+        .iter()
+        .map(|p| {
+            json!({"endpoint": {"address": {"socket_address":
+                {"address": "127.0.0.1", "port_value": p.http}}}})
+        })
+        .collect();
+    let yaml = stack::render(
+        SESSION_TEMPLATE,
+        &[
+            ("LISTEN_PORT", listen.to_string()),
+            ("ADMIN_PORT", admin.to_string()),
+            (
+                "LB_ENDPOINTS",
+                serde_json::Value::Array(endpoints).to_string(),
+            ),
+        ],
+    )?;
+    let config = work_dir.join("envoy-session.yaml");
+    fs::write(&config, yaml).with_context(|| format!("writing {}", config.display()))?;
+    let mut cmd = Command::new(envoy);
+    cmd.arg("-c").arg(&config).args([
+        "--disable-hot-restart",
+        "--log-level",
+        "warn",
+        "--concurrency",
+        "2",
+    ]);
+    let mut sup = Supervisor::new(true);
+    sup.spawn(
+        "envoy-session",
+        cmd,
+        &work_dir.join("logs").join("envoy-session.log"),
+    )?;
+    sup.wait_http_ok(
+        "envoy-session",
+        &format!("127.0.0.1:{admin}"),
+        "/ready",
+        Duration::from_secs(60),
+    )?;
+    Ok(Router {
+        addr: format!("127.0.0.1:{listen}"),
+        _own: Some(sup),
+    })
 }
 
 impl fmt::Display for Policy {
@@ -216,6 +285,39 @@ mod tests {
         }
         assert!("nope".parse::<Policy>().is_err());
         assert!(Policy::RoundRobin.load_only() && !Policy::Kv.load_only());
+    }
+
+    #[test]
+    fn session_template_renders_to_a_ring_hash_on_the_session_header() {
+        let yaml = stack::render(
+            SESSION_TEMPLATE,
+            &[
+                ("LISTEN_PORT", "1".into()),
+                ("ADMIN_PORT", "2".into()),
+                ("LB_ENDPOINTS", "[]".into()),
+            ],
+        )
+        .expect("render");
+        assert!(yaml.contains("lb_policy: RING_HASH"));
+        assert!(yaml.contains("header_name: x-session-id"));
+        // The real Envoy accepts it, when setup installed one.
+        if let Some(envoy) = std::env::var_os("KVROUTE_ENVOY").filter(|p| Path::new(p).is_file()) {
+            let dir = std::env::temp_dir().join(format!("xtask-session-{}", std::process::id()));
+            fs::create_dir_all(&dir).expect("dir");
+            let config = dir.join("s.yaml");
+            fs::write(&config, &yaml).expect("write");
+            let out = Command::new(envoy)
+                .args(["--mode", "validate", "--disable-hot-restart", "-c"])
+                .arg(&config)
+                .output()
+                .expect("envoy");
+            let _ = fs::remove_dir_all(&dir);
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
     }
 
     #[test]

@@ -299,7 +299,11 @@ fn stream(
         }
         lines += 1;
         if lines > limit * 2 {
-            bail!("more than {} stream lines for {} tokens", limit * 2, request.max_tokens);
+            bail!(
+                "more than {} stream lines for {} tokens",
+                limit * 2,
+                request.max_tokens
+            );
         }
         let Some(data) = line.trim_end().strip_prefix("data:") else {
             continue;
@@ -382,7 +386,11 @@ mod tests {
             engine_itl_model_ms: Some(7.0),
             ..o.clone()
         };
-        assert_eq!(engine_itl.itl_model_ms(10.0), Some(7.0), "the engine's figure wins");
+        assert_eq!(
+            engine_itl.itl_model_ms(10.0),
+            Some(7.0),
+            "the engine's figure wins"
+        );
         let no_engine = RequestOutcome {
             ttft_wall_ms: Some(30.0),
             ..RequestOutcome::default()

@@ -181,7 +181,10 @@ fn highest_load_table(w: &WorkloadResults) -> Option<String> {
         "Highest offered load whose TTFT p90 met the SLO ({} ms), with its goodput:\n",
         w.runs.first().map_or(0.0, |r| r.slo_ms)
     );
-    let _ = writeln!(out, "| fleet | policy | highest load meeting the SLO | goodput there (req/s) |");
+    let _ = writeln!(
+        out,
+        "| fleet | policy | highest load meeting the SLO | goodput there (req/s) |"
+    );
     let _ = writeln!(out, "|---|---|---|---|");
     let mut groups: BTreeMap<(usize, usize, String), Vec<&RunSummary>> = BTreeMap::new();
     for r in &w.runs {
@@ -198,7 +201,10 @@ fn highest_load_table(w: &WorkloadResults) -> Option<String> {
         let _ = writeln!(
             out,
             "| {replicas} x {blocks} | {policy} | {} | {} |",
-            best.map_or("none".to_string(), |r| format!("{} ({:.2} req/s offered)", r.load, r.offered_rate)),
+            best.map_or("none".to_string(), |r| format!(
+                "{} ({:.2} req/s offered)",
+                r.load, r.offered_rate
+            )),
             best.map_or("-".to_string(), |r| format!("{:.2}", r.goodput_rps)),
         );
     }
@@ -212,7 +218,10 @@ pub fn workload_table(w: &WorkloadResults) -> String {
         out,
         "| fleet | load | policy | hit rate | of ceiling | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p90 | output tok/s | goodput req/s | SLO met | imbalance | preempt | errors |"
     );
-    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(
+        out,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
     for r in &w.runs {
         let _ = writeln!(
             out,
@@ -265,13 +274,22 @@ pub fn render_section(
         out,
         "Times are model (simulated) time: TTFT = the engine's own TTFT + the measured overhead of client, Envoy, filter, indexer and HTTP (real time, not scaled); ITL = client-measured gaps x time scale; rates per model second. Hit rate = the replicas' `vllm:prefix_cache_hits / queries`; ceiling = single replica, infinite cache; imbalance = busiest replica's prompt tokens / mean.\n"
     );
-    let _ = writeln!(out, "Policies (every one restarted cold on fresh replicas):\n");
+    let _ = writeln!(
+        out,
+        "Policies (every one restarted cold on fresh replicas):\n"
+    );
     for p in Policy::ALL {
-        if results.iter().any(|w| w.runs.iter().any(|r| r.policy == p.name())) {
+        if results
+            .iter()
+            .any(|w| w.runs.iter().any(|r| r.policy == p.name()))
+        {
             let _ = writeln!(out, "* `{}`: {}", p.name(), p.how());
         }
     }
-    let _ = writeln!(out, "* `ceiling`: single replica with an infinite cache, computed from the workload\n");
+    let _ = writeln!(
+        out,
+        "* `ceiling`: single replica with an infinite cache, computed from the workload\n"
+    );
     let checks = check_goals(results);
     if !checks.is_empty() {
         let _ = writeln!(out, "### Goals\n");
@@ -312,7 +330,11 @@ pub fn render_section(
         }
         for (workload, file) in plots {
             if workload == &w.name {
-                let _ = writeln!(out, "![{}](benchmarks/{file})\n", file.trim_end_matches(".svg"));
+                let _ = writeln!(
+                    out,
+                    "![{}](benchmarks/{file})\n",
+                    file.trim_end_matches(".svg")
+                );
             }
         }
         let errors: Vec<String> = w
@@ -325,7 +347,11 @@ pub fn render_section(
                     r.load,
                     r.policy,
                     r.errors,
-                    r.first_error.as_deref()?.chars().take(300).collect::<String>()
+                    r.first_error
+                        .as_deref()?
+                        .chars()
+                        .take(300)
+                        .collect::<String>()
                 ))
             })
             .collect();
@@ -351,12 +377,7 @@ pub fn splice_into(path: &Path, preamble: &str, section: &str) -> Result<()> {
     let new = match (old.find(BEGIN_MARKER), old.find(END_MARKER)) {
         (Some(begin), Some(end)) if end > begin => {
             let tail = &old[end + END_MARKER.len()..];
-            format!(
-                "{}{}{}",
-                &old[..begin],
-                section.trim_end(),
-                tail
-            )
+            format!("{}{}{}", &old[..begin], section.trim_end(), tail)
         }
         _ => format!("{}\n{}", old.trim_end(), section),
     };
@@ -403,11 +424,7 @@ fn ticks(lo: f64, hi: f64, target: usize) -> Vec<f64> {
 fn tick_label(v: f64) -> String {
     if v == 0.0 {
         "0".into()
-    } else if v.abs() >= 1000.0 {
-        format!("{:.0}", v)
-    } else if v.abs() >= 10.0 {
-        format!("{v:.0}")
-    } else if (v - v.round()).abs() < 1e-9 {
+    } else if v.abs() >= 10.0 || (v - v.round()).abs() < 1e-9 {
         format!("{v:.0}")
     } else {
         format!("{v:.2}").trim_end_matches('0').to_string()
@@ -435,9 +452,9 @@ pub fn line_chart(
     let (mut x0, mut x1) = pts
         .iter()
         .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
-    let (mut y0, mut y1) = pts
-        .iter()
-        .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(ty(p.1)), b.max(ty(p.1))));
+    let (mut y0, mut y1) = pts.iter().fold((f64::MAX, f64::MIN), |(a, b), p| {
+        (a.min(ty(p.1)), b.max(ty(p.1)))
+    });
     if pts.is_empty() {
         (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
     }
@@ -476,7 +493,11 @@ pub fn line_chart(
     };
     for t in &y_ticks {
         let y = sy(*t);
-        let label = if y_log { tick_label(10f64.powf(*t)) } else { tick_label(*t) };
+        let label = if y_log {
+            tick_label(10f64.powf(*t))
+        } else {
+            tick_label(*t)
+        };
         let _ = writeln!(
             s,
             "<line x1=\"{left}\" y1=\"{y:.1}\" x2=\"{:.1}\" y2=\"{y:.1}\" stroke=\"#ddd\"/><text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>",
@@ -562,7 +583,11 @@ pub fn bar_chart(title: &str, unit: &str, bars: &[(String, f64)]) -> String {
     let w = 640.0;
     let h = top + row * bars.len() as f64 + 20.0;
     let pw = w - left - right;
-    let max = bars.iter().map(|b| b.1).fold(0.0, f64::max).max(f64::EPSILON);
+    let max = bars
+        .iter()
+        .map(|b| b.1)
+        .fold(0.0, f64::max)
+        .max(f64::EPSILON);
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -603,7 +628,10 @@ pub fn write_plots(dir: &Path, results: &[WorkloadResults]) -> Result<Vec<(Strin
     for w in results {
         let mut fleets: BTreeMap<(usize, usize), Vec<&RunSummary>> = BTreeMap::new();
         for r in &w.runs {
-            fleets.entry((r.replicas, r.gpu_blocks)).or_default().push(r);
+            fleets
+                .entry((r.replicas, r.gpu_blocks))
+                .or_default()
+                .push(r);
         }
         for ((replicas, blocks), runs) in fleets {
             let stem = format!("{}-{replicas}x{blocks}", w.name);
@@ -618,24 +646,27 @@ pub fn write_plots(dir: &Path, results: &[WorkloadResults]) -> Result<Vec<(Strin
             let ok = |r: &&&RunSummary| r.errors < r.requests;
             let mut charts: Vec<(String, String)> = Vec::new();
             if loads.len() > 1 {
-                let series = |f: &dyn Fn(&RunSummary) -> Option<f64>| -> Vec<(String, Vec<(f64, f64)>)> {
-                    policies
-                        .iter()
-                        .map(|p| {
-                            let pts = runs
-                                .iter()
-                                .filter(|r| &r.policy == p)
-                                .filter(ok)
-                                .filter_map(|r| Some((r.offered_rate, f(r)?)))
-                                .collect();
-                            (p.clone(), pts)
-                        })
-                        .collect()
-                };
+                let series =
+                    |f: &dyn Fn(&RunSummary) -> Option<f64>| -> Vec<(String, Vec<(f64, f64)>)> {
+                        policies
+                            .iter()
+                            .map(|p| {
+                                let pts = runs
+                                    .iter()
+                                    .filter(|r| &r.policy == p)
+                                    .filter(ok)
+                                    .filter_map(|r| Some((r.offered_rate, f(r)?)))
+                                    .collect();
+                                (p.clone(), pts)
+                            })
+                            .collect()
+                    };
                 let mut hit = series(&|r| Some(r.hit_rate * 100.0));
                 hit.push((
                     "ceiling".into(),
-                    runs.iter().map(|r| (r.offered_rate, r.ceiling * 100.0)).collect(),
+                    runs.iter()
+                        .map(|r| (r.offered_rate, r.ceiling * 100.0))
+                        .collect(),
                 ));
                 charts.push((
                     format!("{stem}-hit-rate.svg"),
@@ -791,7 +822,11 @@ mod tests {
             stack: "s".into(),
             total_wall_s: 1.0,
         };
-        let section = render_section(&facts, &results(), &[("shared-prefix".into(), "x.svg".into())]);
+        let section = render_section(
+            &facts,
+            &results(),
+            &[("shared-prefix".into(), "x.svg".into())],
+        );
         assert!(section.starts_with(BEGIN_MARKER));
         assert!(section.trim_end().ends_with(END_MARKER));
         assert!(section.contains("| 4 x 1000 | 8 req/s | round-robin | 20.0 % |"));
@@ -802,7 +837,11 @@ mod tests {
         let path = dir.join("benchmarks.md");
         splice_into(&path, "# Benchmarks\n\nintro\n", &section).expect("create");
         let once = fs::read_to_string(&path).expect("read");
-        fs::write(&path, once.replace("intro", "intro edited by hand") + "\nafter\n").expect("edit");
+        fs::write(
+            &path,
+            once.replace("intro", "intro edited by hand") + "\nafter\n",
+        )
+        .expect("edit");
         splice_into(&path, "unused", &section).expect("splice");
         let twice = fs::read_to_string(&path).expect("read");
         assert!(twice.contains("intro edited by hand") && twice.contains("\nafter\n"));
@@ -824,7 +863,11 @@ mod tests {
         );
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
         assert!(svg.contains("t &lt;1&gt;"));
-        assert_eq!(svg.matches("<polyline").count(), 1, "b has one positive point only");
+        assert_eq!(
+            svg.matches("<polyline").count(),
+            1,
+            "b has one positive point only"
+        );
         assert_eq!(svg.matches("<circle").count(), 4);
         let bars = bar_chart("b", "ms", &[("kv".into(), 5.0), ("rr".into(), 10.0)]);
         assert_eq!(bars.matches("<rect").count(), 3);

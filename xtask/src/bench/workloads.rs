@@ -173,7 +173,9 @@ impl MooncakeTrace {
     /// sha256 published with the trace (kvcache-ai/Mooncake FAST25-release/traces).
     pub fn sha256(self) -> &'static str {
         match self {
-            Self::Conversation => "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df",
+            Self::Conversation => {
+                "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"
+            }
             Self::Synthetic => "bd070915a98fc0ed264d7cfef2ce746002eb3076a695ec31ba2674c0111ec131",
         }
     }
@@ -404,7 +406,11 @@ impl SharedPrefix {
                 at_ms,
                 segments: vec![
                     Segment::new("sp-system", g as u64, self.system_tokens),
-                    Segment::new("sp-question", (g * self.prompts_per_group + p) as u64, self.question_tokens),
+                    Segment::new(
+                        "sp-question",
+                        (g * self.prompts_per_group + p) as u64,
+                        self.question_tokens,
+                    ),
                 ],
                 max_tokens: self.output_tokens,
                 session: format!("sp-g{g}-p{p}"),
@@ -669,7 +675,10 @@ mod tests {
         let slow = sp.at_rate(2.0).expect("slow");
         let fast = sp.at_rate(8.0).expect("fast");
         assert_eq!(slow.requests.len(), 750);
-        assert!(slow.requests.iter().all(|r| r.num_tokens() == 7_200 && r.max_tokens == 1_000));
+        assert!(slow
+            .requests
+            .iter()
+            .all(|r| r.num_tokens() == 7_200 && r.max_tokens == 1_000));
         for (a, b) in slow.requests.iter().zip(&fast.requests) {
             assert_eq!(a.segments, b.segments);
             assert!((a.at_ms - 4.0 * b.at_ms).abs() < 1e-6);
@@ -681,7 +690,11 @@ mod tests {
             slow.requests.iter().map(|r| r.segments[1].seed).collect();
         assert_eq!((systems.len(), questions.len()), (150, 750));
         // Offered rate close to the asked one (750 samples).
-        assert!((slow.offered_rate() - 2.0).abs() < 0.3, "{}", slow.offered_rate());
+        assert!(
+            (slow.offered_rate() - 2.0).abs() < 0.3,
+            "{}",
+            slow.offered_rate()
+        );
         assert!(sp.at_rate(0.0).is_err());
     }
 
