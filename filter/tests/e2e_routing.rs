@@ -305,7 +305,8 @@ fn a_replica_added_at_run_time_receives_work_and_warms_up() {
     // Unique prompts, several at a time: the empty replica must win some (it is not even in
     // Envoy's fallback cluster: only the filter's routing can reach it).
     let mut hit_new = None;
-    for round in 0..10u64 {
+    let mut decisions = Vec::new();
+    for round in 0..20u64 {
         let prompts: Vec<String> = (0..3u64)
             .map(|i| format!("{} {}", round, filler(7000 + round * 10 + i, 1400)))
             .collect();
@@ -322,6 +323,16 @@ fn a_replica_added_at_run_time_receives_work_and_warms_up() {
             .into_iter()
             .map(|h| h.join().expect("thread"))
             .collect();
+        for r in &replies {
+            assert_eq!(r.status, 200, "{}", r.text());
+        }
+        decisions.extend(replies.iter().map(|r| {
+            format!(
+                "{}/{}",
+                r.header("x-kvroute-replica").unwrap_or("none"),
+                r.header("x-kvroute-reason").unwrap_or("none")
+            )
+        }));
         let after = f.counters();
         if after[2].0 > before[2].0 {
             let i = replies
@@ -332,7 +343,12 @@ fn a_replica_added_at_run_time_receives_work_and_warms_up() {
             break;
         }
     }
-    let warmed = hit_new.expect("the new replica never received work");
+    let warmed = hit_new.unwrap_or_else(|| {
+        panic!(
+            "the new replica never received work: {decisions:?}; indexer: {}",
+            http(f.indexer.port, "GET", "/debug/replicas", &[], b"").text()
+        )
+    });
     f.settle();
     // It warmed up: a sibling of what it served goes there and hits.
     let o = f.send(

@@ -503,6 +503,7 @@ pub struct Envoy {
     pub proc: Proc,
     pub port: u16,
     pub admin: u16,
+    pub concurrency: usize,
 }
 
 /// Removes the `- name: envoy.filters.http.wasm` list item (up to the next filter).
@@ -624,7 +625,12 @@ impl Envoy {
             );
             thread::sleep(Duration::from_millis(100));
         }
-        Envoy { proc, port, admin }
+        Envoy {
+            proc,
+            port,
+            admin,
+            concurrency: opts.concurrency,
+        }
     }
 
     /// A counter or gauge from the admin stats (0 when absent).
@@ -653,8 +659,11 @@ impl Envoy {
         std::fs::read_to_string(&self.proc.log).unwrap_or_default()
     }
 
-    /// Waits until every worker VM loaded the tokenizer (`tokenizer_loaded` >= n).
-    pub fn wait_tokenizers(&self, n: u64) {
+    /// Waits until every VM that serves requests loaded the tokenizers of `models` models: one
+    /// VM per worker plus the main thread's (Envoy 1.40 also starts a short-lived base VM whose
+    /// fetch never completes).
+    pub fn wait_tokenizers(&self, models: u64) {
+        let n = models * (self.concurrency as u64 + 1);
         let start = Instant::now();
         while self.kv("tokenizer_loaded") < n {
             assert!(
