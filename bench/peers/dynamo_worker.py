@@ -138,7 +138,7 @@ async def main() -> None:
             kv_cache_block_size=args.block_size,
             runtime_config=config,
         )
-        serving = asyncio.create_task(endpoint.serve_endpoint(handler.generate))
+        serving = asyncio.ensure_future(endpoint.serve_endpoint(handler.generate))
         log.info("serving %s for %s (events %s)", args.endpoint, args.sim_url, args.kv_events)
         waiter = asyncio.create_task(stop.wait())
         await asyncio.wait({serving, waiter}, return_when=asyncio.FIRST_COMPLETED)

@@ -84,12 +84,17 @@ impl Histogram {
     }
 }
 
+/// Name of the gauge holding a VM's linear memory size (bytes). Every VM sets the same gauge, so
+/// it shows the last reporting VM (they are alike: one tokenizer per model each).
+const VM_MEMORY_GAUGE: &str = "kvroute.vm_memory_bytes";
+
 /// Metric ids of one VM. A metric that could not be defined is simply not recorded.
 #[derive(Debug, Clone, Default)]
 pub struct Metrics {
     counters: Vec<Option<u32>>,
     fail_open: Vec<Option<u32>>,
     histograms: Vec<Option<u32>>,
+    vm_memory: Option<u32>,
 }
 
 impl Metrics {
@@ -115,11 +120,13 @@ impl Metrics {
             .iter()
             .map(|h| def(MetricKind::Histogram, h.name()))
             .collect();
+        let vm_memory = def(MetricKind::Gauge, VM_MEMORY_GAUGE);
         (
             Self {
                 counters,
                 fail_open,
                 histograms,
+                vm_memory,
             },
             failed,
         )
@@ -159,6 +166,27 @@ impl Metrics {
     }
 }
 
+impl Metrics {
+    /// Publishes this VM's linear memory size.
+    pub fn record_vm_memory(&self) {
+        if let Some(id) = self.vm_memory {
+            let _ = host::record_metric(id, vm_memory_bytes());
+        }
+    }
+}
+
+/// The VM's linear memory in bytes (0 off wasm).
+pub fn vm_memory_bytes() -> u64 {
+    #[cfg(target_arch = "wasm32")]
+    {
+        (core::arch::wasm32::memory_size::<0>() as u64) * 65_536
+    }
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        0
+    }
+}
+
 fn fail_open_name(r: FailOpen) -> &'static str {
     match r {
         FailOpen::IndexerUnavailable => "kvroute.fail_open.indexer_unavailable",
@@ -192,7 +220,8 @@ mod tests {
     #[test]
     fn recording_without_a_host_is_harmless() {
         let (m, failed) = Metrics::define();
-        assert_eq!(failed.len(), Counter::ALL.len() + FailOpen::ALL.len() + 2);
+        assert_eq!(failed.len(), Counter::ALL.len() + FailOpen::ALL.len() + 3);
+        m.record_vm_memory();
         m.inc(Counter::Routed);
         m.fail_open(FailOpen::NotJson);
         m.record(Histogram::PrepareUs, 3);

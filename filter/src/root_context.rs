@@ -294,6 +294,9 @@ impl RootContext for KvRouteRoot {
 
     fn on_tick(&mut self) {
         self.start_due_fetches();
+        if let Some(shared) = &self.shared {
+            shared.metrics.record_vm_memory();
+        }
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {

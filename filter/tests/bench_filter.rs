@@ -149,9 +149,15 @@ fn filter_added_latency() {
         }
     }
     assert_eq!(with.kv("routed") as usize, indexer.route_calls().len());
+    std::thread::sleep(Duration::from_millis(500)); // one tick: the VMs publish their memory
+    let vm_memory = with.kv("vm_memory_bytes");
+    println!(
+        "VM linear memory (one worker VM, Qwen3 tokenizer + segment cache): {:.1} MiB",
+        vm_memory as f64 / 1048576.0
+    );
     let out = workspace().join("target/bench");
     std::fs::create_dir_all(&out).expect("mkdir target/bench");
-    let report = json!({"envoy_concurrency": 1, "results": results,
+    let report = json!({"envoy_concurrency": 1, "results": results, "vm_memory_bytes": vm_memory,
                         "wasm_bytes": std::fs::metadata(wasm_path()).map(|m| m.len()).unwrap_or(0)});
     std::fs::write(
         out.join("filter.json"),

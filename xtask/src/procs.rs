@@ -65,8 +65,9 @@ impl Supervisor {
         }
     }
 
-    /// Starts `cmd` as `name`, its stdout and stderr going to `log`.
-    pub fn spawn(&mut self, name: &str, mut cmd: Command, log: &Path) -> Result<()> {
+    /// Starts `cmd` as `name`, its stdout and stderr going to `log`; returns its pid (which is
+    /// also its process group id).
+    pub fn spawn(&mut self, name: &str, mut cmd: Command, log: &Path) -> Result<u32> {
         if interrupted() {
             bail!("interrupted");
         }
@@ -95,15 +96,16 @@ impl Supervisor {
         let child = cmd
             .spawn()
             .with_context(|| format!("starting {name}: `{line}`"))?;
+        let pid = child.id();
         if let Ok(mut groups) = GROUPS.lock() {
-            groups.push(child.id() as i32);
+            groups.push(pid as i32);
         }
         self.children.push(Managed {
             name: name.to_string(),
             child,
             log: log.to_path_buf(),
         });
-        Ok(())
+        Ok(pid)
     }
 
     /// Fails, naming the process and the end of its log, if any child has exited.

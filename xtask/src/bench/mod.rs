@@ -8,6 +8,7 @@
 //! 2 cores); `--full` sweeps fleets (4, 8, 16 replicas), KV capacity and every workload at a load
 //! ladder.
 
+mod peers;
 mod policies;
 mod replay;
 mod report;
@@ -75,6 +76,11 @@ pub struct BenchOptions {
     /// Policies (default: all): kv, round-robin, least-request, random, session, approx-prefix.
     #[arg(long, value_delimiter = ',')]
     pub policies: Vec<Policy>,
+    /// Peer routers to run after the policies (issue 7): `all`, a product (vllm-router, smg,
+    /// sglang-router, litellm, dynamo) or a line (`vllm-router:kv_aware`); each is installed into
+    /// its own venv under <cache>/peers on first use.
+    #[arg(long, value_delimiter = ',')]
+    pub peers: Vec<String>,
     /// Fleet sizes (default 4; --full: 4,8,16). Loads scale with the fleet (given for 4).
     #[arg(long, value_delimiter = ',')]
     pub replicas: Vec<usize>,
@@ -85,9 +91,10 @@ pub struct BenchOptions {
     /// (default 6; --full: 2,4,6,8,10).
     #[arg(long, value_delimiter = ',')]
     pub rates: Vec<f64>,
-    /// Shared-prefix groups (llm-d: 150; the quick run uses 60: same load, shorter run).
-    #[arg(long)]
-    pub groups: Option<usize>,
+    /// Shared-prefix groups (llm-d: 150). Fewer make a shorter run that ends before the fleet
+    /// reaches its steady state (a request decodes for ~100 model s).
+    #[arg(long, default_value_t = 150)]
+    pub groups: usize,
     /// Shared-prefix output tokens (llm-d: 1000).
     #[arg(long, default_value_t = 1000)]
     pub output_tokens: u32,
@@ -216,7 +223,7 @@ fn build_workloads(
     Ok(match kind {
         WorkloadKind::SharedPrefix => {
             let sp = SharedPrefix {
-                groups: opts.groups.unwrap_or(if opts.full { 150 } else { 60 }),
+                groups: opts.groups,
                 output_tokens: opts.output_tokens,
                 ..SharedPrefix::llm_d(opts.seed)
             };
@@ -294,6 +301,25 @@ fn routing(layout: &Layout, opts: &BenchOptions) -> Result<()> {
     fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
 
     let mut results: Vec<WorkloadResults> = Vec::new();
+    let mut peer_bench = peers::PeerBench::new(
+        peers::select(&opts.peers)?,
+        layout.cache_dir.clone(),
+        peers::PeerEnv {
+            root: layout.root.clone(),
+            model: "qwen3".to_string(),
+            model_dir: layout.model_dir(),
+            block_size: 16,
+            gpu_blocks: 0,
+            topic: "kv-events".to_string(),
+            work_dir: out_dir.clone(),
+        },
+        peers::run::PeerRunConfig {
+            model: "qwen3".to_string(),
+            time_scale: opts.time_scale,
+            concurrency: opts.concurrency,
+            max_wall: Duration::from_secs(opts.max_run_s),
+        },
+    );
     for &replicas in &plan.replicas {
         for &gpu_blocks in &plan.gpu_blocks {
             let cfg = StackConfig {
@@ -378,6 +404,31 @@ fn routing(layout: &Layout, opts: &BenchOptions) -> Result<()> {
                         results[slot].runs.push(summary);
                         write_json(&out_dir.join("results.json"), &results)?;
                     }
+                    if !peer_bench.is_empty() {
+                        let ours: Vec<RunSummary> = results[slot]
+                            .runs
+                            .iter()
+                            .filter(|r| {
+                                r.load == workload.load_label()
+                                    && r.replicas == replicas
+                                    && r.gpu_blocks == gpu_blocks
+                            })
+                            .cloned()
+                            .collect();
+                        let ctx = RunContext {
+                            workload: workload.name.clone(),
+                            load: workload.load_label(),
+                            offered_rate: workload.offered_rate(),
+                            replicas,
+                            gpu_blocks,
+                            policy: String::new(),
+                            ceiling,
+                            time_scale: opts.time_scale,
+                            slo_ms: opts.slo_ms,
+                        };
+                        peer_bench.set_fleet(gpu_blocks, &work_dir);
+                        peer_bench.run_workload(&mut stack, &workload, &ctx, &ours, print_line)?;
+                    }
                 }
             }
             stack.stop("");
@@ -414,6 +465,15 @@ fn routing(layout: &Layout, opts: &BenchOptions) -> Result<()> {
             plots.len(),
             plot_dir.display()
         );
+    }
+    if !peer_bench.is_empty() {
+        let doc = layout.root.join(&opts.out);
+        let peer_facts = peers::PeerFacts {
+            command: facts.command.clone(),
+            date: facts.date.clone(),
+            machine: facts.machine.clone(),
+        };
+        peer_bench.finish(&out_dir, (!opts.no_report).then_some((doc.as_path(), peer_facts)))?;
     }
     for check in report::check_goals(&results) {
         println!(
@@ -488,6 +548,7 @@ fn run_policy(
         concurrency: opts.concurrency,
         io_timeout: Duration::from_secs(120),
         max_wall: Duration::from_secs(opts.max_run_s),
+        client: replay::ClientForm::default(),
     };
     let progress = Progress::default();
     let total = workload.requests.len();

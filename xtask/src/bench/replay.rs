@@ -31,6 +31,31 @@ pub struct ReplayConfig {
     pub io_timeout: Duration,
     /// Requests not sent within this wall time are recorded as not sent.
     pub max_wall: Duration,
+    /// How requests are shaped for the router (peer routers may need text prompts, a key, or
+    /// another session header).
+    pub client: ClientForm,
+}
+
+/// How requests are shaped for a router. The default is the benchmark's own form: token-id
+/// prompts, the session in `x-session-id`, no other headers.
+#[derive(Debug, Clone)]
+pub struct ClientForm {
+    /// Send prompts as text (each token id one single-token word) instead of token ids.
+    pub text: Option<std::sync::Arc<super::peers::TextVocab>>,
+    /// Headers added to every request.
+    pub headers: Vec<(String, String)>,
+    /// The header carrying the request's session id.
+    pub session_header: &'static str,
+}
+
+impl Default for ClientForm {
+    fn default() -> Self {
+        Self {
+            text: None,
+            headers: Vec::new(),
+            session_header: "x-session-id",
+        }
+    }
 }
 
 /// What happened to one request. Times in wall milliseconds unless named `model`.
@@ -187,8 +212,27 @@ pub fn completion_body(model: &str, request: &BenchRequest) -> String {
     )
 }
 
+/// The `/v1/completions` body with the prompt as text (see [`ClientForm::text`]).
+pub fn text_completion_body(
+    model: &str,
+    request: &BenchRequest,
+    vocab: &super::peers::TextVocab,
+) -> String {
+    serde_json::json!({
+        "model": model,
+        "prompt": vocab.render(&request.tokens()),
+        "max_tokens": request.max_tokens,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    })
+    .to_string()
+}
+
 fn send(cfg: &ReplayConfig, index: usize, request: &BenchRequest) -> RequestOutcome {
-    let body = completion_body(&cfg.model, request);
+    let body = match &cfg.client.text {
+        Some(vocab) => text_completion_body(&cfg.model, request, vocab),
+        None => completion_body(&cfg.model, request),
+    };
     let mut outcome = RequestOutcome {
         index,
         prompt_tokens: request.num_tokens() as u64,
@@ -265,11 +309,12 @@ fn stream(
     started: Instant,
     outcome: &mut RequestOutcome,
 ) -> Result<()> {
-    let headers = [
+    let mut headers: Vec<(&str, &str)> = vec![
         ("content-type", "application/json"),
         ("accept", "text/event-stream"),
-        ("x-session-id", request.session.as_str()),
+        (cfg.client.session_header, request.session.as_str()),
     ];
+    headers.extend(cfg.client.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())));
     let mut resp = http::request(
         "POST",
         &cfg.addr,
@@ -492,6 +537,7 @@ mod tests {
             concurrency: 2,
             io_timeout: Duration::from_secs(5),
             max_wall: Duration::from_secs(30),
+            client: ClientForm::default(),
         };
         let progress = Progress::default();
         let (outcomes, wall) = replay(&cfg, &workload, &progress).expect("replay");
@@ -534,6 +580,7 @@ mod tests {
             concurrency: 1,
             io_timeout: Duration::from_secs(1),
             max_wall: Duration::from_secs(1),
+            client: ClientForm::default(),
         };
         let (outcomes, _) = replay(&cfg, &workload, &Progress::default()).expect("replay");
         assert!(outcomes[0]

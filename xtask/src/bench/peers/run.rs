@@ -1,0 +1,137 @@
+//! One peer line of the routing benchmark: cold replicas, the peer started in front of them, the
+//! workload replayed through it with the benchmark's client, the replicas' counters and the
+//! router's CPU and memory read around the replay.
+
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+
+use super::{PeerEnv, PeerPolicy, PromptForm, ReplicaInfo, RouterCost, TextVocab};
+use crate::bench::replay::{self, ClientForm, Progress, ReplayConfig};
+use crate::bench::summary::{ReplicaCounters, RunContext, RunSummary};
+use crate::bench::workloads::Workload;
+use crate::procs;
+use crate::stack::Stack;
+
+/// Replay settings shared with the benchmark's own policies.
+#[derive(Debug, Clone)]
+pub struct PeerRunConfig {
+    /// Served model name.
+    pub model: String,
+    /// The simulator's time scale.
+    pub time_scale: f64,
+    /// Requests in flight at most.
+    pub concurrency: usize,
+    /// Longest replay, wall time.
+    pub max_wall: Duration,
+}
+
+/// What one peer line produced.
+#[derive(Debug, Clone)]
+pub struct PeerRun {
+    /// The same summary as the benchmark's own policies.
+    pub summary: RunSummary,
+    /// Router CPU per 1,000 requests and peak memory (None when it did not start).
+    pub cost: Option<RouterCost>,
+    /// Wall seconds from launch to ready.
+    pub startup_s: Option<f64>,
+}
+
+/// Runs `peer` on `workload`; a peer that cannot be installed or started gives a failed summary
+/// whose error says so (the caller reports it, never drops it).
+pub fn run_line(
+    stack: &mut Stack,
+    peer: &PeerPolicy,
+    workload: &Workload,
+    ctx: &RunContext,
+    cfg: &PeerRunConfig,
+    cache: &Path,
+    env: &PeerEnv,
+) -> Result<PeerRun> {
+    // Cold start: fresh replicas for every line.
+    stack.stop_replicas();
+    stack.start_replicas()?;
+    let replicas = ReplicaInfo::of_stack(stack);
+    let mut running = match peer.start(&replicas, cache, env) {
+        Ok(r) => r,
+        Err(e) if procs::interrupted() => return Err(e),
+        Err(e) => {
+            return Ok(PeerRun {
+                summary: RunSummary::failed(ctx, workload.requests.len(), format!("{e:#}")),
+                cost: None,
+                startup_s: None,
+            })
+        }
+    };
+    let startup_s = running.startup_s;
+    let client = ClientForm {
+        text: match running.prompt {
+            PromptForm::Text => Some(Arc::new(TextVocab::load(&env.model_dir)?)),
+            PromptForm::TokenIds => None,
+        },
+        headers: running.headers.clone(),
+        session_header: running.session_header,
+    };
+    let replay_cfg = ReplayConfig {
+        addr: running.addr.clone(),
+        model: cfg.model.clone(),
+        time_scale: cfg.time_scale,
+        concurrency: cfg.concurrency,
+        io_timeout: Duration::from_secs(120),
+        max_wall: cfg.max_wall,
+        client,
+    };
+    let addrs: Vec<String> = replicas.iter().map(|r| r.http.clone()).collect();
+    let before = addrs
+        .iter()
+        .map(|a| ReplicaCounters::scrape(a))
+        .collect::<Result<Vec<_>>>()?;
+    let usage_before = running.router_usage();
+    let progress = Progress::default();
+    let total = workload.requests.len();
+    let started = Instant::now();
+    let (outcomes, wall) = thread::scope(|scope| {
+        let runner = scope.spawn(|| replay::replay(&replay_cfg, workload, &progress));
+        let mut last = Instant::now();
+        while !runner.is_finished() {
+            thread::sleep(Duration::from_millis(200));
+            if last.elapsed() >= Duration::from_secs(15) {
+                eprintln!(
+                    "    {:<26} {:>5}/{total} done, {} errors, {:.0} s",
+                    peer.name,
+                    progress.done.load(Ordering::Relaxed),
+                    progress.errors.load(Ordering::Relaxed),
+                    started.elapsed().as_secs_f64()
+                );
+                last = Instant::now();
+            }
+        }
+        runner.join()
+    })
+    .map_err(|_| anyhow::anyhow!("the replay thread panicked"))??;
+    let usage_after = running.router_usage();
+    if procs::interrupted() {
+        bail!("interrupted");
+    }
+    let alive = running.check_alive();
+    stack.check_alive()?;
+    let after = addrs
+        .iter()
+        .map(|a| ReplicaCounters::scrape(a))
+        .collect::<Result<Vec<_>>>()?;
+    let deltas: Vec<ReplicaCounters> = after.iter().zip(&before).map(|(a, b)| a.since(b)).collect();
+    let mut summary = RunSummary::new(ctx, &outcomes, wall, &deltas);
+    if let Err(e) = alive {
+        summary.first_error.get_or_insert(format!("{e:#}"));
+    }
+    running.stop();
+    Ok(PeerRun {
+        summary,
+        cost: Some(RouterCost::between(&usage_before, &usage_after, total)),
+        startup_s: Some(startup_s),
+    })
+}
