@@ -194,11 +194,18 @@ pub fn ensure(cache: &Path, product: Product) -> Result<Installed> {
         );
     }
     fs::write(&marker, &recipe).with_context(|| format!("writing {}", marker.display()))?;
-    Ok(Installed {
+    let installed = Installed {
         size_mb: dir_size_mb(&venv),
         venv,
         install_s: started.elapsed().as_secs_f64(),
-    })
+    };
+    println!(
+        "==> peers: {} installed in {:.0} s ({:.0} MB)",
+        product.version(),
+        installed.install_s,
+        installed.size_mb
+    );
+    Ok(installed)
 }
 
 /// The marker's content: every pip step, one line each.

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
-use super::install::{Product, Installed};
+use super::install::Installed;
 use super::{Launch, PeerEnv, PromptForm, ReplicaInfo, RunningPeer};
 use crate::http;
 use crate::procs::{self, PortPool, Supervisor};

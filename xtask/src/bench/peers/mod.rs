@@ -305,15 +305,6 @@ impl RunningPeer {
         format!("http://{}", self.addr)
     }
 
-    /// Every pid (= process group) it started, router first.
-    pub fn pids(&self) -> Vec<u32> {
-        self.router_groups
-            .iter()
-            .chain(&self.helper_groups)
-            .copied()
-            .collect()
-    }
-
     /// CPU and peak memory of the router's processes now.
     pub fn router_usage(&self) -> Usage {
         usage::sample(&self.router_groups)
@@ -326,7 +317,10 @@ impl RunningPeer {
 
     /// Fails if any of its processes has exited.
     pub fn check_alive(&mut self) -> Result<()> {
-        self.sup.check_alive()
+        let name = self.name.clone();
+        self.sup
+            .check_alive()
+            .with_context(|| format!("{name} stopped during the run"))
     }
 
     /// Stops every process it started (SIGTERM, then SIGKILL after a grace period).
@@ -448,6 +442,12 @@ impl PeerBench {
                     run.startup_s.unwrap_or(0.0)
                 );
             }
+            if let Some(h) = &run.helper_cost {
+                println!(
+                    "      helpers (not the router): CPU {:.2} s / 1k requests, peak RSS {:.0} MB",
+                    h.cpu_s_per_1k, h.peak_rss_mb
+                );
+            }
             runs.push((line, run));
         }
         let label = format!("{} at {}", workload.name, workload.load_label());
@@ -469,6 +469,7 @@ impl PeerBench {
                         "tuned": p.tuned,
                         "summary": r.summary,
                         "router_cost": r.cost,
+                        "helper_cost": r.helper_cost,
                         "startup_s": r.startup_s,
                     })).collect::<Vec<_>>(),
                 })

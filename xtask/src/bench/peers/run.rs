@@ -37,6 +37,8 @@ pub struct PeerRun {
     pub summary: RunSummary,
     /// Router CPU per 1,000 requests and peak memory (None when it did not start).
     pub cost: Option<RouterCost>,
+    /// CPU and memory of helpers that stand in for engine-side code (Dynamo's worker shims).
+    pub helper_cost: Option<RouterCost>,
     /// Wall seconds from launch to ready.
     pub startup_s: Option<f64>,
 }
@@ -63,11 +65,18 @@ pub fn run_line(
             return Ok(PeerRun {
                 summary: RunSummary::failed(ctx, workload.requests.len(), format!("{e:#}")),
                 cost: None,
+                helper_cost: None,
                 startup_s: None,
             })
         }
     };
     let startup_s = running.startup_s;
+    println!(
+        "    {}: ready at {} in {:.1} s",
+        peer.name,
+        running.base_url(),
+        startup_s
+    );
     let client = ClientForm {
         text: match running.prompt {
             PromptForm::Text => Some(Arc::new(TextVocab::load(&env.model_dir)?)),
@@ -91,6 +100,7 @@ pub fn run_line(
         .map(|a| ReplicaCounters::scrape(a))
         .collect::<Result<Vec<_>>>()?;
     let usage_before = running.router_usage();
+    let helpers_before = running.helper_usage();
     let progress = Progress::default();
     let total = workload.requests.len();
     let started = Instant::now();
@@ -114,6 +124,7 @@ pub fn run_line(
     })
     .map_err(|_| anyhow::anyhow!("the replay thread panicked"))??;
     let usage_after = running.router_usage();
+    let helpers_after = running.helper_usage();
     if procs::interrupted() {
         bail!("interrupted");
     }
@@ -128,10 +139,13 @@ pub fn run_line(
     if let Err(e) = alive {
         summary.first_error.get_or_insert(format!("{e:#}"));
     }
+    let running_helpers_empty = running.helper_groups.is_empty();
     running.stop();
     Ok(PeerRun {
         summary,
         cost: Some(RouterCost::between(&usage_before, &usage_after, total)),
+        helper_cost: (!running_helpers_empty)
+            .then(|| RouterCost::between(&helpers_before, &helpers_after, total)),
         startup_s: Some(startup_s),
     })
 }

@@ -60,11 +60,6 @@ impl TextVocab {
         }
         out
     }
-
-    /// Words available.
-    pub fn len(&self) -> usize {
-        self.words.len()
-    }
 }
 
 #[cfg(test)]
@@ -94,7 +89,7 @@ mod tests {
         let json = serde_json::json!({"model": {"vocab": vocab}});
         fs::write(dir.join("tokenizer.json"), json.to_string()).expect("write");
         let v = TextVocab::load(&dir).expect("load");
-        assert_eq!(v.len(), 1200);
+        assert_eq!(v.words.len(), 1200);
         // Highest i has the lowest id and comes first.
         assert_eq!(v.render(&[0]), format!(" {}", v.words[0]));
         assert!(v.render(&[0, 1, 2]).split(' ').skip(1).all(|w| w.ends_with('z')));
