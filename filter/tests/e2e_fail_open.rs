@@ -142,6 +142,27 @@ fn every_indexer_failure_fails_open_to_the_fallback_cluster() {
         assert_eq!(i, 1, "the indexer's choice is obeyed");
     }
     assert_eq!(s.envoy.kv("routed"), 3);
+    // A streamed one too: its usage arrives in the last SSE chunk.
+    let streamed = json!({"model": "qwen3", "prompt": "hi", "max_tokens": 2, "stream": true,
+                          "stream_options": {"include_usage": true}});
+    let r = post_json(s.envoy.port, "/v1/completions", &streamed, &[]);
+    assert_eq!(r.status, 200);
+    // Every routed request's end reached the indexer (issued on the root context's behalf, so
+    // it survives the stream), with the engine's cached_tokens from the JSON body or SSE tail.
+    wait_for("4 completion reports", Duration::from_secs(10), || {
+        s.indexer.completions().len() >= 4
+    });
+    let routed_ids: Vec<Value> = s
+        .indexer
+        .route_calls()
+        .iter()
+        .map(|c| c["request_id"].clone())
+        .collect();
+    for c in s.indexer.completions() {
+        assert_eq!(c["endpoint"], s.replicas[1].addr().as_str(), "{c}");
+        assert!(routed_ids.contains(&c["request_id"]), "{c}");
+        assert!(c["cached_tokens"].is_u64(), "cached_tokens reported: {c}");
+    }
 
     s.indexer.set_route(RouteMode::Slow(
         Duration::from_millis(1500),

@@ -157,12 +157,14 @@ pub fn ensure(cache: &Path, product: Product) -> Result<Installed> {
     if !python.is_file() {
         fs::create_dir_all(venv.parent().unwrap_or(cache))
             .with_context(|| format!("creating {}", cache.display()))?;
-        cmd::output(Command::new("python3").args(["-m", "venv"]).arg(&venv)).with_context(|| {
-            format!(
-                "creating the venv {} (Debian: `apt-get install python3-venv`)",
-                venv.display()
-            )
-        })?;
+        cmd::output(Command::new("python3").args(["-m", "venv"]).arg(&venv)).with_context(
+            || {
+                format!(
+                    "creating the venv {} (Debian: `apt-get install python3-venv`)",
+                    venv.display()
+                )
+            },
+        )?;
     }
     let _ = fs::remove_file(&marker);
     for step in product.steps() {
@@ -185,7 +187,7 @@ pub fn ensure(cache: &Path, product: Product) -> Result<Installed> {
             .args(["-c", product.import_check()])
             .env("LITELLM_LOCAL_MODEL_COST_MAP", "True"),
     )
-        .with_context(|| format!("{} does not import after installing", product.version()))?;
+    .with_context(|| format!("{} does not import after installing", product.version()))?;
     if !program.is_file() {
         bail!(
             "{} installed but {} is missing",

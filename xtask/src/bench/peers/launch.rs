@@ -46,7 +46,10 @@ pub fn start(
     let sup = Supervisor::new(true);
     let venv = &installed.venv;
     let program = venv.join(launch.product().program());
-    let urls: Vec<String> = replicas.iter().map(|r| format!("http://{}", r.http)).collect();
+    let urls: Vec<String> = replicas
+        .iter()
+        .map(|r| format!("http://{}", r.http))
+        .collect();
     let mut peer = RunningPeer {
         name: name.to_string(),
         addr: addr.clone(),
@@ -100,7 +103,12 @@ pub fn start(
                 // The spill gate (help text of --balance-abs-threshold / --balance-rel-threshold):
                 // leave a matched worker for the least loaded one earlier than the defaults
                 // (64 requests and 1.5x), which a 4-replica fleet never reaches.
-                cmd.args(["--balance-abs-threshold", "8", "--balance-rel-threshold", "1.25"]);
+                cmd.args([
+                    "--balance-abs-threshold",
+                    "8",
+                    "--balance-rel-threshold",
+                    "1.25",
+                ]);
             }
             cmd.env("RUST_LOG", "warn");
             peer.prompt = PromptForm::Text;
@@ -117,8 +125,11 @@ pub fn start(
         }
         Launch::Litellm { session_affinity } => {
             let config = dir.join("litellm.yaml");
-            fs::write(&config, litellm_config(&env.model, replicas, session_affinity)?)
-                .with_context(|| format!("writing {}", config.display()))?;
+            fs::write(
+                &config,
+                litellm_config(&env.model, replicas, session_affinity)?,
+            )
+            .with_context(|| format!("writing {}", config.display()))?;
             let mut cmd = Command::new(&program);
             cmd.arg("--config")
                 .arg(&config)
@@ -134,8 +145,7 @@ pub fn start(
             peer.session_header = "x-litellm-session-id";
             spawn(&mut peer, "router", cmd, true)?;
             wait_until(&mut peer, Duration::from_secs(240), |addr| {
-                let (status, _) =
-                    http::get(addr, "/health/liveliness", Duration::from_secs(2))?;
+                let (status, _) = http::get(addr, "/health/liveliness", Duration::from_secs(2))?;
                 Ok(status == 200)
             })?;
         }
@@ -170,7 +180,10 @@ pub fn start(
                     .arg(&model_dir)
                     .args(["--model-name", &env.model])
                     .args(["--block-size", &env.block_size.to_string()])
-                    .args(["--total-kv-blocks", &env.gpu_blocks.saturating_sub(1).to_string()])
+                    .args([
+                        "--total-kv-blocks",
+                        &env.gpu_blocks.saturating_sub(1).to_string(),
+                    ])
                     .envs(dyn_env.iter().map(|(k, v)| (k, v)));
                 spawn(&mut peer, &format!("worker-r{index}"), worker, false)?;
             }
@@ -296,7 +309,13 @@ fn dynamo_model_dir(dir: &Path, model_dir: &Path) -> Result<PathBuf> {
 
 fn sanitize(name: &str) -> String {
     name.chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
         .collect()
 }
 

@@ -332,7 +332,9 @@ impl RunningPeer {
 /// Checks on a replica that the text form of a sample tokenises to one token per word.
 fn check_text_form(model_dir: &Path, model: &str, replica: &str) -> Result<()> {
     let vocab = TextVocab::load(model_dir)?;
-    let ids: Vec<u32> = (0..512u32).map(|i| i.wrapping_mul(2_654_435_761) % 150_000).collect();
+    let ids: Vec<u32> = (0..512u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) % 150_000)
+        .collect();
     let body = json!({"model": model, "prompt": vocab.render(&ids)}).to_string();
     let resp = http::request(
         "POST",
@@ -391,12 +393,21 @@ pub struct PeerBench {
     env: PeerEnv,
     cfg: run::PeerRunConfig,
     /// Per workload: kvroute's own summaries of the same run, then the peers'.
-    results: Vec<(String, Vec<crate::bench::summary::RunSummary>, Vec<(PeerPolicy, run::PeerRun)>)>,
+    results: Vec<(
+        String,
+        Vec<crate::bench::summary::RunSummary>,
+        Vec<(PeerPolicy, run::PeerRun)>,
+    )>,
 }
 
 impl PeerBench {
     /// `lines` from `--peers` (empty: nothing runs).
-    pub fn new(lines: Vec<PeerPolicy>, cache: PathBuf, env: PeerEnv, cfg: run::PeerRunConfig) -> Self {
+    pub fn new(
+        lines: Vec<PeerPolicy>,
+        cache: PathBuf,
+        env: PeerEnv,
+        cfg: run::PeerRunConfig,
+    ) -> Self {
         Self {
             lines,
             cache,
@@ -432,7 +443,15 @@ impl PeerBench {
         for line in self.lines.clone() {
             let mut ctx = ctx.clone();
             ctx.policy = line.name.to_string();
-            let run = run::run_line(stack, &line, workload, &ctx, &self.cfg, &self.cache, &self.env)?;
+            let run = run::run_line(
+                stack,
+                &line,
+                workload,
+                &ctx,
+                &self.cfg,
+                &self.cache,
+                &self.env,
+            )?;
             print(&run.summary);
             if let Some(c) = &run.cost {
                 println!(

@@ -70,7 +70,12 @@ pub fn render_section(
                 Some(format!(
                     "* `{}`: {}",
                     p.name,
-                    e.lines().next().unwrap_or("").chars().take(300).collect::<String>()
+                    e.lines()
+                        .next()
+                        .unwrap_or("")
+                        .chars()
+                        .take(300)
+                        .collect::<String>()
                 ))
             })
             .collect();
@@ -93,7 +98,10 @@ pub fn render_section(
 fn row(label: &str, s: &RunSummary, cost: Option<&super::RouterCost>) -> String {
     let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
     let (cpu, rss) = match cost {
-        Some(c) => (format!("{:.2}", c.cpu_s_per_1k), format!("{:.0}", c.peak_rss_mb)),
+        Some(c) => (
+            format!("{:.2}", c.cpu_s_per_1k),
+            format!("{:.0}", c.peak_rss_mb),
+        ),
         None => ("-".into(), "-".into()),
     };
     let started = s.requests > s.errors || s.first_error.is_none();

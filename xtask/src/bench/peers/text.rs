@@ -23,7 +23,8 @@ impl TextVocab {
     /// lowercase letters, in id order.
     pub fn load(model_dir: &Path) -> Result<Self> {
         let path = model_dir.join("tokenizer.json");
-        let text = fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        let text =
+            fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
         let json: Value =
             serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         let vocab = json
@@ -92,7 +93,11 @@ mod tests {
         assert_eq!(v.words.len(), 1200);
         // Highest i has the lowest id and comes first.
         assert_eq!(v.render(&[0]), format!(" {}", v.words[0]));
-        assert!(v.render(&[0, 1, 2]).split(' ').skip(1).all(|w| w.ends_with('z')));
+        assert!(v
+            .render(&[0, 1, 2])
+            .split(' ')
+            .skip(1)
+            .all(|w| w.ends_with('z')));
         // Same ids, same text; a shared token-id prefix is a shared text prefix.
         assert!(v.render(&[5, 6, 7, 8]).starts_with(&v.render(&[5, 6])));
         assert_eq!(v.render(&[1200]), v.render(&[0]));

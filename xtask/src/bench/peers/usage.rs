@@ -90,7 +90,8 @@ mod tests {
 
     #[test]
     fn stat_fields_survive_odd_command_names() {
-        let line = "1234 (we ird) (name)) S 1 1200 1200 0 -1 4194560 100 0 0 0 250 75 0 0 20 0 4 0 1 0 0";
+        let line =
+            "1234 (we ird) (name)) S 1 1200 1200 0 -1 4194560 100 0 0 0 250 75 0 0 20 0 4 0 1 0 0";
         assert_eq!(
             parse_stat(line),
             Some(StatFields {
