@@ -132,8 +132,8 @@ pub fn parse_route_answer(
     match status {
         200 => {}
         404 => return Err(FailOpen::UnknownModel),
+        // Envoy's own reply when the callout's deadline passed.
         504 => return Err(FailOpen::IndexerTimeout),
-        _ if elapsed_ms >= timeout_ms => return Err(FailOpen::IndexerTimeout),
         502 | 503 => return Err(FailOpen::IndexerUnavailable),
         _ => return Err(FailOpen::IndexerError),
     }

@@ -121,7 +121,7 @@ fn assert_fails_open(s: &Stack, body: &[u8], reason: &str) {
 fn every_indexer_failure_fails_open_to_the_fallback_cluster() {
     let s = stack(
         "fail-open-indexer",
-        json!({"route_timeout_ms": 300, "debug_headers": true, "models": {"qwen3": {}}}),
+        json!({"route_timeout_ms": 1000, "debug_headers": true, "models": {"qwen3": {}}}),
         TokenizerMode::Serve,
     );
     s.envoy.wait_tokenizers(1);
@@ -165,7 +165,7 @@ fn every_indexer_failure_fails_open_to_the_fallback_cluster() {
     }
 
     s.indexer.set_route(RouteMode::Slow(
-        Duration::from_millis(1500),
+        Duration::from_millis(4000),
         s.replicas[1].addr(),
     ));
     assert_fails_open(&s, body.as_bytes(), "indexer_timeout");

@@ -619,8 +619,8 @@ impl Envoy {
                 }
             }
             assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "envoy not ready in 60 s; log:\n{}",
+                start.elapsed() < Duration::from_secs(180),
+                "envoy not ready in 180 s; log:\n{}",
                 proc.log_tail()
             );
             thread::sleep(Duration::from_millis(100));

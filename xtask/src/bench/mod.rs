@@ -441,7 +441,7 @@ fn routing(layout: &Layout, opts: &BenchOptions) -> Result<()> {
         machine: machine_facts(),
         revision: git_revision(&layout.root),
         stack: format!(
-            "kvroute-sim replicas (block size 16, sha256_cbor, default cost model: 30k prefill tokens/s, 6 ms decode step), time scale x{}, kvroute-indexer, Envoy ({}) with 2 workers, all on 127.0.0.1; open-loop client with at most {} requests in flight",
+            "kvroute-sim replicas (block size 16, sha256_cbor, default cost model: 30k prefill tokens/s, 6 ms decode step), time scale x{}, kvroute-indexer, {} with 2 workers, all on 127.0.0.1; open-loop client with at most {} requests in flight",
             opts.time_scale,
             envoy_version(&layout.envoy_bin()),
             opts.concurrency

@@ -272,7 +272,7 @@ pub fn render_section(
     );
     let _ = writeln!(
         out,
-        "Times are model (simulated) time: TTFT = the engine's own TTFT + the measured overhead of client, Envoy, filter, indexer and HTTP (real time, not scaled); ITL = client-measured gaps x time scale; rates per model second. Hit rate = the replicas' `vllm:prefix_cache_hits / queries`; ceiling = single replica, infinite cache; imbalance = busiest replica's prompt tokens / mean.\n"
+        "Times are model (simulated) time: TTFT = the engine's own TTFT + the measured overhead of client, Envoy, filter, indexer and HTTP (real time, not scaled); ITL = the engine's mean gap between output tokens per request; rates per model second. Hit rate = the replicas' `vllm:prefix_cache_hits / queries`; ceiling = single replica, infinite cache; imbalance = busiest replica's prompt tokens / mean.\n"
     );
     let _ = writeln!(
         out,

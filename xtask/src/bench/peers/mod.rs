@@ -393,11 +393,7 @@ pub struct PeerBench {
     env: PeerEnv,
     cfg: run::PeerRunConfig,
     /// Per workload: kvroute's own summaries of the same run, then the peers'.
-    results: Vec<(
-        String,
-        Vec<crate::bench::summary::RunSummary>,
-        Vec<(PeerPolicy, run::PeerRun)>,
-    )>,
+    results: Vec<report::WorkloadPeers>,
 }
 
 impl PeerBench {
@@ -455,10 +451,12 @@ impl PeerBench {
             print(&run.summary);
             if let Some(c) = &run.cost {
                 println!(
-                    "      router CPU {:.2} s / 1k requests, peak RSS {:.0} MB, ready in {:.1} s",
+                    "      router CPU {:.2} s / 1k requests, peak RSS {:.0} MB, ready in {:.1} s, engine TTFT relayed in {}/{} responses",
                     c.cpu_s_per_1k,
                     c.peak_rss_mb,
-                    run.startup_s.unwrap_or(0.0)
+                    run.startup_s.unwrap_or(0.0),
+                    run.engine_ttft_relayed,
+                    run.summary.requests
                 );
             }
             if let Some(h) = &run.helper_cost {
@@ -470,7 +468,11 @@ impl PeerBench {
             runs.push((line, run));
         }
         let label = format!("{} at {}", workload.name, workload.load_label());
-        self.results.push((label, ours.to_vec(), runs));
+        self.results.push(report::WorkloadPeers {
+            name: label,
+            ours: ours.to_vec(),
+            peers: runs,
+        });
         Ok(())
     }
 
@@ -479,7 +481,8 @@ impl PeerBench {
         let json: Vec<Value> = self
             .results
             .iter()
-            .map(|(name, _, runs)| {
+            .map(|w| {
+                let (name, runs) = (&w.name, &w.peers);
                 json!({
                     "workload": name,
                     "peers": runs.iter().map(|(p, r)| json!({
@@ -490,6 +493,7 @@ impl PeerBench {
                         "router_cost": r.cost,
                         "helper_cost": r.helper_cost,
                         "startup_s": r.startup_s,
+                        "engine_ttft_relayed": r.engine_ttft_relayed,
                     })).collect::<Vec<_>>(),
                 })
             })

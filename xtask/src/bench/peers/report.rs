@@ -25,16 +25,24 @@ pub struct PeerFacts {
     pub machine: String,
 }
 
+/// One workload's lines: kvroute's own from the same run, then the peers'.
+#[derive(Debug, Clone)]
+pub struct WorkloadPeers {
+    /// Workload and load label.
+    pub name: String,
+    /// The benchmark's own policies on the same workload.
+    pub ours: Vec<RunSummary>,
+    /// Every peer line.
+    pub peers: Vec<(PeerPolicy, PeerRun)>,
+}
+
 /// Renders the section: per workload, kvroute's lines (`baseline`) and then every peer line.
-pub fn render_section(
-    facts: &PeerFacts,
-    workloads: &[(String, Vec<RunSummary>, Vec<(PeerPolicy, PeerRun)>)],
-) -> String {
+pub fn render_section(facts: &PeerFacts, workloads: &[WorkloadPeers]) -> String {
     let mut out = String::new();
     out.push_str(BEGIN);
     out.push_str("\n## Peers\n\n");
     out.push_str(&format!(
-        "Command: `{}` ({}; {}). The same replicas (restarted cold for every line), the same requests and arrival times, the replicas' own counters. Router CPU is user + system time of the router's processes (`/proc/<pid>/stat`) during the replay per 1,000 requests; peak RSS is the sum of their `VmHWM`. kvroute's lines are not sampled for CPU here (`-`).\n\n",
+        "Command: `{}` ({}; {}). The same replicas (restarted cold for every line), the same requests and arrival times, the replicas' own counters. Router CPU is user + system time of the router's processes (`/proc/<pid>/stat`) during the replay per 1,000 requests; peak RSS is the sum of their `VmHWM`. kvroute's lines are not sampled for CPU here (`-`). TTFT is the simulator's own TTFT plus the measured overhead outside it when the response still carries the simulator's `kvroute_sim.ttft_s` (\"engine TTFT relayed\"); for routers that re-serialise responses and drop it, TTFT is the client's wall TTFT times the time scale, which also scales the router's own overhead.\n\n",
         facts.command, facts.date, facts.machine
     ));
     out.push_str("Versions: ");
@@ -46,12 +54,12 @@ pub fn render_section(
     }
     out.push_str(&seen.join(", "));
     out.push_str(" (each in its own venv under `<cache>/peers/`).\n\n");
-    for (name, ours, peers) in workloads {
+    for WorkloadPeers { name, ours, peers } in workloads {
         out.push_str(&format!("### {name}\n\n"));
-        out.push_str("| policy | hit rate | TTFT p50 / p90 / p99 (ms) | output tok/s | goodput (req/s at SLO) | imbalance | router CPU s / 1k req | peak RSS (MB) | errors |\n");
-        out.push_str("|---|---|---|---|---|---|---|---|---|\n");
+        out.push_str("| policy | hit rate | TTFT p50 / p90 / p99 (ms) | output tok/s | goodput (req/s at SLO) | imbalance | router CPU s / 1k req | peak RSS (MB) | errors | engine TTFT relayed |\n");
+        out.push_str("|---|---|---|---|---|---|---|---|---|---|\n");
         for s in ours {
-            out.push_str(&row(&format!("kvroute bench: {}", s.policy), s, None));
+            out.push_str(&row(&format!("kvroute bench: {}", s.policy), s, None, None));
         }
         for (p, run) in peers {
             let label = if p.tuned {
@@ -59,7 +67,12 @@ pub fn render_section(
             } else {
                 p.name.to_string()
             };
-            out.push_str(&row(&label, &run.summary, run.cost.as_ref()));
+            out.push_str(&row(
+                &label,
+                &run.summary,
+                run.cost.as_ref(),
+                Some(run.engine_ttft_relayed),
+            ));
         }
         out.push('\n');
         let failed: Vec<String> = peers
@@ -95,7 +108,13 @@ pub fn render_section(
     out
 }
 
-fn row(label: &str, s: &RunSummary, cost: Option<&super::RouterCost>) -> String {
+fn row(
+    label: &str,
+    s: &RunSummary,
+    cost: Option<&super::RouterCost>,
+    relayed: Option<usize>,
+) -> String {
+    let relayed = relayed.map_or("-".to_string(), |n| format!("{n}/{}", s.requests));
     let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
     let (cpu, rss) = match cost {
         Some(c) => (
@@ -107,12 +126,12 @@ fn row(label: &str, s: &RunSummary, cost: Option<&super::RouterCost>) -> String 
     let started = s.requests > s.errors || s.first_error.is_none();
     if !started {
         return format!(
-            "| {label} | could not run | - | - | - | - | - | - | {} |\n",
+            "| {label} | could not run | - | - | - | - | - | - | {} | - |\n",
             s.errors
         );
     }
     format!(
-        "| {label} | {:.1} % | {} / {} / {} | {:.0} | {:.2} | {:.2} | {cpu} | {rss} | {} |\n",
+        "| {label} | {:.1} % | {} / {} / {} | {:.0} | {:.2} | {:.2} | {cpu} | {rss} | {} | {relayed} |\n",
         s.hit_rate * 100.0,
         ms(s.ttft_p50_ms),
         ms(s.ttft_p90_ms),

@@ -41,6 +41,9 @@ pub struct PeerRun {
     pub helper_cost: Option<RouterCost>,
     /// Wall seconds from launch to ready.
     pub startup_s: Option<f64>,
+    /// Requests whose response still carried the simulator's own TTFT (`kvroute_sim.ttft_s`).
+    /// Without it the client's wall TTFT is multiplied by the time scale, router overhead too.
+    pub engine_ttft_relayed: usize,
 }
 
 /// Runs `peer` on `workload`; a peer that cannot be installed or started gives a failed summary
@@ -67,6 +70,7 @@ pub fn run_line(
                 cost: None,
                 helper_cost: None,
                 startup_s: None,
+                engine_ttft_relayed: 0,
             })
         }
     };
@@ -136,6 +140,10 @@ pub fn run_line(
         .collect::<Result<Vec<_>>>()?;
     let deltas: Vec<ReplicaCounters> = after.iter().zip(&before).map(|(a, b)| a.since(b)).collect();
     let mut summary = RunSummary::new(ctx, &outcomes, wall, &deltas);
+    let engine_ttft_relayed = outcomes
+        .iter()
+        .filter(|o| o.engine_ttft_model_ms.is_some())
+        .count();
     if let Err(e) = alive {
         summary.first_error.get_or_insert(format!("{e:#}"));
     }
@@ -147,5 +155,6 @@ pub fn run_line(
         helper_cost: (!running_helpers_empty)
             .then(|| RouterCost::between(&helpers_before, &helpers_after, total)),
         startup_s: Some(startup_s),
+        engine_ttft_relayed,
     })
 }
