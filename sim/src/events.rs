@@ -156,14 +156,16 @@ pub async fn start(
     data_parallel_rank: i64,
 ) -> Result<Publisher, EventsError> {
     let mut publisher = zeromq::PubSocket::new();
+    let mut pending_connect = None;
     if is_bind_endpoint(&cfg.endpoint) {
         publisher
             .bind(&bindable(&cfg.endpoint))
             .await
             .map_err(|e| sock_err(&cfg.endpoint, e))?;
     } else {
-        // The zeromq crate's connect waits for the peer; vLLM's does not. Connect in the
-        // background so a subscriber that binds later is still reached.
+        // The zeromq crate's connect waits for the peer; vLLM's (libzmq) does not and keeps
+        // retrying. Try briefly here, then keep retrying from the publisher task so a
+        // subscriber that binds later is still reached.
         let ep = cfg.endpoint.clone();
         let connect = tokio::time::timeout(
             std::time::Duration::from_millis(500),
@@ -173,7 +175,10 @@ pub async fn start(
         match connect {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(sock_err(&ep, e)),
-            Err(_) => tracing::warn!(endpoint = %ep, "kv events: subscriber not reachable yet"),
+            Err(_) => {
+                tracing::warn!(endpoint = %ep, "kv events: subscriber not reachable yet, retrying");
+                pending_connect = Some(ep);
+            }
         }
     }
     let replay = match &cfg.replay_endpoint {
@@ -196,6 +201,7 @@ pub async fn start(
             layout,
             buffer_steps: cfg.buffer_steps,
             rank: data_parallel_rank,
+            pending_connect,
         },
     ));
     tracing::info!(endpoint = %cfg.endpoint, replay = ?cfg.replay_endpoint, "kv events publisher started");
@@ -211,7 +217,12 @@ struct RunCfg {
     layout: WireLayout,
     buffer_steps: usize,
     rank: i64,
+    /// A connect-mode endpoint not reached yet: retried every [`CONNECT_RETRY`].
+    pending_connect: Option<String>,
 }
+
+/// How often a connect-mode publisher retries reaching its subscriber.
+const CONNECT_RETRY: std::time::Duration = std::time::Duration::from_millis(250);
 
 const END_SEQ: [u8; 8] = [0xff; 8];
 
@@ -219,8 +230,9 @@ async fn run(
     mut publisher: zeromq::PubSocket,
     replay: Option<zeromq::RouterSocket>,
     mut rx: mpsc::Receiver<EventBatch>,
-    cfg: RunCfg,
+    mut cfg: RunCfg,
 ) {
+    let mut retry = tokio::time::interval(CONNECT_RETRY);
     let legacy_replay = cfg.layout != WireLayout::V0_33;
     let mut buffer: VecDeque<(u64, Bytes)> = VecDeque::new();
     let mut seq: u64 = 0;
@@ -270,6 +282,14 @@ async fn run(
                     continue;
                 };
                 serve_replay(send, req, &buffer, &cfg.topic, legacy_replay).await;
+            }
+            _ = retry.tick(), if cfg.pending_connect.is_some() => {
+                if let Some(ep) = cfg.pending_connect.clone() {
+                    if let Ok(Ok(())) = tokio::time::timeout(CONNECT_RETRY, publisher.connect(&ep)).await {
+                        tracing::info!(endpoint = %ep, "kv events: connected to subscriber");
+                        cfg.pending_connect = None;
+                    }
+                }
             }
         }
     }

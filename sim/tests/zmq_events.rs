@@ -526,3 +526,44 @@ async fn vllm_own_msgspec_classes_decode_the_stream() {
     assert_eq!(first["extra_keys"][1], json!(["sql-lora"]));
     assert!(lines.iter().all(|l| l["reencode_identical"] == true));
 }
+
+/// An endpoint without `*` makes the engine connect out (vLLM's rule); like libzmq, the simulator
+/// keeps trying until the subscriber binds, even when the subscriber starts after the engine.
+#[tokio::test]
+async fn connect_mode_reaches_a_subscriber_that_binds_later() {
+    let p = free_port();
+    let cfg = format!(
+        r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:{p}","topic":"kv-events"}}"#
+    );
+    let s = Sim::start(&["--time-scale", "5", "--kv-events-config", &cfg]);
+    // The subscriber binds only now, after the engine's first connect attempt gave up.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let mut sub = zeromq::SubSocket::new();
+    sub.bind(&format!("tcp://127.0.0.1:{p}"))
+        .await
+        .expect("bind");
+    sub.subscribe("").await.expect("subscribe");
+    let c = reqwest::Client::new();
+    // Publish until one batch arrives: connection and subscription take a few retry periods.
+    let mut got = None;
+    for i in 0..40 {
+        complete(
+            &c,
+            &s.base,
+            json!({"model": "qwen3", "prompt": format!("late joiner {i} ").repeat(30), "max_tokens": 1}),
+        )
+        .await;
+        if let Ok(Ok(m)) = tokio::time::timeout(Duration::from_millis(250), sub.recv()).await {
+            got = Some(m);
+            break;
+        }
+    }
+    let m = got.expect("the connect-mode publisher never reached the late subscriber");
+    let f = m.into_vec();
+    assert_eq!(f.len(), 3);
+    let batch = decode_batch(&f[2]).expect("decode");
+    assert!(
+        !stored(&batch).is_empty(),
+        "first batch carries BlockStored"
+    );
+}
