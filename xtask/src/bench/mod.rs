@@ -473,7 +473,10 @@ fn routing(layout: &Layout, opts: &BenchOptions) -> Result<()> {
             date: facts.date.clone(),
             machine: facts.machine.clone(),
         };
-        peer_bench.finish(&out_dir, (!opts.no_report).then_some((doc.as_path(), peer_facts)))?;
+        peer_bench.finish(
+            &out_dir,
+            (!opts.no_report).then_some((doc.as_path(), peer_facts)),
+        )?;
     }
     for check in report::check_goals(&results) {
         println!(

@@ -314,7 +314,12 @@ fn stream(
         ("accept", "text/event-stream"),
         (cfg.client.session_header, request.session.as_str()),
     ];
-    headers.extend(cfg.client.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    headers.extend(
+        cfg.client
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str())),
+    );
     let mut resp = http::request(
         "POST",
         &cfg.addr,
