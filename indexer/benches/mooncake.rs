@@ -28,8 +28,8 @@
 //! Environment (defaults in brackets): `KVROUTE_MOONCAKE_REQUESTS` [all], `KVROUTE_MOONCAKE_COPIES`
 //! [1] (interleaved copies of the trace with disjoint ids, to scale up), `KVROUTE_MOONCAKE_WORKERS`
 //! [16], `KVROUTE_MOONCAKE_CAPACITY` [16384 blocks per worker], `KVROUTE_MOONCAKE_EVENT_BLOCKS`
-//! [128], `KVROUTE_MOONCAKE_TRACE` [the repo copy]. Without `--bench` (e.g. `cargo test
-//! --benches`) it runs a 300-request smoke replay.
+//! [128], `KVROUTE_MOONCAKE_TRACE` [the repo copy]. Without `--bench` (`cargo test -p kvroute-indexer
+//! --bench mooncake`) it runs a 300-request smoke replay.
 
 use std::collections::{HashMap, VecDeque};
 use std::hint::black_box;

@@ -69,6 +69,14 @@ fn fmt_ms(v: Option<f64>) -> String {
     }
 }
 
+/// A duration with its unit, for sentences.
+fn fmt_time(v: Option<f64>) -> String {
+    match v {
+        Some(v) if v >= 10_000.0 => format!("{:.1} s", v / 1000.0),
+        other => format!("{} ms", fmt_ms(other)),
+    }
+}
+
 fn pct(v: f64) -> String {
     format!("{:.1} %", v * 100.0)
 }
@@ -122,9 +130,9 @@ pub fn check_goals(results: &[WorkloadResults]) -> Vec<GoalCheck> {
                         scope: scope.clone(),
                         measured: match (k, r) {
                             (Some(k), Some(r)) if k > 0.0 => format!(
-                                "kv {} ms, round robin {} ms ({:.2}x)",
-                                fmt_ms(Some(k)),
-                                fmt_ms(Some(r)),
+                                "kv {}, round robin {} ({:.2}x)",
+                                fmt_time(Some(k)),
+                                fmt_time(Some(r)),
                                 r / k
                             ),
                             _ => "no TTFT".into(),
@@ -153,10 +161,10 @@ pub fn check_goals(results: &[WorkloadResults]) -> Vec<GoalCheck> {
                         goal: "no sharing: kv TTFT p90 at most 5 % worse than the best load-only policy".into(),
                         scope,
                         measured: format!(
-                            "kv {} ms, best load-only ({}) {} ms ({:+.1} %)",
-                            fmt_ms(Some(k)),
+                            "kv {}, best load-only ({}) {} ({:+.1} %)",
+                            fmt_time(Some(k)),
                             best.policy,
-                            fmt_ms(Some(best_ms)),
+                            fmt_time(Some(best_ms)),
                             (k / best_ms - 1.0) * 100.0
                         ),
                         met: Some(k <= best_ms * 1.05),
@@ -216,7 +224,7 @@ pub fn workload_table(w: &WorkloadResults) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "| fleet | load | policy | hit rate | of ceiling | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p90 | output tok/s | goodput req/s | SLO met | imbalance | preempt | errors |"
+        "Times in model ms unless marked s.\n\n| fleet | load | policy | hit rate | of ceiling | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p90 | output tok/s | goodput req/s | SLO met | imbalance | preempt | errors |"
     );
     let _ = writeln!(
         out,
@@ -810,6 +818,10 @@ mod tests {
         // No sharing: 104 vs best load-only 100 (session is not load-only): +4 %, met.
         assert_eq!(checks[4].met, Some(true));
         assert!(checks[4].measured.contains("least-request"));
+        assert!(checks[3]
+            .measured
+            .contains("kv 200 ms, round robin 2000 ms"));
+        assert_eq!(fmt_time(Some(48_940.0)), "48.9 s");
     }
 
     #[test]
