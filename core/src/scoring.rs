@@ -16,8 +16,15 @@
 //! overloaded_i = load_i > overload_factor * mean(load) + overload_slack      -> credit_i = 0
 //! decay_i      = 1 / (1 + credit_decay * max(0, load_i - min(load)) / w_in_flight)
 //! credit_i     = raw_credit_i * decay_i
-//! cost_i       = w_prefill * (prompt_blocks - credit_i) + load_i + (stale ? stale_penalty : 0)
+//! queue_i      = w_pending_prefill * max(0, pending_prefill_blocks - predicted)
+//! cost_i       = w_prefill * (prompt_blocks - credit_i) + load_i + queue_i + (stale ? stale_penalty : 0)
 //! ```
+//!
+//! `queue_i` is the prefill work already routed to the replica and not yet done (uncached blocks of
+//! recent decisions, see [`Load::pending_prefill_blocks`]): the request's first token waits for it.
+//! Work that computes blocks this request will reuse (its predicted match, a sibling's prefix) is
+//! not extra work for it, so it is subtracted. The term is kept out of `load_i`, so a replica busy
+//! computing a new shared prefix is neither "overloaded" nor stripped of credit by it.
 //!
 //! The cheapest candidate wins. Candidates whose cost is within `tie_tolerance` of the best are tied
 //! and the tie is broken by power-of-two random choices (two distinct tied candidates drawn with the
@@ -54,6 +61,15 @@ pub struct ScoringConfig {
     pub w_running: f64,
     /// Load cost of a full KV cache (`vllm:kv_cache_usage_perc`, 0..1). Default 32.0.
     pub w_kv_usage: f64,
+    /// Cost of one block of prefill already routed to the replica and not yet computed
+    /// ([`Load::pending_prefill_blocks`]). Default 1.0: the same unit as `w_prefill`, since the
+    /// request's first token waits behind that work. 0 disables the term.
+    pub w_pending_prefill: f64,
+    /// Prefill throughput of one replica, in tokens per second, used by the indexer to estimate when
+    /// a routed request's prefill is done (its uncached blocks stop counting as pending then, or at
+    /// its completion if sooner). Default 30,000 (a mid-size model on one H100); multiply by
+    /// `--time-scale` for `kvroute-sim`.
+    pub prefill_tokens_per_s: f64,
     /// A replica whose load exceeds `overload_factor * mean load + overload_slack` loses its cache
     /// credit (affinity broken). Default 1.5. Use a very large value to disable.
     pub overload_factor: f64,
@@ -85,6 +101,8 @@ impl Default for ScoringConfig {
             w_waiting: 16.0,
             w_running: 0.0,
             w_kv_usage: 32.0,
+            w_pending_prefill: 1.0,
+            prefill_tokens_per_s: 30_000.0,
             overload_factor: 1.5,
             overload_slack: 16.0,
             credit_decay: 0.05,
@@ -133,6 +151,9 @@ pub struct Load {
     pub running: u32,
     /// `vllm:kv_cache_usage_perc` (a fraction 0..1).
     pub kv_usage: f32,
+    /// Uncached prompt blocks of requests routed here whose prefill is estimated not to be done yet.
+    #[serde(default)]
+    pub pending_prefill_blocks: u32,
 }
 
 /// One replica the request could go to.
@@ -201,6 +222,8 @@ pub struct CostTerms {
     pub prefill_cost: f64,
     /// Load cost.
     pub load_cost: f64,
+    /// `w_pending_prefill * max(0, pending_prefill_blocks - predicted)`: prefill queued ahead.
+    pub queue_cost: f64,
     /// Stale penalty applied (0 when fresh).
     pub stale_penalty: f64,
     /// Whether the replica was over the overload threshold (credit dropped).
@@ -278,6 +301,15 @@ impl ScoringConfig {
             + kv * self.w_kv_usage
     }
 
+    /// Cost of the prefill queued ahead of this request on a replica: pending blocks not produced
+    /// for this request's own predicted match.
+    pub fn queue_cost(&self, load: &Load, matched: &MatchedBlocks) -> f64 {
+        let ahead = load
+            .pending_prefill_blocks
+            .saturating_sub(matched.predicted);
+        f64::from(ahead) * self.w_pending_prefill.max(0.0)
+    }
+
     /// Credit (in blocks, capped at `prompt_blocks`) for matched blocks, before overload and decay.
     pub fn raw_credit(&self, matched: &MatchedBlocks, prompt_blocks: u32) -> f64 {
         let c = f64::from(matched.gpu) * self.credit_gpu
@@ -328,13 +360,15 @@ pub fn choose(
         let credit = if overloaded { 0.0 } else { raw_credit * decay };
         let prefill_cost = cfg.w_prefill * (f64::from(prompt_blocks) - credit).max(0.0);
         let stale_penalty = if c.stale { cfg.stale_penalty } else { 0.0 };
-        let cost = prefill_cost + load_cost + stale_penalty;
+        let queue_cost = cfg.queue_cost(&c.load, &c.matched);
+        let cost = prefill_cost + load_cost + queue_cost + stale_penalty;
         terms.push(CostTerms {
             raw_credit,
             decay,
             credit,
             prefill_cost,
             load_cost,
+            queue_cost,
             stale_penalty,
             overloaded,
             cost,

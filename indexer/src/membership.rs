@@ -140,6 +140,8 @@ pub struct Replica {
     pub draining: AtomicBool,
     /// Requests routed here and not yet completed.
     pub in_flight: AtomicI64,
+    /// Uncached prompt blocks routed here whose prefill is estimated not to be done yet.
+    pub pending_prefill_blocks: AtomicI64,
     /// Scraped load.
     pub scraped: Mutex<ScrapedLoad>,
     /// Background tasks (subscribers), aborted on removal.
@@ -243,6 +245,7 @@ impl Fleet {
             streams: RwLock::new(streams),
             draining: AtomicBool::new(false),
             in_flight: AtomicI64::new(0),
+            pending_prefill_blocks: AtomicI64::new(0),
             scraped: Mutex::new(ScrapedLoad::default()),
             tasks: Mutex::new(Vec::new()),
             hash_mismatch: Mutex::new(None),

@@ -3,12 +3,13 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvroute_core::hashing::{usable_hit_blocks, LoraRef, RequestExtras};
 use kvroute_core::router_key::{request_keys, RouterKey};
 use kvroute_core::scoring::{
     choose, choose_least_loaded, choose_random, choose_round_robin, Candidate, Decision, Load,
-    MatchedBlocks,
+    MatchedBlocks, ScoringConfig,
 };
 use serde::{Deserialize, Serialize};
 
@@ -229,6 +230,16 @@ pub fn now_ms() -> u64 {
         .as_millis() as u64
 }
 
+/// How long `uncached_blocks` of prefill are estimated to take at the configured prefill rate.
+fn prefill_estimate(cfg: &ScoringConfig, uncached_blocks: u32, block_size: u32) -> Duration {
+    let tokens = f64::from(uncached_blocks) * f64::from(block_size);
+    let rate = cfg.prefill_tokens_per_s;
+    if !(rate.is_finite() && rate > 0.0) {
+        return Duration::ZERO;
+    }
+    Duration::try_from_secs_f64(tokens / rate).unwrap_or(crate::load::MAX_PREFILL_ESTIMATE)
+}
+
 fn candidates(
     state: &AppState,
     replicas: &[Arc<Replica>],
@@ -245,6 +256,11 @@ fn candidates(
                 matched: matched.get(i).copied().unwrap_or_default(),
                 load: Load {
                     in_flight: r.in_flight.load(Ordering::Relaxed).max(0) as u32,
+                    pending_prefill_blocks: r
+                        .pending_prefill_blocks
+                        .load(Ordering::Relaxed)
+                        .clamp(0, i64::from(u32::MAX))
+                        as u32,
                     waiting: s.waiting.max(0.0) as u32,
                     running: s.running.max(0.0) as u32,
                     kv_usage: s.kv_usage as f32,
@@ -267,6 +283,8 @@ pub fn route(
     if replicas.is_empty() {
         return Err(RouteError::NoReplica(req.model.clone()));
     }
+    // Prefill estimated done by now no longer counts as queued work.
+    state.load.expire(std::time::Instant::now());
     let usable = keys.usable();
     let prompt_blocks = usable.len() as u32;
     let seed = state.policy_state.next_seed();
@@ -375,9 +393,14 @@ pub fn route(
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| format!("kvr-{:016x}", seed));
     let predicted_tokens = matched_tokens.gpu + matched_tokens.cpu + matched_tokens.storage;
-    state
-        .load
-        .routed(request_id.clone(), chosen.clone(), predicted_tokens);
+    let uncached_blocks = prompt_blocks.saturating_sub(m.total());
+    state.load.routed(
+        request_id.clone(),
+        chosen.clone(),
+        predicted_tokens,
+        uncached_blocks,
+        prefill_estimate(cfg, uncached_blocks, keys.block_size),
+    );
     state.metrics.routed.fetch_add(1, Ordering::Relaxed);
     state.metrics.count_decision(&reason);
     tracing::debug!(

@@ -14,6 +14,9 @@ use serde_json::json;
 use crate::http;
 use crate::paths::Layout;
 use crate::procs::{PortPool, Supervisor};
+
+/// kvroute-sim's default prefill rate (`--prefill-tokens-per-s`), in model-time tokens per second.
+const SIM_PREFILL_TOKENS_PER_S: f64 = 30_000.0;
 use crate::stats::{self, CacheCounters};
 
 /// The baseline Envoy configuration (no filter), rendered by [`Stack::start_baseline_envoy`].
@@ -249,13 +252,17 @@ impl Stack {
             .wait_http_ok("the indexer", &listen, "/readyz", Duration::from_secs(60))
     }
 
+    /// The indexer's configuration for this stack (its prefill rate is the replicas' time-scaled).
     fn indexer_toml(&self) -> Result<String> {
         let quote = |s: &str| serde_json::to_string(s);
         let mut toml = format!(
             "# Written by cargo xtask for a local stack.\n\
              listen = {}\nscrape_interval_ms = 500\n\n\
+             # The simulated replicas prefill 30k tokens/s of model time, time-scaled.\n\
+             [scoring]\nprefill_tokens_per_s = {:.1}\n\n\
              [[models]]\nname = {}\nmodel_dir = {}\nblock_size = {}\nhash = {{ algo = {} }}\n",
             quote(&format!("127.0.0.1:{}", self.ports.indexer))?,
+            SIM_PREFILL_TOKENS_PER_S * self.cfg.time_scale.max(f64::MIN_POSITIVE),
             quote(&self.cfg.model)?,
             quote(&self.cfg.model_dir.to_string_lossy())?,
             self.cfg.block_size,

@@ -362,3 +362,58 @@ fn policy_helpers() {
     assert_eq!(d.replica, 0);
     assert_eq!(d.reason, DecisionReason::Load);
 }
+
+fn with_pending(mut c: Candidate, pending: u32) -> Candidate {
+    c.load.pending_prefill_blocks = pending;
+    c
+}
+
+#[test]
+fn unique_prompt_avoids_the_replica_with_prefill_queued() {
+    // Equal request counts, but replica 0 still has a long prefill ahead of any new request.
+    let cfg = ScoringConfig::default();
+    let cands = [
+        with_pending(cand(0, 0, 1), 400),
+        with_pending(cand(1, 0, 1), 10),
+    ];
+    for seed in 0..32 {
+        let d = choose(&cfg, 50, &cands, seed).expect("decision");
+        assert_eq!(d.replica, 1, "seed {seed}");
+        assert_eq!(d.reason, DecisionReason::Load);
+    }
+    let d = choose(&cfg, 50, &cands, 0).expect("decision");
+    assert!((d.terms.queue_cost - 10.0).abs() < 1e-9);
+}
+
+#[test]
+fn queued_work_that_builds_the_siblings_prefix_is_not_held_against_it() {
+    // Replica 0 is computing a new 400-block prefix for the first of a burst of siblings; the next
+    // sibling's match there is predicted. It must still go there, not to the idle replica 1.
+    let cfg = ScoringConfig::default();
+    let mut busy = with_pending(cand(0, 0, 1), 400);
+    busy.matched.predicted = 400;
+    let idle = cand(1, 0, 0);
+    let d = choose(&cfg, 420, &[busy, idle], 3).expect("decision");
+    assert_eq!(d.replica, 0);
+    assert_eq!(d.reason, DecisionReason::PrefixHit);
+    assert_eq!(d.terms.queue_cost, 0.0);
+    // The queue term does not count as load: the busy replica is not "overloaded" by it.
+    assert!(!d.terms.overloaded);
+}
+
+#[test]
+fn pending_prefill_weight_zero_disables_the_term() {
+    let cfg = ScoringConfig {
+        w_pending_prefill: 0.0,
+        ..ScoringConfig::default()
+    };
+    let cands = [
+        with_pending(cand(0, 0, 0), 400),
+        with_pending(cand(1, 0, 1), 0),
+    ];
+    let d = choose(&cfg, 50, &cands, 0).expect("decision");
+    assert_eq!(
+        d.replica, 0,
+        "in-flight count decides when the queue term is off"
+    );
+}
