@@ -108,6 +108,9 @@ pub struct FilterConfig {
     pub debug_headers: bool,
     /// Report each routed request's end to the indexer (`POST /v1/complete`).
     pub report_completion: bool,
+    /// Client header whose value is forwarded to the indexer as the request's session (used by the
+    /// indexer's `--policy session`; ignored by `kv`). Empty disables it.
+    pub session_header: String,
     /// Largest non-streaming response body scanned for `usage` (bytes); larger ones report
     /// `cached_tokens: null`.
     pub max_response_scan_bytes: usize,
@@ -139,6 +142,7 @@ impl Default for FilterConfig {
             inject_kv_cache_report_mode: false,
             debug_headers: false,
             report_completion: true,
+            session_header: "x-session-id".into(),
             max_response_scan_bytes: 1024 * 1024,
             models: BTreeMap::new(),
             discover_models: true,

@@ -15,6 +15,9 @@ use crate::engine::endpoint_for_path;
 use crate::hlog;
 use crate::host::{self, Buffer, Map};
 use crate::metrics::{Counter, Histogram};
+
+/// Longest session id forwarded to the indexer; longer values are not forwarded.
+const MAX_SESSION_BYTES: usize = 256;
 use crate::models::Lookup;
 use crate::protocol::{
     complete_body, inject_kv_cache_report_mode, parse_route_answer, parse_status, request_id,
@@ -50,6 +53,8 @@ pub struct KvRouteHttp {
     phase: Phase,
     path: String,
     request_id: String,
+    /// Value of the configured session header, forwarded to the indexer.
+    session: Option<String>,
     /// Raw and parsed body, kept while waiting for the indexer when the body may be rewritten.
     body: Option<(Vec<u8>, Value)>,
     /// The replica the indexer chose (also when setting the header then failed).
@@ -68,6 +73,7 @@ impl KvRouteHttp {
             phase: Phase::Passthrough,
             path: String::new(),
             request_id: String::new(),
+            session: None,
             body: None,
             routed_to: None,
             decision: None,
@@ -199,6 +205,7 @@ impl KvRouteHttp {
             block_size: loaded.block_size,
             request_id: &self.request_id,
             lora: prepared.lora.as_deref(),
+            session: self.session.as_deref(),
         };
         let payload = serde_json::to_vec(&route).map_err(|_| FailOpen::HostcallError)?;
         let headers = vec![
@@ -424,6 +431,12 @@ impl HttpContext for KvRouteHttp {
             .ok()
             .flatten();
         self.request_id = request_id(rid.as_deref(), self.id, host::now_nanos().unwrap_or(0));
+        if !shared.cfg.session_header.is_empty() {
+            self.session = host::get_header(Map::RequestHeaders, &shared.cfg.session_header)
+                .ok()
+                .flatten()
+                .filter(|s| !s.is_empty() && s.len() <= MAX_SESSION_BYTES);
+        }
         if end_of_stream {
             shared.metrics.inc(Counter::NoBody);
             return Action::Continue;

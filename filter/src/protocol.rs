@@ -83,6 +83,9 @@ pub struct RouteRequest<'a> {
     /// LoRA adapter name, if the request targets one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lora: Option<&'a str>,
+    /// The client's session id (the configured `session_header`), for session affinity.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub session: Option<&'a str>,
 }
 
 /// The parts of a `/v1/route` answer the filter uses.
@@ -414,11 +417,21 @@ mod tests {
             block_size: 16,
             request_id: "id",
             lora: None,
+            session: None,
         };
         let s = serde_json::to_string(&r).unwrap();
         assert_eq!(
             s,
             r#"{"model":"m","router_keys":[18446744073709551615,1],"num_tokens":33,"block_size":16,"request_id":"id"}"#
+        );
+        let with_session = RouteRequest {
+            session: Some("user-42"),
+            ..r
+        };
+        let s = serde_json::to_string(&with_session).unwrap();
+        assert!(
+            s.ends_with(r#""request_id":"id","session":"user-42"}"#),
+            "{s}"
         );
     }
 
