@@ -72,7 +72,19 @@ impl Layout {
             ("KVROUTE_PYTHON", self.venv_python()),
             ("KVROUTE_ENVOY", self.envoy_bin()),
             ("KVROUTE_FILTER_WASM", self.filter_wasm()),
+            // The debug binaries `cargo build --workspace --bins` made (tests of other packages
+            // start them; CARGO_BIN_EXE_* only covers a test's own package).
+            ("KVROUTE_KVROUTE_SIM_BIN", self.debug_bin("kvroute-sim")),
+            (
+                "KVROUTE_KVROUTE_INDEXER_BIN",
+                self.debug_bin("kvroute-indexer"),
+            ),
         ]
+    }
+
+    /// A workspace binary in the debug profile.
+    pub fn debug_bin(&self, name: &str) -> PathBuf {
+        self.target_dir.join("debug").join(name)
     }
 }
 

@@ -24,6 +24,14 @@ pub fn workspace() -> PathBuf {
         .to_path_buf()
 }
 
+/// Cargo's target directory: `CARGO_TARGET_DIR` (relative to the workspace) or `<workspace>/target`.
+pub fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR").filter(|d| !d.is_empty()) {
+        Some(d) => workspace().join(d),
+        None => workspace().join("target"),
+    }
+}
+
 fn need(path: PathBuf, what: &str) -> PathBuf {
     assert!(
         path.exists(),
@@ -60,7 +68,7 @@ pub fn wasm_path() -> PathBuf {
     let p = need(
         env_or(
             "KVROUTE_FILTER_WASM",
-            workspace().join("target/wasm32-wasip1/release/kvroute_filter.wasm"),
+            target_dir().join("wasm32-wasip1/release/kvroute_filter.wasm"),
         ),
         "kvroute_filter.wasm",
     );
@@ -98,10 +106,7 @@ fn newest_mtime(dir: &Path) -> Option<std::time::SystemTime> {
 /// A workspace binary built by `cargo build --workspace --bins`.
 pub fn bin(name: &str) -> PathBuf {
     let var = format!("KVROUTE_{}_BIN", name.replace('-', "_").to_uppercase());
-    need(
-        env_or(&var, workspace().join("target/debug").join(name)),
-        name,
-    )
+    need(env_or(&var, target_dir().join("debug").join(name)), name)
 }
 
 /// The Qwen3 model directory (tokenizer.json + tokenizer_config.json).
