@@ -141,10 +141,39 @@ pub struct BenchOptions {
 pub fn run(layout: &Layout, opts: &BenchOptions) -> Result<()> {
     match opts.what {
         BenchTarget::Routing => routing(layout, opts),
-        BenchTarget::Filter => bail!(
-            "`cargo xtask bench filter` is not built yet; the filter's building blocks have criterion benchmarks: `cargo bench -p kvroute-core`"
-        ),
+        BenchTarget::Filter => filter(layout, opts),
     }
+}
+
+/// The filter's added latency in Envoy: the `#[ignore]`d `bench_filter` test of kvroute-filter, in
+/// the release profile, against the release .wasm (results on stdout and in
+/// `<target>/bench/filter.json`).
+fn filter(layout: &Layout, opts: &BenchOptions) -> Result<()> {
+    if !opts.no_setup {
+        crate::setup::run(layout)?;
+    }
+    if !opts.no_build {
+        build_release(layout)?;
+    }
+    println!("==> bench: filter latency in Envoy (1k/8k/32k-token chats, cold and warm)");
+    let mut cargo = Command::new(crate::paths::cargo_bin());
+    cargo
+        .args([
+            "test",
+            "--release",
+            "-p",
+            "kvroute-filter",
+            "--test",
+            "bench_filter",
+            "--",
+            "--ignored",
+            "--nocapture",
+        ])
+        .current_dir(&layout.root);
+    for (key, value) in layout.child_env() {
+        cargo.env(key, value);
+    }
+    crate::cmd::run(&mut cargo)
 }
 
 /// The resolved plan of a run.
