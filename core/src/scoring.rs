@@ -17,14 +17,17 @@
 //! decay_i      = 1 / (1 + credit_decay * max(0, load_i - min(load)) / w_in_flight)
 //! credit_i     = raw_credit_i * decay_i
 //! queue_i      = w_pending_prefill * max(0, pending_prefill_blocks - predicted)
+//!                (only when no candidate holds any of the prompt: a pure load decision)
 //! cost_i       = w_prefill * (prompt_blocks - credit_i) + load_i + queue_i + (stale ? stale_penalty : 0)
 //! ```
 //!
 //! `queue_i` is the prefill work already routed to the replica and not yet done (uncached blocks of
-//! recent decisions, see [`Load::pending_prefill_blocks`]): the request's first token waits for it.
-//! Work that computes blocks this request will reuse (its predicted match, a sibling's prefix) is
-//! not extra work for it, so it is subtracted. The term is kept out of `load_i`, so a replica busy
-//! computing a new shared prefix is neither "overloaded" nor stripped of credit by it.
+//! recent decisions, see [`Load::pending_prefill_blocks`]): a request's first token waits for it, and
+//! request counts alone cannot see it (a request that prefilled long ago and now decodes counts the
+//! same as one whose 8k-token prefill has not started). It refines the load of requests that go by
+//! load (nothing cached anywhere). Where a prefix is cached, the load terms, overload breaking and
+//! credit decay decide as before: counting the queue there too would push the siblings of a burst
+//! away from the replica computing their shared prefix. The term is kept out of `load_i`.
 //!
 //! The cheapest candidate wins. Candidates whose cost is within `tie_tolerance` of the best are tied
 //! and the tie is broken by power-of-two random choices (two distinct tied candidates drawn with the
@@ -346,6 +349,10 @@ pub fn choose(
         1.0
     };
 
+    // The queue term refines pure load decisions only (see the module docs).
+    let any_credit = eligible.iter().any(|c| {
+        !(c.stale && !cfg.stale_credit) && cfg.raw_credit(&c.matched, prompt_blocks) > 0.0
+    });
     let mut terms: alloc::vec::Vec<CostTerms> = alloc::vec::Vec::with_capacity(eligible.len());
     for (c, &load_cost) in eligible.iter().zip(&loads) {
         let raw_credit = if c.stale && !cfg.stale_credit {
@@ -360,7 +367,11 @@ pub fn choose(
         let credit = if overloaded { 0.0 } else { raw_credit * decay };
         let prefill_cost = cfg.w_prefill * (f64::from(prompt_blocks) - credit).max(0.0);
         let stale_penalty = if c.stale { cfg.stale_penalty } else { 0.0 };
-        let queue_cost = cfg.queue_cost(&c.load, &c.matched);
+        let queue_cost = if any_credit {
+            0.0
+        } else {
+            cfg.queue_cost(&c.load, &c.matched)
+        };
         let cost = prefill_cost + load_cost + queue_cost + stale_penalty;
         terms.push(CostTerms {
             raw_credit,

@@ -399,6 +399,13 @@ fn queued_work_that_builds_the_siblings_prefix_is_not_held_against_it() {
     assert_eq!(d.terms.queue_cost, 0.0);
     // The queue term does not count as load: the busy replica is not "overloaded" by it.
     assert!(!d.terms.overloaded);
+    // Nor does other queued work on the holder push a prefix hit away: cached prefixes are
+    // decided by the load terms, overload breaking and decay alone.
+    let mut holder = with_pending(cand(0, 300, 1), 2_000);
+    holder.matched.gpu = 300;
+    let d = choose(&cfg, 320, &[holder, cand(1, 0, 0)], 5).expect("decision");
+    assert_eq!(d.replica, 0);
+    assert_eq!(d.terms.queue_cost, 0.0);
 }
 
 #[test]
