@@ -350,9 +350,9 @@ pub fn choose(
     };
 
     // The queue term refines pure load decisions only (see the module docs).
-    let any_credit = eligible.iter().any(|c| {
-        !(c.stale && !cfg.stale_credit) && cfg.raw_credit(&c.matched, prompt_blocks) > 0.0
-    });
+    let any_credit = eligible
+        .iter()
+        .any(|c| (!c.stale || cfg.stale_credit) && cfg.raw_credit(&c.matched, prompt_blocks) > 0.0);
     let mut terms: alloc::vec::Vec<CostTerms> = alloc::vec::Vec::with_capacity(eligible.len());
     for (c, &load_cost) in eligible.iter().zip(&loads) {
         let raw_credit = if c.stale && !cfg.stale_credit {
