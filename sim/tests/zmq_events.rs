@@ -293,11 +293,13 @@ async fn data_parallel_ranks_publish_on_port_plus_rank() {
     assert_eq!(src["1"]["replay_endpoint"], format!("tcp://*:{}", r + 1));
     let mut s0 = subscribe(p).await;
     let mut s1 = subscribe(p + 1).await;
-    // Two concurrent requests: the second goes to the less loaded rank.
+    // Two concurrent requests: the second goes to the less loaded rank. The first decodes long
+    // enough (400 tokens, ~0.5 s at x5) to still be running when the second arrives 50 ms later,
+    // even on a loaded machine.
     let a = complete(
         &c,
         &s.base,
-        json!({"model": "qwen3", "prompt": "alpha ".repeat(40), "max_tokens": 40}),
+        json!({"model": "qwen3", "prompt": "alpha ".repeat(40), "max_tokens": 400}),
     );
     let b = async {
         tokio::time::sleep(Duration::from_millis(50)).await;
