@@ -29,7 +29,8 @@ pub struct TestOptions {
 struct Step {
     name: &'static str,
     command: Command,
-    /// Tally libtest's `test result:` lines (plain `cargo test` prints no overall total).
+    /// Tally the runner's result lines (libtest's `test result:`, nextest's `Summary`) into the
+    /// overall total printed last.
     tally_libtest: bool,
 }
 
@@ -54,6 +55,7 @@ pub fn run(layout: &Layout, opts: &TestOptions) -> Result<()> {
     let steps = plan(opts);
     let total = steps.len();
     let mut outcomes = Vec::with_capacity(total);
+    let mut tests = Tally::default();
     for (index, mut step) in steps.into_iter().enumerate() {
         for (key, value) in layout.child_env() {
             step.command.env(key, value);
@@ -68,7 +70,7 @@ pub fn run(layout: &Layout, opts: &TestOptions) -> Result<()> {
         let _ = std::io::stdout().flush();
         let step_started = Instant::now();
         let result = if step.tally_libtest {
-            run_tallying(&mut step.command)
+            run_tallying(&mut step.command, &mut tests)
         } else {
             cmd::run(&mut step.command)
         };
@@ -104,10 +106,17 @@ pub fn run(layout: &Layout, opts: &TestOptions) -> Result<()> {
         println!("    {:<6} step {} not run", "-", skipped + 1);
     }
     let failures: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_some()).collect();
+    // The overall count, alone on the last line: `N passed, N failed, N skipped`.
+    let closing = format!(
+        "kvroute: {} passed, {} failed, {} skipped",
+        tests.passed, tests.failed, tests.ignored
+    );
     if failures.is_empty() {
         println!("xtask test: all {total} steps passed");
+        println!("{closing}");
         return Ok(());
     }
+    println!("{closing}");
     for failure in &failures {
         println!(
             "xtask test: step `{}` failed: {}",
@@ -180,7 +189,11 @@ fn plan(opts: &TestOptions) -> Vec<Step> {
     if !opts.no_nextest && nextest_available() {
         let mut run = cargo(&["nextest", "run", "--workspace", "--no-fail-fast"]);
         run.args(&opts.filters);
-        steps.push(step("tests (nextest)", run));
+        steps.push(Step {
+            name: "tests (nextest)",
+            command: run,
+            tally_libtest: true,
+        });
         let mut doc = cargo(&["test", "--workspace", "--doc", "--no-fail-fast"]);
         if !opts.filters.is_empty() {
             doc.arg("--").args(&opts.filters);
@@ -212,7 +225,8 @@ fn nextest_available() -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
-/// Totals over libtest's per-binary `test result: ok. 3 passed; 0 failed; 1 ignored; ...` lines.
+/// Totals over libtest's per-binary `test result: ok. 3 passed; 0 failed; 1 ignored; ...` lines
+/// and nextest's `Summary [ 73.5s] 280 tests run: 279 passed, 1 failed, 3 skipped` line.
 #[derive(Debug, Default, PartialEq, Eq)]
 struct Tally {
     binaries: u32,
@@ -222,12 +236,28 @@ struct Tally {
 }
 
 impl Tally {
+    fn merge(&mut self, other: &Tally) {
+        self.binaries += other.binaries;
+        self.passed += other.passed;
+        self.failed += other.failed;
+        self.ignored += other.ignored;
+    }
+
     fn add_line(&mut self, line: &str) {
-        let Some(rest) = line.trim().strip_prefix("test result:") else {
+        let line = line.trim();
+        let (rest, separator) = if let Some(rest) = line.strip_prefix("test result:") {
+            (rest, ';')
+        } else if let Some(rest) = line
+            .strip_prefix("Summary [")
+            .and_then(|r| r.split_once("tests run:"))
+            .map(|(_, r)| r)
+        {
+            (rest, ',')
+        } else {
             return;
         };
         self.binaries += 1;
-        for part in rest.split(';') {
+        for part in rest.split(separator) {
             let mut words = part.split_whitespace().rev();
             let (Some(label), Some(count)) = (words.next(), words.next()) else {
                 continue;
@@ -238,20 +268,33 @@ impl Tally {
             match label {
                 "passed" => self.passed += count,
                 "failed" => self.failed += count,
-                "ignored" => self.ignored += count,
+                "ignored" | "skipped" => self.ignored += count,
                 _ => {}
             }
         }
     }
 }
 
-/// Runs a `cargo test` command, echoing its stdout as it comes, then prints the overall total.
-fn run_tallying(command: &mut Command) -> Result<()> {
+/// Runs a test command, echoing its stdout and stderr as they come (nextest reports on stderr),
+/// prints this step's total, and adds it to `overall`.
+fn run_tallying(command: &mut Command, overall: &mut Tally) -> Result<()> {
     let line = cmd::display(command);
     let mut child = command
         .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn()
         .with_context(|| format!("could not start `{line}`"))?;
+    let stderr_reader = child.stderr.take().map(|stderr| {
+        std::thread::spawn(move || {
+            let mut tally = Tally::default();
+            let mut err = std::io::stderr();
+            for text in BufReader::new(stderr).lines().map_while(|l| l.ok()) {
+                tally.add_line(&text);
+                let _ = writeln!(err, "{text}");
+            }
+            tally
+        })
+    });
     let mut tally = Tally::default();
     if let Some(stdout) = child.stdout.take() {
         let mut out = std::io::stdout();
@@ -261,6 +304,10 @@ fn run_tallying(command: &mut Command) -> Result<()> {
             let _ = writeln!(out, "{text}");
         }
     }
+    if let Some(from_stderr) = stderr_reader.and_then(|h| h.join().ok()) {
+        tally.merge(&from_stderr);
+    }
+    overall.merge(&tally);
     let status = child
         .wait()
         .with_context(|| format!("waiting for `{line}`"))?;
@@ -297,6 +344,32 @@ mod tests {
                 failed: 2,
                 ignored: 1
             }
+        );
+    }
+
+    #[test]
+    fn tally_reads_nextest_summaries() {
+        let mut tally = Tally::default();
+        for line in [
+            "        PASS [   0.016s] (276/280) xtask::bin/xtask stats::tests::percentiles_interpolate",
+            "     Summary [  73.690s] 280 tests run: 279 passed, 1 failed, 3 skipped",
+        ] {
+            tally.add_line(line);
+        }
+        assert_eq!(
+            tally,
+            Tally {
+                binaries: 1,
+                passed: 279,
+                failed: 1,
+                ignored: 3
+            }
+        );
+        let mut all_passed = Tally::default();
+        all_passed.add_line("     Summary [  73.504s] 280 tests run: 280 passed, 3 skipped");
+        assert_eq!(
+            (all_passed.passed, all_passed.failed, all_passed.ignored),
+            (280, 0, 3)
         );
     }
 }
