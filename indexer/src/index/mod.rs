@@ -338,6 +338,10 @@ pub struct KvIndex {
     /// Other engine hashes of a node (replicas that hash differently).
     alias_node: HashMap<u64, u32, IdBuildHasher>,
     node_aliases: HashMap<u32, Vec<u64>, IdBuildHasher>,
+    /// Largest `capacity()` each alias map has had: its allocation (maps never shrink here), which
+    /// `capacity()` itself understates while deleted slots are pending.
+    alias_node_cap: usize,
+    node_aliases_cap: usize,
     slot_of: HashMap<ReplicaId, u32, IdBuildHasher>,
     slots: Vec<Option<SlotInfo>>,
     free_slots: Vec<u32>,
@@ -391,6 +395,23 @@ fn table_bytes(t: &HashTable<u32>) -> usize {
 
 /// Bytes the next insert into `t` would newly allocate: 0 while it has room or can rehash in
 /// place (hashbrown reclaims tombstones in place when at most half full), else the doubled table.
+/// Bytes per slot of the alias map (engine hash -> node): key, value, control byte, padding.
+const ALIAS_NODE_ENTRY_BYTES: usize = 8 + 4 + 1 + 3;
+/// Bytes per slot of the node -> aliases map: key, `Vec` header, control byte, padding.
+const NODE_ALIASES_ENTRY_BYTES: usize = 4 + 24 + 1 + 3;
+/// Heap bytes of one alias in its node's `Vec`.
+const ALIAS_HEAP_BYTES: usize = 8;
+
+/// Bytes a map of `len` items may allocate on its next insert: nothing while it has room, else a
+/// table twice its allocated capacity `cap_hwm` (a resize holds the old and the new table at once,
+/// so the whole new one must fit; an in-place rehash makes this an overestimate).
+fn map_growth(len: usize, capacity: usize, cap_hwm: usize, entry_bytes: usize) -> usize {
+    if len < capacity {
+        return 0;
+    }
+    (cap_hwm.max(capacity) * 2).max(4) * entry_bytes
+}
+
 fn table_growth(t: &HashTable<u32>) -> usize {
     if t.len() < t.capacity() {
         return 0;
@@ -416,6 +437,8 @@ impl KvIndex {
             by_engine: HashTable::new(),
             alias_node: HashMap::default(),
             node_aliases: HashMap::default(),
+            alias_node_cap: 0,
+            node_aliases_cap: 0,
             slot_of: HashMap::default(),
             slots: Vec::new(),
             free_slots: Vec::new(),
@@ -480,9 +503,9 @@ impl KvIndex {
             + table_bytes(&self.by_key)
             + table_bytes(&self.by_engine)
             + self.spill_bytes
-            + self.alias_node.capacity() * (8 + 4 + 1 + 3)
-            + self.node_aliases.capacity() * (4 + 24 + 1 + 3)
-            + self.stats.engine_hash_aliases as usize * 8
+            + self.alias_node_cap * ALIAS_NODE_ENTRY_BYTES
+            + self.node_aliases_cap * NODE_ALIASES_ENTRY_BYTES
+            + self.stats.engine_hash_aliases as usize * ALIAS_HEAP_BYTES
             + self.slots.capacity() * std::mem::size_of::<Option<SlotInfo>>()
             + self.slot_of.capacity() * 12
     }
@@ -647,7 +670,7 @@ impl KvIndex {
     fn store_one(&mut self, slot: u32, key: u64, eh: u64, bit: u8, out: &mut ApplyOutcome) {
         let idx = match self.find_key(key) {
             Some(i) => {
-                self.note_engine_hash(i, eh);
+                self.note_engine_hash(i, eh, out);
                 i
             }
             None => match self.new_node(key, eh, out) {
@@ -698,8 +721,10 @@ impl KvIndex {
         }
     }
 
-    /// Links engine hash `eh` to node `idx` if it is not linked yet (an alias of another engine).
-    fn note_engine_hash(&mut self, idx: u32, eh: u64) {
+    /// Links engine hash `eh` to node `idx` if it is not linked yet (an alias of another engine),
+    /// within the memory budget: when no room can be made the alias is not recorded (a later
+    /// `BlockRemoved` by that hash is then counted as unknown) and the drop is counted.
+    fn note_engine_hash(&mut self, idx: u32, eh: u64, out: &mut ApplyOutcome) {
         if self.slab.get(idx).engine_hash == eh {
             return;
         }
@@ -707,8 +732,30 @@ impl KvIndex {
             Some(j) if j == idx => {}
             Some(_) => self.stats.engine_hash_conflicts += 1,
             None => {
+                let growth = map_growth(
+                    self.alias_node.len(),
+                    self.alias_node.capacity(),
+                    self.alias_node_cap,
+                    ALIAS_NODE_ENTRY_BYTES,
+                ) + if self.node_aliases.contains_key(&idx) {
+                    0
+                } else {
+                    map_growth(
+                        self.node_aliases.len(),
+                        self.node_aliases.capacity(),
+                        self.node_aliases_cap,
+                        NODE_ALIASES_ENTRY_BYTES,
+                    )
+                } + ALIAS_HEAP_BYTES;
+                if !self.make_room(growth, Some(idx), out) {
+                    out.dropped_for_budget += 1;
+                    self.stats.dropped_for_budget += 1;
+                    return;
+                }
                 self.alias_node.insert(eh, idx);
                 self.node_aliases.entry(idx).or_default().push(eh);
+                self.alias_node_cap = self.alias_node_cap.max(self.alias_node.capacity());
+                self.node_aliases_cap = self.node_aliases_cap.max(self.node_aliases.capacity());
                 self.slab.get_mut(idx).flags |= FLAG_ALIASED;
                 self.stats.engine_hash_aliases += 1;
             }

@@ -91,7 +91,7 @@ impl KvIndex {
             }
             if let Some(i) = ix.find_key(b.key) {
                 for &a in &b.aliases {
-                    ix.note_engine_hash(i, a);
+                    ix.note_engine_hash(i, a, &mut out);
                 }
             }
         }

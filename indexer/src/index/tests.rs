@@ -545,3 +545,36 @@ fn random_operations_agree_with_a_reference_model() {
         }
     }
 }
+
+#[test]
+fn budget_holds_when_replicas_hash_differently() {
+    // Every replica names the same blocks with its own engine hashes (another seed or LoRA path):
+    // the index keeps one node per block plus aliases for the other hashes, which count too.
+    let max_bytes = 2 << 20;
+    let mut ix = KvIndex::new(IndexConfig {
+        max_bytes,
+        ..IndexConfig::default()
+    });
+    for conv in 0..3000u32 {
+        for r in 0..4u32 {
+            apply(
+                &mut ix,
+                r,
+                &stored(conv, 0..16, Medium::Gpu, u64::from(r) + 1),
+            );
+            let s = ix.stats();
+            assert!(
+                s.bytes_estimate <= max_bytes as u64,
+                "conv {conv} replica {r}: {s:?}"
+            );
+        }
+    }
+    let s = ix.stats();
+    assert!(s.engine_hash_aliases > 0, "{s:?}");
+    assert!(s.evicted_for_budget > 0, "{s:?}");
+    // A removal by an aliased hash still finds its block while it is indexed.
+    let last = 2999;
+    apply(&mut ix, 3, &removed(last, &[15], Medium::Gpu, 4));
+    let m = ix.lookup(&keys(last, 16), 0);
+    assert!(m.iter().any(|m| m.replica == 3 && m.gpu == 15), "{m:?}");
+}
