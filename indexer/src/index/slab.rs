@@ -8,6 +8,10 @@ pub(crate) const CHUNK_SHIFT: u32 = 12;
 pub(crate) const CHUNK: usize = 1 << CHUNK_SHIFT;
 const CHUNK_MASK: u32 = (CHUNK as u32) - 1;
 
+/// Bytes one more chunk costs: its nodes, its pointer, and room for its nodes in the free list.
+pub(crate) const CHUNK_BYTES: usize =
+    CHUNK * std::mem::size_of::<Node>() + std::mem::size_of::<Box<[Node]>>() + CHUNK * 4;
+
 /// Holders stored inline before spilling to the heap.
 pub(crate) const INLINE_HOLDERS: usize = 3;
 
@@ -227,12 +231,12 @@ impl Slab {
         &mut self.chunks[(i >> CHUNK_SHIFT) as usize][(i & CHUNK_MASK) as usize]
     }
 
-    /// Bytes an `alloc` would add now.
+    /// Bytes an `alloc` would add now: a new chunk and its share of the free list.
     pub fn alloc_growth(&self) -> usize {
         if !self.free.is_empty() || (self.high as usize) < self.chunks.len() * CHUNK {
             0
         } else {
-            CHUNK * std::mem::size_of::<Node>() + std::mem::size_of::<Box<[Node]>>()
+            CHUNK_BYTES
         }
     }
 
@@ -247,6 +251,10 @@ impl Slab {
                     }
                     let chunk: Vec<Node> = (0..CHUNK).map(|_| Node::vacant()).collect();
                     self.chunks.push(chunk.into_boxed_slice());
+                    // The free list can then hold every node: releasing never reallocates it,
+                    // so evictions cannot grow memory behind the budget's back.
+                    let nodes = self.chunks.len() * CHUNK;
+                    self.free.reserve_exact(nodes - self.free.len());
                 }
                 let i = self.high;
                 self.high += 1;
@@ -277,7 +285,7 @@ impl Slab {
         self.high
     }
 
-    /// Bytes held by the slab itself.
+    /// Bytes held by the slab itself (chunks and the free list sized for all their nodes).
     pub fn bytes(&self) -> usize {
         self.chunks.len()
             * (CHUNK * std::mem::size_of::<Node>() + std::mem::size_of::<Box<[Node]>>())
@@ -286,8 +294,8 @@ impl Slab {
 
     /// Drops everything.
     pub fn clear(&mut self) {
-        self.chunks.clear();
-        self.free.clear();
+        self.chunks = Vec::new();
+        self.free = Vec::new();
         self.high = 0;
     }
 }
@@ -299,6 +307,27 @@ mod tests {
     #[test]
     fn node_is_forty_bytes() {
         assert_eq!(std::mem::size_of::<Node>(), 40);
+    }
+
+    #[test]
+    fn releasing_nodes_never_grows_the_slab() {
+        let mut slab = Slab::default();
+        let ids: Vec<u32> = (0..2 * CHUNK as u64 + 5)
+            .map(|k| slab.alloc(k, k).expect("alloc"))
+            .collect();
+        let bytes = slab.bytes();
+        assert_eq!(bytes, 3 * CHUNK_BYTES);
+        for i in ids {
+            slab.release(i);
+        }
+        assert_eq!(slab.bytes(), bytes);
+        // Reuse comes from the free list: no new chunk.
+        assert_eq!(slab.alloc_growth(), 0);
+        for k in 0..3 * CHUNK as u64 {
+            slab.alloc(k, k).expect("alloc");
+        }
+        assert_eq!(slab.bytes(), bytes);
+        assert_eq!(slab.alloc_growth(), CHUNK_BYTES);
     }
 
     #[test]

@@ -578,3 +578,41 @@ fn budget_holds_when_replicas_hash_differently() {
     let m = ix.lookup(&keys(last, 16), 0);
     assert!(m.iter().any(|m| m.replica == 3 && m.gpu == 15), "{m:?}");
 }
+
+#[test]
+fn budget_holds_for_long_unique_chains_from_many_replicas() {
+    // The ingest benchmark's shape, scaled down: 512-block conversations sharing a 128-block
+    // prefix, in 8 events of 64 blocks, from 64 replicas, far more than the budget holds.
+    let max_bytes = 4 << 20;
+    let mut ix = KvIndex::new(IndexConfig {
+        max_bytes,
+        ..IndexConfig::default()
+    });
+    for conv in 0..600u32 {
+        for e in 0..8usize {
+            let ev = if e < 2 {
+                stored(0, e * 64..(e + 1) * 64, Medium::Gpu, 0)
+            } else {
+                let KvEvent::BlockStored(mut st) =
+                    stored(conv + 1, e * 64..(e + 1) * 64, Medium::Gpu, 0)
+                else {
+                    unreachable!("stored() builds a BlockStored")
+                };
+                if e == 2 {
+                    st.parent_block_hash = Some(WireBlockHash::Int(eh(0, 127, 0)));
+                }
+                KvEvent::BlockStored(st)
+            };
+            apply(&mut ix, conv % 64, &ev);
+            let s = ix.stats();
+            assert!(
+                s.bytes_estimate <= max_bytes as u64,
+                "conv {conv} event {e}: {s:?}"
+            );
+        }
+    }
+    let s = ix.stats();
+    assert!(s.evicted_for_budget > 0, "{s:?}");
+    // The shared prefix is hot and held by every replica: it survives the churn.
+    assert_eq!(ix.lookup(&keys(0, 128), 0).len(), 64);
+}
