@@ -11,6 +11,10 @@
 
 use std::time::{Duration, Instant};
 
+/// The allocator `kvroute-indexer` ships with, so the numbers are the binary's.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvroute_core::events::{
     decode_batch, encode_batch, BlockStored, EventBatch, KvEvent, Medium, WireBlockHash, WireLayout,

@@ -578,9 +578,36 @@ impl<'a> Reader<'a, '_> {
         *budget -= len;
         let mut out = Vec::with_capacity(self.capacity_for(len));
         for _ in 0..len {
-            out.push(self.int_as::<u32>("token_ids")?);
+            out.push(self.token_id()?);
         }
         Ok(out)
+    }
+
+    /// One token id: the encodings vLLM writes (positive fixint, uint 8/16/32) are read inline,
+    /// anything else goes through the general integer path (and its range check).
+    #[inline]
+    fn token_id(&mut self) -> Result<u32> {
+        let b = self.buf;
+        let p = self.pos;
+        match b.get(p..p + 5).or_else(|| b.get(p..)) {
+            Some([m, ..]) if *m < 0x80 => {
+                self.pos = p + 1;
+                Ok(u32::from(*m))
+            }
+            Some([0xcc, v, ..]) => {
+                self.pos = p + 2;
+                Ok(u32::from(*v))
+            }
+            Some([0xcd, h, l, ..]) => {
+                self.pos = p + 3;
+                Ok(u32::from(u16::from_be_bytes([*h, *l])))
+            }
+            Some([0xce, a, b2, c, d]) => {
+                self.pos = p + 5;
+                Ok(u32::from_be_bytes([*a, *b2, *c, *d]))
+            }
+            _ => self.int_as::<u32>("token_ids"),
+        }
     }
 
     fn medium(&mut self) -> Result<Option<Medium>> {

@@ -764,8 +764,9 @@ impl KvIndex {
 
     /// Allocates a node for `key`, making room under the budget first. `None` if impossible.
     fn new_node(&mut self, key: u64, eh: u64, out: &mut ApplyOutcome) -> Option<u32> {
+        // Whether `eh` names no block yet; only an eviction can change that below.
+        let mut engine_free = self.find_engine(eh).is_none();
         loop {
-            let engine_free = self.find_engine(eh).is_none();
             let growth = self.slab.alloc_growth()
                 + table_growth(&self.by_key)
                 + if engine_free {
@@ -773,31 +774,28 @@ impl KvIndex {
                 } else {
                     0
                 };
-            if growth == 0 {
-                break;
-            }
-            if self.bytes() + growth <= self.cfg.max_bytes {
+            if growth == 0 || self.bytes() + growth <= self.cfg.max_bytes {
                 break;
             }
             if !self.evict_one(None, out) {
                 return None;
+            }
+            if !engine_free {
+                engine_free = self.find_engine(eh).is_none();
             }
         }
         let idx = self.slab.alloc(key, eh)?;
         let slab = &self.slab;
         self.by_key
             .insert_unique(mix(key), idx, |&i| mix(slab.get(i).key));
-        match self.find_engine(eh) {
-            None => {
-                let slab = &self.slab;
-                self.by_engine
-                    .insert_unique(mix(eh), idx, |&i| mix(slab.get(i).engine_hash));
-            }
-            Some(_) => {
-                // The engine hash already names another block: keep that mapping (this node's
-                // copy of the hash is not in the table, so freeing it leaves the other intact).
-                self.stats.engine_hash_conflicts += 1;
-            }
+        if engine_free {
+            let slab = &self.slab;
+            self.by_engine
+                .insert_unique(mix(eh), idx, |&i| mix(slab.get(i).engine_hash));
+        } else {
+            // The engine hash already names another block: keep that mapping (this node's copy
+            // of the hash is not in the table, so freeing it leaves the other intact).
+            self.stats.engine_hash_conflicts += 1;
         }
         self.stats.blocks += 1;
         Some(idx)
