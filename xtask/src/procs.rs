@@ -133,6 +133,15 @@ impl Supervisor {
         stop_children(stop);
     }
 
+    /// Pids (and process group ids) of the live children whose names start with `prefix`.
+    pub fn pids_matching(&self, prefix: &str) -> Vec<u32> {
+        self.children
+            .iter()
+            .filter(|m| m.name.starts_with(prefix))
+            .map(|m| m.child.id())
+            .collect()
+    }
+
     /// Stops every child.
     pub fn stop_all(&mut self) {
         self.stop_matching("");

@@ -230,6 +230,14 @@ impl Stack {
         Ok(())
     }
 
+    /// Process groups of the router: every Envoy and the indexer (not the replicas). Their CPU
+    /// time and memory are what routing costs.
+    pub fn router_process_groups(&self) -> Vec<u32> {
+        let mut groups = self.sup.pids_matching("envoy");
+        groups.extend(self.sup.pids_matching("indexer"));
+        groups
+    }
+
     /// Stops every replica.
     pub fn stop_replicas(&mut self) {
         self.sup.stop_matching("replica-");

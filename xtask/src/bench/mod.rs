@@ -584,6 +584,8 @@ fn run_policy(
     };
     let progress = Progress::default();
     let total = workload.requests.len();
+    let router_groups = stack.router_process_groups();
+    let usage_before = peers::usage::sample(&router_groups);
     let started = Instant::now();
     let (outcomes, wall) = thread::scope(|scope| {
         let runner = scope.spawn(|| replay::replay(&cfg, workload, &progress));
@@ -604,6 +606,7 @@ fn run_policy(
         runner.join()
     })
     .map_err(|_| anyhow::anyhow!("the replay thread panicked"))??;
+    let usage_after = peers::usage::sample(&router_groups);
     if procs::interrupted() {
         bail!("interrupted");
     }
@@ -613,7 +616,12 @@ fn run_policy(
         .map(|a| ReplicaCounters::scrape(a))
         .collect::<Result<Vec<_>>>()?;
     let deltas: Vec<ReplicaCounters> = after.iter().zip(&before).map(|(a, b)| a.since(b)).collect();
-    let summary = RunSummary::new(ctx, &outcomes, wall, &deltas);
+    let mut summary = RunSummary::new(ctx, &outcomes, wall, &deltas);
+    summary.router_cost = Some(peers::RouterCost::between(
+        &usage_before,
+        &usage_after,
+        total,
+    ));
     let log = work_dir.join(format!(
         "requests-{}-{}-{}.jsonl",
         workload.name,

@@ -771,6 +771,7 @@ mod tests {
             overhead_p50_wall_ms: Some(1.0),
             max_send_lag_ms: 0.0,
             wall_s: 10.0,
+            router_cost: None,
         }
     }
 

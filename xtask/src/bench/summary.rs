@@ -114,6 +114,9 @@ pub struct RunSummary {
     pub max_send_lag_ms: f64,
     /// Wall time of the replay, s.
     pub wall_s: f64,
+    /// The router's CPU (Envoy + indexer, user + system) per 1,000 requests and peak memory,
+    /// sampled from `/proc` around the replay; `None` when not sampled.
+    pub router_cost: Option<super::peers::RouterCost>,
 }
 
 /// Inputs of [`RunSummary::new`] besides the outcomes.
@@ -213,6 +216,7 @@ impl RunSummary {
             overhead_p50_wall_ms: percentile(&overheads, 50.0),
             max_send_lag_ms: outcomes.iter().map(|o| o.send_lag_ms).fold(0.0, f64::max),
             wall_s: wall.as_secs_f64(),
+            router_cost: None,
         }
     }
 

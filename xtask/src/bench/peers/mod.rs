@@ -9,7 +9,7 @@ mod launch;
 mod report;
 pub mod run;
 mod text;
-mod usage;
+pub mod usage;
 
 use std::fmt;
 use std::path::{Path, PathBuf};

@@ -42,7 +42,7 @@ pub fn render_section(facts: &PeerFacts, workloads: &[WorkloadPeers]) -> String 
     out.push_str(BEGIN);
     out.push_str("\n## Peers\n\n");
     out.push_str(&format!(
-        "Command: `{}` ({}; {}). The same replicas (restarted cold for every line), the same requests and arrival times, the replicas' own counters. Router CPU is user + system time of the router's processes (`/proc/<pid>/stat`) during the replay per 1,000 requests; peak RSS is the sum of their `VmHWM`. kvroute's lines are not sampled for CPU here (`-`). TTFT is the simulator's own TTFT plus the measured overhead outside it when the response still carries the simulator's `kvroute_sim.ttft_s` (\"engine TTFT relayed\"); for routers that re-serialise responses and drop it, TTFT is the client's wall TTFT times the time scale, which also scales the router's own overhead.\n\n",
+        "Command: `{}` ({}; {}). The same replicas (restarted cold for every line), the same requests and arrival times, the replicas' own counters. Router CPU is user + system time of the router's processes (`/proc/<pid>/stat`) during the replay per 1,000 requests; peak RSS is the sum of their `VmHWM`. For kvroute's own lines the router is Envoy (with the filter for `kv`) plus the indexer. TTFT is the simulator's own TTFT plus the measured overhead outside it when the response still carries the simulator's `kvroute_sim.ttft_s` (\"engine TTFT relayed\"); for routers that re-serialise responses and drop it, TTFT is the client's wall TTFT times the time scale, which also scales the router's own overhead.\n\n",
         facts.command, facts.date, facts.machine
     ));
     out.push_str("Versions: ");
@@ -59,7 +59,12 @@ pub fn render_section(facts: &PeerFacts, workloads: &[WorkloadPeers]) -> String 
         out.push_str("| policy | hit rate | TTFT p50 / p90 / p99 (ms) | output tok/s | goodput (req/s at SLO) | imbalance | router CPU s / 1k req | peak RSS (MB) | errors | engine TTFT relayed |\n");
         out.push_str("|---|---|---|---|---|---|---|---|---|---|\n");
         for s in ours {
-            out.push_str(&row(&format!("kvroute bench: {}", s.policy), s, None, None));
+            out.push_str(&row(
+                &format!("kvroute bench: {}", s.policy),
+                s,
+                s.router_cost.as_ref(),
+                None,
+            ));
         }
         for (p, run) in peers {
             let label = if p.tuned {
