@@ -287,6 +287,7 @@ impl Fleet {
             if cfg.events.is_empty() {
                 cfg.events = discovered.events.clone();
                 cfg.replay = discovered.replay.clone();
+                cfg.bind = discovered.bind;
                 cfg.data_parallel_size = cfg.data_parallel_size.max(discovered.data_parallel_size);
             }
         }
@@ -379,9 +380,14 @@ pub async fn discover_event_sources(
         .rsplit_once(':')
         .map(|(h, _)| h.to_string())
         .unwrap_or_default();
-    let (events, replay) = parse_event_sources(&body, &host).map_err(err)?;
+    let EventSources {
+        events,
+        replay,
+        bind,
+    } = parse_event_sources(&body, &host).map_err(err)?;
     cfg.data_parallel_size = u32::try_from(events.len()).unwrap_or(1).max(1);
     cfg.events = events;
+    cfg.bind = bind;
     cfg.replay = if replay.iter().all(Option::is_some) {
         replay.into_iter().flatten().collect()
     } else {
@@ -390,11 +396,29 @@ pub async fn discover_event_sources(
     Ok(())
 }
 
+/// Event endpoints of a replica as its `/kv_event_sources` reports them, from the indexer's side.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventSources {
+    /// Per DP rank: where the indexer connects (engine binds) or binds (engine connects out).
+    pub events: Vec<String>,
+    /// Per DP rank: the engine's replay (ROUTER) endpoint, if it has one.
+    pub replay: Vec<Option<String>>,
+    /// The engine connects out to `events` (vLLM does so for a tcp endpoint with neither `*` nor
+    /// `::` in it), so the indexer must bind them: on all interfaces, at the listed port.
+    pub bind: bool,
+}
+
+/// Whether vLLM's publisher binds `endpoint` (it connects out otherwise): vLLM binds when the
+/// endpoint contains `*` or `::`, or is `ipc://` / `inproc://`.
+pub fn engine_binds(endpoint: &str) -> bool {
+    endpoint.contains('*')
+        || endpoint.contains("::")
+        || endpoint.starts_with("ipc://")
+        || endpoint.starts_with("inproc://")
+}
+
 /// Parses a `/kv_event_sources` answer into per-rank event and replay endpoints.
-pub fn parse_event_sources(
-    body: &serde_json::Value,
-    host: &str,
-) -> Result<(Vec<String>, Vec<Option<String>>), String> {
+pub fn parse_event_sources(body: &serde_json::Value, host: &str) -> Result<EventSources, String> {
     let list = match body {
         serde_json::Value::Array(a) => a.clone(),
         serde_json::Value::Object(o) => match o.get("sources").or_else(|| o.get("data")) {
@@ -420,6 +444,7 @@ pub fn parse_event_sources(
     };
     let mut events = Vec::new();
     let mut replay = Vec::new();
+    let mut connect_out = Vec::new();
     for entry in &list {
         let disabled = entry.get("enable_kv_cache_events") == Some(&serde_json::Value::Bool(false))
             || entry.get("publisher").and_then(|p| p.as_str()) == Some("null");
@@ -430,7 +455,23 @@ pub fn parse_event_sources(
             .get("endpoint")
             .and_then(|v| v.as_str())
             .ok_or("an entry has no \"endpoint\"")?;
-        events.push(resolve_wildcard(ep, host));
+        if engine_binds(ep) {
+            events.push(resolve_wildcard(ep, host));
+            connect_out.push(false);
+        } else {
+            let port = ep
+                .strip_prefix("tcp://")
+                .and_then(|rest| rest.rsplit_once(':'))
+                .map(|(_, port)| port)
+                .filter(|port| port.parse::<u16>().is_ok())
+                .ok_or_else(|| {
+                    format!(
+                        "the engine publishes to {ep:?}, which is not a tcp://HOST:PORT endpoint"
+                    )
+                })?;
+            events.push(format!("tcp://0.0.0.0:{port}"));
+            connect_out.push(true);
+        }
         replay.push(
             entry
                 .get("replay_endpoint")
@@ -442,7 +483,18 @@ pub fn parse_event_sources(
     if events.is_empty() {
         return Err("no event sources listed (are KV events enabled?)".into());
     }
-    Ok((events, replay))
+    let bind = connect_out.iter().all(|&c| c);
+    if !bind && connect_out.iter().any(|&c| c) {
+        return Err(
+            "some ranks bind their event endpoint and others connect out; configure them alike"
+                .into(),
+        );
+    }
+    Ok(EventSources {
+        events,
+        replay,
+        bind,
+    })
 }
 
 fn resolve_wildcard(ep: &str, host: &str) -> String {
@@ -464,9 +516,10 @@ mod tests {
             {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"},
             {"endpoint": "tcp://*:5558"}
         ]);
-        let (ev, rp) = parse_event_sources(&body, "10.0.0.7").unwrap();
-        assert_eq!(ev, ["tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558"]);
-        assert_eq!(rp, [Some("tcp://10.0.0.7:5558".to_string()), None]);
+        let s = parse_event_sources(&body, "10.0.0.7").unwrap();
+        assert_eq!(s.events, ["tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558"]);
+        assert_eq!(s.replay, [Some("tcp://10.0.0.7:5558".to_string()), None]);
+        assert!(!s.bind);
     }
 
     #[test]
@@ -480,20 +533,24 @@ mod tests {
                   "replay_endpoint": "tcp://*:5567", "buffer_steps": 10000, "hwm": 100000,
                   "max_queue_size": 100000, "topic": "kv-events"}
         });
-        let (ev, rp) = parse_event_sources(&body, "127.0.0.1").unwrap();
-        assert_eq!(ev, ["tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"]);
+        let s = parse_event_sources(&body, "127.0.0.1").unwrap();
+        assert_eq!(s.events, ["tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"]);
+        assert!(!s.bind);
         assert_eq!(
-            rp,
+            s.replay,
             [
                 Some("tcp://127.0.0.1:5567".to_string()),
                 Some("tcp://127.0.0.1:5568".to_string())
             ]
         );
-        let one =
-            serde_json::json!({"0": {"endpoint": "tcp://10.1.2.3:5557", "replay_endpoint": null}});
-        let (ev, rp) = parse_event_sources(&one, "127.0.0.1").unwrap();
-        assert_eq!(ev, ["tcp://10.1.2.3:5557"]);
-        assert_eq!(rp, [None]);
+        // An endpoint without `*` or `::`: the engine connects out to it, the indexer binds.
+        let one = serde_json::json!({"0": {"endpoint": "tcp://10.1.2.3:5557", "replay_endpoint": "tcp://*:5567"}});
+        let s = parse_event_sources(&one, "127.0.0.1").unwrap();
+        assert_eq!(s.events, ["tcp://0.0.0.0:5557"]);
+        assert_eq!(s.replay, [Some("tcp://127.0.0.1:5567".to_string())]);
+        assert!(s.bind);
+        let ipv6 = serde_json::json!({"0": {"endpoint": "tcp://[::]:5557"}});
+        assert!(!parse_event_sources(&ipv6, "h").unwrap().bind);
     }
 
     #[test]
@@ -505,6 +562,12 @@ mod tests {
         )
         .contains("rank 1 missing"));
         assert!(err(serde_json::json!({"x": {}})).contains("not a data-parallel rank"));
+        assert!(err(
+            serde_json::json!({"0": {"endpoint": "tcp://*:1"}, "1": {"endpoint": "tcp://10.0.0.1:2"}})
+        )
+        .contains("configure them alike"));
+        assert!(err(serde_json::json!({"0": {"endpoint": "tcp://indexer"}}))
+            .contains("not a tcp://HOST:PORT"));
         assert!(err(serde_json::json!({"0": {"enable_kv_cache_events": false, "publisher": "null", "endpoint": "tcp://*:5557"}}))
             .contains("disabled"));
     }

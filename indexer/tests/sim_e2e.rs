@@ -105,6 +105,9 @@ struct SimSpec {
     pub_port: u16,
     replay_port: u16,
     dp: u16,
+    /// The engine's publisher connects out to `tcp://127.0.0.1:pub_port` (vLLM's connect mode)
+    /// instead of binding `tcp://*:pub_port`.
+    connect_out: bool,
 }
 
 impl SimSpec {
@@ -115,6 +118,7 @@ impl SimSpec {
             pub_port: free_port_run(dp),
             replay_port: free_port_run(dp),
             dp,
+            connect_out: false,
         }
     }
 
@@ -124,8 +128,9 @@ impl SimSpec {
 
     /// Starts the sim; retries while the previous incarnation's ports are still being released.
     fn start(&self, bin: &PathBuf, dir: &std::path::Path, attempt_tag: &str) -> Proc {
+        let host = if self.connect_out { "127.0.0.1" } else { "*" };
         let events = format!(
-            r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{}","replay_endpoint":"tcp://*:{}","topic":"kv-events"}}"#,
+            r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://{host}:{}","replay_endpoint":"tcp://*:{}","topic":"kv-events"}}"#,
             self.pub_port, self.replay_port
         );
         let mut last_log = String::new();
@@ -282,6 +287,55 @@ async fn wait_blocks(c: &reqwest::Client, base: &str, prompt: &[u32], replica: &
 fn all_connected(d: &Value, name: &str, ranks: usize) -> bool {
     let s = streams_of(d, name);
     s.len() == ranks && s.iter().all(|s| s["connected"] == true)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn indexer_binds_for_an_engine_that_connects_out() {
+    // The engine is told to publish to tcp://127.0.0.1:P (no `*`): vLLM then connects out, and
+    // the indexer, which only knows the engine's HTTP address, must bind P after discovery.
+    let bin = sim_binary();
+    let dir = TempDir::new("sim-e2e-connect-out");
+    let mut spec = SimSpec::new("sim-out", 1);
+    spec.connect_out = true;
+    let _sim = spec.start(&bin, &dir.0, "first");
+    let cfg = format!(
+        "scrape_interval_ms = 100\n\
+         [events]\nmax_backoff_ms = 200\n\
+         [[models]]\nname = \"{MODEL}\"\nmodel_dir = \"{}\"\n\
+         [models.hash]\nalgo = \"sha256\"\nengine_version = \"0.33.0\"\n\
+         [[models.replicas]]\nname = \"{}\"\nhttp = \"{}\"\ntopic = \"kv-events\"\n",
+        model_dir().display(),
+        spec.name,
+        spec.addr(),
+    );
+    let cfg_path = dir.0.join("indexer.toml");
+    std::fs::write(&cfg_path, cfg).unwrap();
+    let (idx, base) = start_indexer(&cfg_path, &dir.0, &[]);
+    let c = client();
+    let d = wait_debug(
+        &c,
+        &base,
+        &idx,
+        "discovery, bind and the engine connecting in",
+        Duration::from_secs(30),
+        |d| all_connected(d, spec.name, 1),
+    )
+    .await;
+    let s = streams_of(&d, spec.name);
+    assert_eq!(s[0]["endpoint"], format!("tcp://0.0.0.0:{}", spec.pub_port));
+    assert_eq!(
+        s[0]["replay"],
+        format!("tcp://127.0.0.1:{}", spec.replay_port)
+    );
+    // Events flow over the bound socket: a prompt the engine cached is in the index.
+    let p = prompt(7, 120);
+    complete(&c, &spec, &p, 1).await;
+    let hit = cached(&complete(&c, &spec, &p, 1).await);
+    assert_eq!(hit, (120 - 1) / BS * BS);
+    wait_blocks(&c, &base, &p, spec.name, hit / BS).await;
+    let r = route(&c, &base, &p).await;
+    assert_eq!(r["endpoint"], spec.addr(), "{r}");
+    assert_eq!(r["matched_tokens"]["gpu"], hit, "{r}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
