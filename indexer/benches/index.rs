@@ -236,6 +236,18 @@ fn build_fleet(target: u64) -> (KvIndex, Vec<Vec<RouterKey>>) {
         rss as f64 / (1 << 20) as f64,
         rss as f64 / s.entries as f64
     );
+    // The service's snapshot: `export` runs under the index lock (routing waits for it), the
+    // postcard encoding after the lock is released.
+    let t = Instant::now();
+    let export = ix.export();
+    let export_ms = t.elapsed().as_secs_f64() * 1e3;
+    let t = Instant::now();
+    let bytes = postcard::to_stdvec(&export).map(|b| b.len()).unwrap_or(0);
+    eprintln!(
+        "snapshot: export {export_ms:.0} ms (under the index lock), postcard {:.0} ms, {:.1} MiB",
+        t.elapsed().as_secs_f64() * 1e3,
+        bytes as f64 / (1 << 20) as f64
+    );
     (ix, queries)
 }
 

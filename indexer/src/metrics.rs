@@ -371,6 +371,18 @@ pub fn render(state: &AppState) -> String {
         "Routed requests awaiting /v1/complete.",
     );
     let _ = writeln!(out, "{full} {}", state.load.len());
+    let full = format!("{p}_snapshot_index_lock_seconds");
+    header(
+        &mut out,
+        &full,
+        "gauge",
+        "How long the last snapshot held the index lock (routing waited meanwhile).",
+    );
+    let _ = writeln!(
+        out,
+        "{full} {}",
+        state.metrics.snapshot_lock_us.load(Ordering::Relaxed) as f64 / 1e6
+    );
     let full = format!("{p}_uptime_seconds");
     header(&mut out, &full, "gauge", "Seconds since start.");
     let _ = writeln!(out, "{full} {}", state.started.elapsed().as_secs_f64());

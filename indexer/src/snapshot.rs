@@ -163,12 +163,14 @@ pub fn read(path: &Path) -> Result<Option<Snapshot>, SnapshotError> {
     }
 }
 
-/// Captures the current state (index and stream positions consistently, under the index lock).
+/// Captures the current state: the index and the stream positions consistently, under the index
+/// lock (only the copy is made under it; encoding happens after it is released). Blocking: call
+/// it off the async runtime.
 pub fn capture(state: &AppState) -> Result<Snapshot, String> {
     let replicas = state.fleet.all();
     let idx = lock(&state.index);
+    let locked = std::time::Instant::now();
     let export = idx.export();
-    let index = postcard::to_stdvec(&export).map_err(|e| e.to_string())?;
     let mut streams = Vec::new();
     for r in &replicas {
         let process_start = lock(&r.scraped).process_start;
@@ -186,6 +188,12 @@ pub fn capture(state: &AppState) -> Result<Snapshot, String> {
         }
     }
     drop(idx);
+    state
+        .metrics
+        .snapshot_lock_us
+        .store(locked.elapsed().as_micros() as u64, Ordering::Relaxed);
+    let index = postcard::to_stdvec(&export).map_err(|e| e.to_string())?;
+    drop(export);
     let block_sizes = state
         .models
         .values()
@@ -209,8 +217,12 @@ pub async fn save(state: &Arc<AppState>) -> Result<(), String> {
         return Ok(());
     };
     let started = std::time::Instant::now();
-    let snap = capture(state)?;
-    let bytes = encode(&snap).map_err(|e| e.to_string())?;
+    let st = state.clone();
+    let bytes = tokio::task::spawn_blocking(move || {
+        capture(&st).and_then(|snap| encode(&snap).map_err(|e| e.to_string()))
+    })
+    .await
+    .map_err(|e| e.to_string())??;
     let size = bytes.len();
     let path = cfg.path.clone();
     tokio::task::spawn_blocking(move || write_atomic(&path, &bytes))

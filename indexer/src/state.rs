@@ -75,6 +75,8 @@ pub struct Metrics {
     pub snapshots_written: AtomicU64,
     /// Snapshot write failures.
     pub snapshot_failures: AtomicU64,
+    /// How long the last snapshot held the index lock (routing waits meanwhile), microseconds.
+    pub snapshot_lock_us: AtomicU64,
     /// Scrape failures.
     pub scrape_failures: AtomicU64,
 }

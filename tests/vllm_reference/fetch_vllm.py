@@ -15,16 +15,32 @@ Cache layout (``$KVROUTE_VLLM_WHEEL_DIR``, else ``$KVROUTE_CACHE/vllm-wheel``, e
     pkg/READY                  version + wheel file name; present once extraction succeeded
 
 Prints the ``pkg`` directory on success. Re-running is a no-op when ``pkg/READY`` matches.
+
+Legacy releases (0.11.0, 0.23.0, 0.25.0: other wire layouts) are fetched too, without
+downloading their wheels: the manylinux x86_64 wheel's URL comes from PyPI's simple index, and
+``zipfile`` reads only the zip directory and the few members it needs through HTTP range requests
+(about 1 MB per release). The verbatim ``kv_events.py`` of each must match the sha256 pinned
+below, or nothing is written. Layout, one importable tree per release::
+
+    legacy/<version>/vllm/...   kv_events.py (verbatim) + that release's stand-ins
+    legacy/<version>/READY      version, wheel file name, sha256; present once it is complete
+
+``--no-legacy`` skips them. Their directories go to stderr (stdout stays the ``pkg`` line).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -172,9 +188,292 @@ def ensure() -> Path:
     return pkg
 
 
+# ---------------------------------------------------------------------------------------------
+# Legacy releases: kv_events.py read from the wheel with HTTP range requests.
+
+PYPI_SIMPLE = "https://pypi.org/simple/vllm/"
+HTTP_TIMEOUT = 60.0
+KV_EVENTS_CONFIG = "vllm/config/kv_events.py"
+
+# Per release: the wheel we read (manylinux x86_64, no build tag), the sha256 of its verbatim
+# kv_events.py (computed once from the wheel; it also matches the wheel's RECORD), and two facts
+# about that release's KVEventsConfig that the stand-in must reproduce (checked against the
+# wheel's vllm/config/kv_events.py): the `publisher` default, and whether __post_init__ turns
+# enable_kv_cache_events into publisher "zmq" (0.11 has no such step: publisher must be given).
+# (0.23.0 also has a build-tag-2 wheel; its kv_events.py is the same file.)
+LEGACY = {
+    "0.11.0": {
+        "wheel": "vllm-0.11.0-cp38-abi3-manylinux1_x86_64.whl",
+        "sha256": "232ccb502d7c8ed3b6e55b7dc0dd6d82b4c6baa8637e10862b71d260dc8f04f2",
+        "publisher_default": '"null"',
+        "post_init": False,
+    },
+    "0.23.0": {
+        "wheel": "vllm-0.23.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+        "sha256": "24841685ad6db3543a19b9639eea24e1992ab37c4773c775da9f4140bb813322",
+        "publisher_default": "None",
+        "post_init": True,
+    },
+    "0.25.0": {
+        "wheel": "vllm-0.25.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+        "sha256": "f566d4756ab562f7851806a1471f9a580682d6a6b2637d6a2e99580e5fa42756",
+        "publisher_default": "None",
+        "post_init": True,
+    },
+}
+# Every release above has exactly these KVEventsConfig fields, in this order.
+KV_EVENTS_CONFIG_FIELDS = [
+    "enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm",
+    "max_queue_size", "topic",
+]
+
+
+class Offline(Exception):
+    """PyPI could not be reached."""
+
+
+def _open(req: urllib.request.Request):
+    req.add_header("User-Agent", "kvroute-fetch_vllm")
+    try:
+        return urllib.request.urlopen(req, timeout=HTTP_TIMEOUT)
+    except urllib.error.HTTPError:
+        raise
+    except (urllib.error.URLError, OSError) as e:  # DNS, refused, timeout, TLS
+        raise Offline(f"{req.full_url}: {getattr(e, 'reason', e)}") from e
+
+
+class RangeFile(io.RawIOBase):
+    """A read-only, seekable view of a remote file; reads become HTTP range requests.
+
+    Bytes are fetched in aligned chunks and kept, so ``zipfile``'s small reads around the same
+    places (end of central directory, central directory, one local header + member) cost a
+    handful of requests. Every reply must be 206 with the expected total size.
+    """
+
+    CHUNK = 1 << 18
+
+    def __init__(self, url: str, size: int) -> None:
+        super().__init__()
+        self.url = url
+        self.size = size
+        self.pos = 0
+        self.chunks: dict[int, bytes] = {}
+        self.requests = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        if base + offset < 0:
+            raise OSError("seek before the start of the file")
+        self.pos = base + offset
+        return self.pos
+
+    def _fetch(self, first: int, last: int) -> None:
+        """Fetches chunks first..=last in one request."""
+        start = first * self.CHUNK
+        end = min(self.size, (last + 1) * self.CHUNK) - 1
+        req = urllib.request.Request(self.url, headers={"Range": f"bytes={start}-{end}"})
+        with _open(req) as r:
+            if r.status != 206:
+                raise SystemExit(f"{self.url}: HTTP {r.status} to a range request (want 206)")
+            total = r.headers.get("Content-Range", "").rpartition("/")[2]
+            if total != str(self.size):
+                raise SystemExit(
+                    f"{self.url}: Content-Range {r.headers.get('Content-Range')!r}, "
+                    f"but PyPI's index says the wheel has {self.size} bytes")
+            data = r.read()
+        self.requests += 1
+        if len(data) != end - start + 1:
+            raise SystemExit(f"{self.url}: got {len(data)} bytes for range {start}-{end}")
+        for i in range(first, last + 1):
+            off = (i - first) * self.CHUNK
+            self.chunks[i] = data[off:off + self.CHUNK]
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0 or self.pos + n > self.size:
+            n = max(0, self.size - self.pos)
+        if n == 0:
+            return b""
+        first, last = self.pos // self.CHUNK, (self.pos + n - 1) // self.CHUNK
+        missing = [i for i in range(first, last + 1) if i not in self.chunks]
+        if missing:
+            self._fetch(missing[0], missing[-1])
+        buf = b"".join(self.chunks[i] for i in range(first, last + 1))
+        off = self.pos - first * self.CHUNK
+        out = buf[off:off + n]
+        self.pos += len(out)
+        return out
+
+    def readinto(self, b) -> int:
+        data = self.read(len(b))
+        b[:len(data)] = data
+        return len(data)
+
+
+def wheel_location(filename: str) -> tuple[str, int]:
+    """URL and size of one vllm wheel, from PyPI's simple index (PEP 691 JSON)."""
+    req = urllib.request.Request(
+        PYPI_SIMPLE, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with _open(req) as r:
+        index = json.load(r)
+    for f in index.get("files", []):
+        if f.get("filename") == filename:
+            if not isinstance(f.get("size"), int):
+                raise SystemExit(f"{PYPI_SIMPLE}: no size for {filename}")
+            return f["url"], f["size"]
+    raise SystemExit(f"{PYPI_SIMPLE} does not list {filename}")
+
+
+def legacy_root() -> Path:
+    return cache_dir() / "legacy"
+
+
+def legacy_pkg_dir(version: str) -> Path:
+    """The importable tree of one legacy release (``sys.path`` entry)."""
+    return legacy_root() / version
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _ready_text(version: str) -> str:
+    pin = LEGACY[version]
+    return f"{version}\n{pin['wheel']}\n{pin['sha256']}\n"
+
+
+def legacy_ready(version: str) -> bool:
+    pkg = legacy_pkg_dir(version)
+    ready, module = pkg / "READY", pkg / VERBATIM
+    return (ready.is_file() and ready.read_text() == _ready_text(version) and module.is_file()
+            and _sha256(module.read_bytes()) == LEGACY[version]["sha256"])
+
+
+def check_config_facts(version: str, source: str) -> None:
+    """Refuses when the release's KVEventsConfig is not what the stand-in reproduces."""
+    pin = LEGACY[version]
+    body = source.split("class KVEventsConfig", 1)[-1]
+    fields = re.findall(r"^    (\w+): [^=\n]+=\s*([^\n#]+?)\s*(?:#.*)?$", body, re.M)
+    names = [n for n, _ in fields]
+    publisher = dict(fields).get("publisher")
+    post_init = "def __post_init__" in body
+    if (names != KV_EVENTS_CONFIG_FIELDS or publisher != pin["publisher_default"]
+            or post_init != pin["post_init"]):
+        raise SystemExit(
+            f"vllm {version} {KV_EVENTS_CONFIG}: fields {names}, publisher default "
+            f"{publisher}, __post_init__ {post_init}: not what the stand-in assumes; update it")
+
+
+def legacy_standins(version: str, alias: str) -> dict[str, str]:
+    """The stand-ins one legacy kv_events.py needs: it imports KVEventsConfig, init_logger and
+    ExternalBlockHash (nothing else of vLLM)."""
+    pin = LEGACY[version]
+    post_init = (
+        "\n    def __post_init__(self):\n"
+        "        if self.publisher is None:\n"
+        "            self.publisher = 'zmq' if self.enable_kv_cache_events else 'null'\n"
+        if pin["post_init"] else "")
+    publisher = "'null'" if pin["publisher_default"] == '"null"' else "None"
+    standins = {k: v for k, v in STANDINS.items() if k.endswith("__init__.py")}
+    standins["vllm/logger.py"] = STANDINS["vllm/logger.py"]
+    standins["vllm/config/kv_events.py"] = (
+        "from dataclasses import dataclass\n\n\n"
+        "@dataclass\n"
+        "class KVEventsConfig:\n"
+        f"    # vLLM {version}'s fields and defaults (checked against the wheel).\n"
+        "    enable_kv_cache_events: bool = False\n"
+        f"    publisher: str | None = {publisher}\n"
+        "    endpoint: str = 'tcp://*:5557'\n"
+        "    replay_endpoint: str | None = None\n"
+        "    buffer_steps: int = 10_000\n"
+        "    hwm: int = 100_000\n"
+        "    max_queue_size: int = 100_000\n"
+        "    topic: str = ''\n"
+        f"{post_init}"
+    )
+    standins["vllm/v1/core/kv_cache_utils.py"] = (
+        "from typing import TypeAlias, Union  # noqa: F401\n\n"
+        f"# Read from vLLM {version}'s {ALIAS_SOURCE}.\n"
+        f"ExternalBlockHash: TypeAlias = {alias}\n"
+    )
+    return standins
+
+
+def legacy_alias(version: str, source: str) -> str:
+    m = re.search(r"^ExternalBlockHash\s*(?::\s*TypeAlias\s*)?=\s*(.+)$", source, re.M)
+    alias = m.group(1).strip() if m else None
+    if alias not in ("bytes | int", "int | bytes", "Union[bytes, int]", "Union[int, bytes]"):
+        raise SystemExit(f"vllm {version} {ALIAS_SOURCE}: ExternalBlockHash is {alias!r}; "
+                         "update the stand-in")
+    return alias
+
+
+def fetch_legacy(version: str) -> Path:
+    pin = LEGACY[version]
+    pkg = legacy_pkg_dir(version)
+    if legacy_ready(version):
+        return pkg
+    url, size = wheel_location(pin["wheel"])
+    remote = RangeFile(url, size)
+    with zipfile.ZipFile(remote) as z:
+        module = z.read(VERBATIM)
+        alias = legacy_alias(version, z.read(ALIAS_SOURCE).decode())
+        check_config_facts(version, z.read(KV_EVENTS_CONFIG).decode())
+    got = _sha256(module)
+    if got != pin["sha256"]:
+        raise SystemExit(
+            f"vllm {version}: {VERBATIM} from {pin['wheel']} has sha256 {got}, "
+            f"pinned {pin['sha256']}: refusing it")
+    tmp = pkg.with_name(pkg.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / VERBATIM).parent.mkdir(parents=True)
+    (tmp / VERBATIM).write_bytes(module)
+    for rel, body in legacy_standins(version, alias).items():
+        p = tmp / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(STANDIN_HEADER + body)
+    (tmp / "READY").write_text(_ready_text(version))
+    shutil.rmtree(pkg, ignore_errors=True)
+    tmp.rename(pkg)
+    print(f"vllm {version}: {VERBATIM} read from {pin['wheel']} with {remote.requests} range "
+          f"requests ({sum(map(len, remote.chunks.values()))} of {size} bytes)", file=sys.stderr)
+    return pkg
+
+
+def ensure_legacy() -> list[Path]:
+    out = []
+    for version in LEGACY:
+        try:
+            out.append(fetch_legacy(version))
+        except Offline as e:
+            raise SystemExit(
+                f"cannot fetch vLLM {version}'s kv_events.py: PyPI is unreachable ({e}). "
+                f"Run this once with network access; it is then cached in {legacy_root()}"
+            ) from None
+        except urllib.error.HTTPError as e:
+            raise SystemExit(f"cannot fetch vLLM {version}'s kv_events.py: {e.url}: HTTP "
+                             f"{e.code} {e.reason}") from None
+    return out
+
+
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
-    print(ensure())
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--no-legacy", action="store_true",
+                    help="only vLLM 0.33.0 (skip the 0.11.0 / 0.23.0 / 0.25.0 kv_events.py)")
+    args = ap.parse_args()
+    pkg = ensure()
+    if not args.no_legacy:
+        for d in ensure_legacy():
+            print(f"legacy: {d}", file=sys.stderr)
+    print(pkg)
 
 
 if __name__ == "__main__":

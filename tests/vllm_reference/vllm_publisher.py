@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Publish a scripted KV event scenario through vLLM 0.33.0's own ``ZmqEventPublisher``.
+"""Publish a scripted KV event scenario through vLLM's own ``ZmqEventPublisher`` (0.33.0 or older).
 
 The publisher is made the way vLLM's scheduler makes it:
 ``EventPublisherFactory.create(KVEventsConfig(...), data_parallel_rank)``, one per DP rank (vLLM
@@ -8,11 +8,24 @@ from the release wheel. Events are vLLM's own msgspec structs (``BlockStored``, 
 ``AllBlocksCleared`` in a ``KVEventBatch``), so every byte on the wire, the live framing and the
 ROUTER replay protocol are vLLM's.
 
+``--kv-events-impl 0.11.0|0.23.0|0.25.0`` loads that release's verbatim ``kv_events.py`` instead
+(fetched by ``fetch_vllm.py`` into ``legacy/<version>``): 0.11.0 and 0.23.0 send events as msgpack
+arrays, 0.25.0 as maps, and all three reply to replay requests without the topic frame. Events
+are built with that module's own structs: a scenario field the release's struct lacks is dropped
+(0.11.0: ``lora_name``, ``extra_keys``, ``group_idx``, ``kv_cache_spec_kind``; 0.23.0 / 0.25.0:
+the newer fields of 0.33.0), so expectations must say what the engine could not publish. These
+releases cannot bind ``tcp://*:0`` per DP rank (they would add the rank to port 0), so with
+``data_parallel_size > 1`` a ``:0`` endpoint is replaced by a free base port for ``dp`` consecutive
+ports; ``kv_event_sources`` is then read from the bound sockets (those releases have no
+``GET /kv_event_sources``).
+
 Protocol with the caller (a test):
 
 * stdout, one JSON object per line:
   ``{"ready": true, "kv_event_sources": {"0": {...}, "1": {...}}}`` once every publisher is bound
-  (the same shape as vLLM's ``GET /kv_event_sources``: each rank's resolved ``KVEventsConfig``);
+  (the same shape as vLLM's ``GET /kv_event_sources``: each rank's resolved ``KVEventsConfig``),
+  plus ``"impl"`` (the release) and ``"structs"``: per event class, its fields in wire order and
+  whether it encodes as an array;
   ``{"published": k, "batches": n, "last_seq": {"0": s0, ...}}`` after phase ``k`` was handed to
   the publisher threads and flushed (each phase's batches are buffered for replay).
 * stdin: one line per further phase (any text, e.g. ``next``). Phase 0 is published without
@@ -39,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import threading
 import time
@@ -48,13 +62,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def vllm_pkg_dir(explicit: str | None) -> Path:
+DEFAULT_IMPL = "0.33.0"
+LEGACY_IMPLS = ("0.11.0", "0.23.0", "0.25.0")
+
+
+def vllm_pkg_dir(explicit: str | None, impl: str) -> Path:
     if explicit:
         return Path(explicit)
     sys.path.insert(0, str(HERE))
-    from fetch_vllm import cache_dir  # our own helper: same cache rules as the fetcher
+    from fetch_vllm import cache_dir, legacy_pkg_dir  # our own helpers: the fetcher's cache rules
 
-    return cache_dir() / "pkg"
+    return cache_dir() / "pkg" if impl == DEFAULT_IMPL else legacy_pkg_dir(impl)
 
 
 def emit(obj: dict) -> None:
@@ -70,12 +88,18 @@ def wire_hash(h):
     raise ValueError(f"bad block hash {h!r}: want a u64 or 'hex:...'")
 
 
+def build(cls, **fields):
+    """``cls(**fields)`` keeping only the fields this release's struct has."""
+    return cls(**{k: v for k, v in fields.items() if k in cls.__struct_fields__})
+
+
 def make_event(kv, ev: dict, block_size: int):
     kind = ev.get("type")
     if kind == "BlockStored":
         parent = ev.get("parent_block_hash")
         extra = ev.get("extra_keys")
-        return kv.BlockStored(
+        return build(
+            kv.BlockStored,
             block_hashes=[wire_hash(h) for h in ev["block_hashes"]],
             parent_block_hash=None if parent is None else wire_hash(parent),
             token_ids=list(ev["token_ids"]),
@@ -90,7 +114,8 @@ def make_event(kv, ev: dict, block_size: int):
             kv_cache_spec_kind=ev.get("kv_cache_spec_kind", "full_attention"),
         )
     if kind == "BlockRemoved":
-        return kv.BlockRemoved(
+        return build(
+            kv.BlockRemoved,
             block_hashes=[wire_hash(h) for h in ev["block_hashes"]],
             medium=ev.get("medium", kv.MEDIUM_GPU),
             group_idx=ev.get("group_idx", 0),
@@ -98,6 +123,68 @@ def make_event(kv, ev: dict, block_size: int):
     if kind == "AllBlocksCleared":
         return kv.AllBlocksCleared()
     raise ValueError(f"unknown event type {kind!r}")
+
+
+def struct_facts(kv) -> dict:
+    """Per event class of the loaded module: fields in wire order, array or map encoding."""
+    return {
+        name: {
+            "fields": list(getattr(kv, name).__struct_fields__),
+            "array_like": bool(getattr(kv, name).__struct_config__.array_like),
+        }
+        for name in ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+    }
+
+
+def free_port_run(n: int) -> int:
+    """A port p with p..p+n-1 all free on 127.0.0.1 right now (best effort)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        probes = []
+        try:
+            for p in range(base, base + n):
+                t = socket.socket()
+                probes.append(t)
+                t.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in probes:
+                t.close()
+    raise OSError(f"no run of {n} free ports")
+
+
+def concrete_endpoint(ep: str | None, dp: int) -> str | None:
+    """``tcp://*:0`` -> ``tcp://*:<free base port>`` for releases that offset port 0 by the rank."""
+    if ep is None or dp <= 1 or not ep.startswith("tcp://") or not ep.endswith(":0"):
+        return ep
+    return f"{ep[:-2]}:{free_port_run(dp)}"
+
+
+def bound(sock) -> str | None:
+    """The endpoint a socket is bound to, wildcard host as 127.0.0.1 (where a test connects)."""
+    import zmq  # pyzmq, which vLLM's module needs anyway
+
+    if sock is None:
+        return None
+    ep = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    return ep.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:").replace("tcp://[::]:", "tcp://127.0.0.1:")
+
+
+def legacy_sources(publishers, config) -> dict:
+    """What ``GET /kv_event_sources`` would say, read from each publisher's bound sockets."""
+    out = {}
+    for rank, p in enumerate(publishers):
+        d = asdict(config)
+        d["endpoint"] = bound(p._pub)  # noqa: SLF001
+        d["replay_endpoint"] = bound(p._replay)  # noqa: SLF001
+        out[str(rank)] = d
+    return out
 
 
 def wait_flushed(publishers, timeout: float) -> None:
@@ -120,13 +207,20 @@ def main() -> int:
     ap.add_argument("--linger", type=float, default=120.0,
                     help="seconds to keep serving replay after the last phase (EOF ends earlier)")
     ap.add_argument("--buffer-steps", type=int, default=10_000)
-    ap.add_argument("--vllm-dir", help="extracted tree (default: fetch_vllm.py's cache)/pkg")
+    ap.add_argument("--kv-events-impl", default=DEFAULT_IMPL, choices=[DEFAULT_IMPL, *LEGACY_IMPLS],
+                    help="whose kv_events.py publishes (default 0.33.0)")
+    ap.add_argument("--vllm-dir",
+                    help="extracted tree (default: fetch_vllm.py's cache: pkg, or legacy/<impl>)")
     args = ap.parse_args()
+    legacy = args.kv_events_impl != DEFAULT_IMPL
 
-    pkg = vllm_pkg_dir(args.vllm_dir)
-    if not (pkg / "READY").is_file():
-        print(f"vLLM's kv_events.py is not extracted in {pkg}: run `cargo xtask setup`",
-              file=sys.stderr)
+    pkg = vllm_pkg_dir(args.vllm_dir, args.kv_events_impl)
+    if not (pkg / "READY").is_file() or not (pkg / "vllm/distributed/kv_events.py").is_file():
+        print(f"vLLM {args.kv_events_impl}'s kv_events.py is not extracted in {pkg}: "
+              "run `cargo xtask setup`", file=sys.stderr)
+        return 3
+    if legacy and not (pkg / "READY").read_text().startswith(f"{args.kv_events_impl}\n"):
+        print(f"{pkg} does not hold vLLM {args.kv_events_impl}", file=sys.stderr)
         return 3
     sys.path.insert(0, str(pkg))
     import vllm.distributed.kv_events as kv  # vLLM's own module (verbatim from the wheel)
@@ -148,11 +242,16 @@ def main() -> int:
         print("bad scenario: a batch's rank is outside data_parallel_size", file=sys.stderr)
         return 2
 
+    endpoint = args.endpoint
+    replay_endpoint = None if args.replay_endpoint == "none" else args.replay_endpoint
+    if legacy:
+        endpoint = concrete_endpoint(endpoint, dp)
+        replay_endpoint = concrete_endpoint(replay_endpoint, dp)
     config = KVEventsConfig(
         enable_kv_cache_events=True,
         publisher="zmq",
-        endpoint=args.endpoint,
-        replay_endpoint=None if args.replay_endpoint == "none" else args.replay_endpoint,
+        endpoint=endpoint,
+        replay_endpoint=replay_endpoint,
         buffer_steps=args.buffer_steps,
         topic=scenario.get("topic", ""),
     )
@@ -161,11 +260,17 @@ def main() -> int:
     if not all(isinstance(p, kv.ZmqEventPublisher) for p in publishers):
         print("EventPublisherFactory did not make a ZmqEventPublisher", file=sys.stderr)
         return 2
+    if legacy:
+        sources = legacy_sources(publishers, config)
+    else:
+        sources = {
+            str(rank): asdict(p.get_publisher_config()) for rank, p in enumerate(publishers)
+        }
     emit({
         "ready": True,
-        "kv_event_sources": {
-            str(rank): asdict(p.get_publisher_config()) for rank, p in enumerate(publishers)
-        },
+        "impl": args.kv_events_impl,
+        "structs": struct_facts(kv),
+        "kv_event_sources": sources,
     })
 
     next_phase = threading.Event()

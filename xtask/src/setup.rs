@@ -60,7 +60,7 @@ pub fn run(layout: &Layout) -> Result<()> {
         step(
             4,
             total,
-            "vLLM 0.33.0 reference modules (PyPI wheel)",
+            "vLLM reference modules (0.33.0 wheel; 0.11/0.23/0.25 kv_events.py by range reads)",
             || ensure_vllm_reference(layout, &vllm_script),
         )?;
     }

@@ -78,7 +78,7 @@ use serde::{Deserialize, Serialize};
 
 use predicted::{PredictedChange, PredictedStore};
 use slab::{media_of, pack, slot_of, Slab, FLAG_ALIASED, MAX_SLOTS};
-pub use snapshot::{BlockSnapshot, IndexSnapshot, SNAPSHOT_VERSION};
+pub use snapshot::{IndexSnapshot, SNAPSHOT_VERSION};
 
 /// A replica id as the caller numbers replicas (stable for the replica's lifetime in the index).
 pub type ReplicaId = u32;
@@ -145,6 +145,18 @@ pub enum IndexError {
         #[source]
         source: RouterKeyError,
     },
+    /// A LoRA block announced only by its adapter's int id (vLLM <= 0.11: no `lora_name`, no
+    /// `extra_keys`). The engine hashed it with the adapter, so it is not a base-model block and
+    /// its router keys cannot be computed.
+    #[error("replica {replica}: BlockStored of LoRA id {lora_id} without lora_name or extra_keys; {blocks} blocks dropped")]
+    LoraIdOnly {
+        /// The replica.
+        replica: ReplicaId,
+        /// The event's `lora_id`.
+        lora_id: i64,
+        /// Blocks in the dropped event.
+        blocks: usize,
+    },
     /// More replicas than a holder can name (2^24).
     #[error("too many replicas in one index (limit {limit})")]
     TooManyReplicas {
@@ -159,6 +171,9 @@ pub enum IndexError {
         /// The version this build reads.
         expected: u32,
     },
+    /// A snapshot whose arrays do not agree with each other.
+    #[error("snapshot is corrupt: its block, holder and replica arrays do not agree")]
+    SnapshotCorrupt,
 }
 
 /// What applying one event did.
@@ -615,6 +630,14 @@ impl KvIndex {
     ) -> Result<ApplyOutcome, IndexError> {
         if !self.wanted_group(st.group_idx) || st.block_hashes.is_empty() {
             return self.ignored();
+        }
+        if let (Some(lora_id), None, None) = (st.lora_id, &st.lora_name, &st.extra_keys) {
+            self.stats.invalid_events += 1;
+            return Err(IndexError::LoraIdOnly {
+                replica,
+                lora_id,
+                blocks: st.block_hashes.len(),
+            });
         }
         let parent = match &st.parent_block_hash {
             None => ROOT,

@@ -143,6 +143,37 @@ fn invalid_event_is_rejected_without_change() {
 }
 
 #[test]
+fn lora_id_without_name_or_extra_keys_is_rejected() {
+    // vLLM <= 0.11 names a LoRA block only by `lora_id`; it is not a base-model block.
+    let mut ix = KvIndex::default();
+    let KvEvent::BlockStored(mut st) = stored(1, 0..2, Medium::Gpu, 0) else {
+        unreachable!()
+    };
+    st.lora_id = Some(1);
+    let err = ix
+        .apply(0, &KvEvent::BlockStored(st.clone()))
+        .expect_err("lora_id only");
+    assert!(
+        matches!(
+            err,
+            IndexError::LoraIdOnly {
+                replica: 0,
+                lora_id: 1,
+                blocks: 2
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!((ix.stats().blocks, ix.stats().invalid_events), (0, 1));
+    assert_eq!(ix.lookup(&keys(1, 2), 0), vec![]);
+    // With its name (vLLM >= 0.15) it is keyed under the adapter.
+    st.lora_name = Some("sql-lora".into());
+    apply(&mut ix, 0, &KvEvent::BlockStored(st));
+    assert_eq!(ix.stats().blocks, 2);
+    assert_eq!(ix.lookup(&keys(1, 2), 0), vec![]);
+}
+
+#[test]
 fn removal_cuts_the_match_and_frees_blocks() {
     let mut ix = KvIndex::default();
     apply(&mut ix, 0, &stored(1, 0..6, Medium::Gpu, 0));
@@ -375,12 +406,11 @@ fn budget_is_never_exceeded_and_hot_blocks_survive() {
     // Entries count matches a fresh walk of the index.
     let walked: u64 = ix
         .export()
-        .blocks
-        .iter()
-        .map(|b| b.holders.len() as u64)
+        .iter_blocks()
+        .map(|(_, _, holders)| holders.len() as u64)
         .sum();
     assert_eq!(walked, s.entries);
-    assert_eq!(ix.export().blocks.len() as u64, s.blocks);
+    assert_eq!(ix.export().blocks() as u64, s.blocks);
 }
 
 #[test]
@@ -433,6 +463,19 @@ fn snapshot_round_trips_through_postcard() {
     assert!(matches!(
         KvIndex::import(IndexConfig::default(), &bad),
         Err(IndexError::SnapshotVersion { found: 99, .. })
+    ));
+    // Arrays that disagree are refused, not half-imported.
+    let mut short = ix.export();
+    short.holders.pop();
+    assert!(matches!(
+        KvIndex::import(IndexConfig::default(), &short),
+        Err(IndexError::SnapshotCorrupt)
+    ));
+    let mut stray = ix.export();
+    stray.holders[0] = 200 << 8 | 1;
+    assert!(matches!(
+        KvIndex::import(IndexConfig::default(), &stray),
+        Err(IndexError::SnapshotCorrupt)
     ));
 }
 

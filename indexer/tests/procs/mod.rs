@@ -46,19 +46,38 @@ pub fn python() -> PathBuf {
     p
 }
 
-/// The extracted vLLM 0.33.0 tree (`fetch_vllm.py`'s cache rules); panics with the setup hint.
-pub fn vllm_pkg() -> PathBuf {
-    let dir = if let Some(d) = std::env::var_os("KVROUTE_VLLM_WHEEL_DIR") {
+/// `fetch_vllm.py`'s cache directory (`KVROUTE_VLLM_WHEEL_DIR`, `KVROUTE_CACHE`/vllm-wheel, or the
+/// xtask default).
+fn vllm_wheel_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("KVROUTE_VLLM_WHEEL_DIR") {
         PathBuf::from(d)
     } else if let Some(c) = std::env::var_os("KVROUTE_CACHE") {
         PathBuf::from(c).join("vllm-wheel")
     } else {
         workspace().join("target/kvroute-cache/vllm-wheel")
-    };
-    let pkg = dir.join("pkg");
+    }
+}
+
+/// The extracted vLLM 0.33.0 tree (`fetch_vllm.py`'s cache rules); panics with the setup hint.
+pub fn vllm_pkg() -> PathBuf {
+    let pkg = vllm_wheel_dir().join("pkg");
     assert!(
         pkg.join("READY").is_file() && pkg.join("vllm/distributed/kv_events.py").is_file(),
         "vLLM 0.33.0's kv_events.py is not extracted in {}: run `cargo xtask setup`",
+        pkg.display()
+    );
+    pkg
+}
+
+/// The importable tree of a legacy vLLM release's verbatim `kv_events.py` (`fetch_vllm.py`'s
+/// `legacy/<version>`); panics with the setup hint.
+pub fn vllm_legacy_pkg(version: &str) -> PathBuf {
+    let pkg = vllm_wheel_dir().join("legacy").join(version);
+    let ready = std::fs::read_to_string(pkg.join("READY")).unwrap_or_default();
+    assert!(
+        ready.starts_with(&format!("{version}\n"))
+            && pkg.join("vllm/distributed/kv_events.py").is_file(),
+        "vLLM {version}'s kv_events.py is not extracted in {}: run `cargo xtask setup`",
         pkg.display()
     );
     pkg
