@@ -327,11 +327,31 @@ async fn collect_response(
     Json(body).into_response()
 }
 
-/// Per-prompt streaming state: output ids so far and the text already sent.
+/// Per-prompt streaming state: output ids so far and the incremental detokenizer's window
+/// (vLLM's `prefix_offset` / `read_offset`: each step decodes only the last few ids, so a long
+/// output costs linear, not quadratic, time).
 struct StreamState {
     ids: Vec<u32>,
-    sent: String,
+    prefix_offset: usize,
+    read_offset: usize,
     first: bool,
+}
+
+impl StreamState {
+    /// Adds `id` and returns the text it completes ("" while a character is still partial).
+    fn push(&mut self, id: u32, decode: impl Fn(&[u32]) -> String) -> String {
+        self.ids.push(id);
+        let prefix_text = decode(&self.ids[self.prefix_offset..self.read_offset]);
+        let new_text = decode(&self.ids[self.prefix_offset..]);
+        if new_text.len() > prefix_text.len() && !new_text.ends_with('\u{FFFD}') {
+            if let Some(delta) = new_text.get(prefix_text.len()..) {
+                self.prefix_offset = self.read_offset;
+                self.read_offset = self.ids.len();
+                return delta.to_string();
+            }
+        }
+        String::new()
+    }
 }
 
 fn stream_response(
@@ -353,7 +373,8 @@ fn stream_response(
     let mut states: Vec<StreamState> = (0..total)
         .map(|_| StreamState {
             ids: Vec::new(),
-            sent: String::new(),
+            prefix_offset: 0,
+            read_offset: 0,
             first: true,
         })
         .collect();
@@ -364,15 +385,7 @@ fn stream_response(
             let st = &mut states[i];
             match out {
                 SeqOutput::Token(t) => {
-                    st.ids.push(t);
-                    let text = s.decode(&st.ids);
-                    let delta = if text.starts_with(&st.sent) && !text.ends_with('\u{FFFD}') {
-                        let d = text[st.sent.len()..].to_string();
-                        st.sent = text;
-                        d
-                    } else {
-                        String::new()
-                    };
+                    let delta = st.push(t, |ids| s.decode(ids));
                     if chat {
                         if st.first {
                             evs.push(openai::chat_chunk(&id, created, &model, Some(""), true, false));

@@ -359,3 +359,35 @@ async fn sigterm_stops_cleanly() {
         .expect("did not exit after SIGTERM");
     assert!(status.success(), "{status:?}");
 }
+
+#[tokio::test]
+async fn streamed_deltas_add_up_to_the_whole_text() {
+    // Output ids are drawn from the whole byte-level vocabulary, so characters split across
+    // tokens: the incremental detokenizer must hold them back and still lose nothing.
+    let s = sim();
+    let c = reqwest::Client::new();
+    let body = json!({"model": "qwen3", "prompt": "tell me a long story", "max_tokens": 400});
+    let (st, v) = post(&c, &s.url("/v1/completions"), &body).await;
+    assert_eq!(st, 200, "{v}");
+    let whole = v["choices"][0]["text"].as_str().unwrap().to_string();
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let text = c
+        .post(s.url("/v1/completions"))
+        .json(&streamed)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let deltas: String = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_string))
+        .collect();
+    assert!(whole.chars().count() > 100, "{whole:?}");
+    assert_eq!(deltas, whole.trim_end_matches('\u{FFFD}'));
+}
