@@ -120,6 +120,7 @@ pub fn run(layout: &Layout, opts: &DemoOptions) -> Result<()> {
         hash_algo: "sha256_cbor".to_string(),
         envoy_concurrency: 2,
         sim_args: Vec::new(),
+        scoring: Vec::new(),
     };
     let mut stack = Stack::new(
         layout,

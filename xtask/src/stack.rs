@@ -43,6 +43,8 @@ pub struct StackConfig {
     pub envoy_concurrency: usize,
     /// Extra arguments for every replica (e.g. cost model flags).
     pub sim_args: Vec<String>,
+    /// Extra `key = value` lines for the indexer's `[scoring]` table (weights to try).
+    pub scoring: Vec<String>,
 }
 
 /// The ports of one replica.
@@ -267,10 +269,15 @@ impl Stack {
             "# Written by cargo xtask for a local stack.\n\
              listen = {}\nscrape_interval_ms = 500\n\n\
              # The simulated replicas prefill 30k tokens/s of model time, time-scaled.\n\
-             [scoring]\nprefill_tokens_per_s = {:.1}\n\n\
+             [scoring]\nprefill_tokens_per_s = {:.1}\n{}\n\
              [[models]]\nname = {}\nmodel_dir = {}\nblock_size = {}\nhash = {{ algo = {} }}\n",
             quote(&format!("127.0.0.1:{}", self.ports.indexer))?,
             SIM_PREFILL_TOKENS_PER_S * self.cfg.time_scale.max(f64::MIN_POSITIVE),
+            self.cfg
+                .scoring
+                .iter()
+                .map(|line| format!("{line}\n"))
+                .collect::<String>(),
             quote(&self.cfg.model)?,
             quote(&self.cfg.model_dir.to_string_lossy())?,
             self.cfg.block_size,

@@ -123,6 +123,10 @@ pub struct BenchOptions {
     /// Seed of the synthetic workloads.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// A scoring setting for the indexer, `key=value` as in its `[scoring]` table (repeatable;
+    /// e.g. `--scoring credit_decay=0.02`); the report's command line shows it.
+    #[arg(long, value_parser = parse_scoring_setting)]
+    pub scoring: Vec<String>,
     /// Where the report goes (its generated section is replaced).
     #[arg(long, default_value = "docs/benchmarks.md")]
     pub out: PathBuf,
@@ -361,6 +365,7 @@ fn routing(layout: &Layout, opts: &BenchOptions) -> Result<()> {
                 hash_algo: "sha256_cbor".to_string(),
                 envoy_concurrency: 2,
                 sim_args: vec!["--max-model-len".into(), opts.max_model_len.to_string()],
+                scoring: opts.scoring.clone(),
             };
             let work_dir = out_dir.join(format!("{replicas}x{gpu_blocks}"));
             let mut stack = Stack::new(
@@ -796,6 +801,22 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
     let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
     let y = yoe + era * 400 + i64::from(m <= 2);
     (y, m, d)
+}
+
+/// `key=value` -> a TOML line `key = value` (the value must be a number or a boolean).
+fn parse_scoring_setting(s: &str) -> std::result::Result<String, String> {
+    let (key, value) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?}: expected key=value"))?;
+    let key = key.trim();
+    let value = value.trim();
+    if key.is_empty() || !key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        return Err(format!("{key:?} is not a [scoring] key"));
+    }
+    if value.parse::<f64>().is_err() && value != "true" && value != "false" {
+        return Err(format!("{value:?}: expected a number or true/false"));
+    }
+    Ok(format!("{key} = {value}"))
 }
 
 #[cfg(test)]
