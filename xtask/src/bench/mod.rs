@@ -589,7 +589,8 @@ fn run_policy(
     };
     let progress = Progress::default();
     let total = workload.requests.len();
-    let router_groups = stack.router_process_groups();
+    let mut router_groups = stack.router_process_groups();
+    router_groups.extend(&router.own_groups);
     let usage_before = peers::usage::sample(&router_groups);
     let started = Instant::now();
     let (outcomes, wall) = thread::scope(|scope| {
@@ -622,11 +623,9 @@ fn run_policy(
         .collect::<Result<Vec<_>>>()?;
     let deltas: Vec<ReplicaCounters> = after.iter().zip(&before).map(|(a, b)| a.since(b)).collect();
     let mut summary = RunSummary::new(ctx, &outcomes, wall, &deltas);
-    summary.router_cost = Some(peers::RouterCost::between(
-        &usage_before,
-        &usage_after,
-        total,
-    ));
+    // Nothing sampled (no process found) is reported as unknown, not as free.
+    summary.router_cost = (usage_after.processes > 0)
+        .then(|| peers::RouterCost::between(&usage_before, &usage_after, total));
     let log = work_dir.join(format!(
         "requests-{}-{}-{}.jsonl",
         workload.name,

@@ -24,6 +24,8 @@ pub struct Router {
     pub addr: String,
     /// Processes started outside [`Stack`] (stopped when dropped).
     _own: Option<Supervisor>,
+    /// Process groups of those processes (their CPU and memory count as the router's).
+    pub own_groups: Vec<u32>,
 }
 
 /// A routing policy under test.
@@ -99,7 +101,11 @@ impl Policy {
     /// Starts the router for this policy in front of the (running) replicas; `envoy` is the
     /// Envoy binary and `work_dir` takes configs and logs of processes started here.
     pub fn start(self, stack: &mut Stack, envoy: &Path, work_dir: &Path) -> Result<Router> {
-        let router = |addr: String| Router { addr, _own: None };
+        let router = |addr: String| Router {
+            addr,
+            _own: None,
+            own_groups: Vec::new(),
+        };
         match (self, self.indexer_policy()) {
             (_, Some(policy)) => {
                 stack.start_indexer(policy)?;
@@ -159,7 +165,7 @@ fn start_session_envoy(stack: &Stack, envoy: &Path, work_dir: &Path) -> Result<R
         "2",
     ]);
     let mut sup = Supervisor::new(true);
-    sup.spawn(
+    let pid = sup.spawn(
         "envoy-session",
         cmd,
         &work_dir.join("logs").join("envoy-session.log"),
@@ -173,6 +179,7 @@ fn start_session_envoy(stack: &Stack, envoy: &Path, work_dir: &Path) -> Result<R
     Ok(Router {
         addr: format!("127.0.0.1:{listen}"),
         _own: Some(sup),
+        own_groups: vec![pid],
     })
 }
 
