@@ -233,6 +233,7 @@ fn build(layout: &Layout, debug: bool) -> Result<()> {
     }
     native.current_dir(&layout.root);
     cmd::run(&mut native)?;
+    crate::toolchain::ensure_wasm_target(&layout.root)?;
     let mut wasm = Command::new(cargo_bin());
     wasm.args([
         "build",

@@ -15,6 +15,7 @@ mod setup;
 mod stack;
 mod stats;
 mod test;
+mod toolchain;
 mod workload;
 
 use std::process::ExitCode;

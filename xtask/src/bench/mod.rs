@@ -531,6 +531,7 @@ fn routing(layout: &Layout, opts: &BenchOptions) -> Result<()> {
 /// Release builds of the simulator and the indexer, and the filter's .wasm.
 fn build_release(layout: &Layout) -> Result<()> {
     println!("==> bench: building (release): kvroute-sim, kvroute-indexer, kvroute_filter.wasm");
+    crate::toolchain::ensure_wasm_target(&layout.root)?;
     for args in [
         &[
             "build",
