@@ -75,7 +75,7 @@ impl Policy {
             Policy::RoundRobin => "plain Envoy, `lb_policy: ROUND_ROBIN`",
             Policy::LeastRequest => "plain Envoy, `lb_policy: LEAST_REQUEST`",
             Policy::Random => "Envoy + kvroute filter + indexer `--policy random`",
-            Policy::Session => "plain Envoy, `lb_policy: RING_HASH` with a route `hash_policy` on the `x-session-id` header (header session affinity; the filter does not pass the header to the indexer, so the indexer's `--policy session` cannot be reached through Envoy)",
+            Policy::Session => "plain Envoy, `lb_policy: RING_HASH` with a route `hash_policy` on the `x-session-id` header (header session affinity as an Envoy user would set it up; kvroute's own `--policy session`, which the filter reaches by forwarding the header, is not benchmarked)",
             Policy::ApproxPrefix => "Envoy + kvroute filter + indexer `--policy approx-prefix` (router-side prefix guess, no events)",
         }
     }
