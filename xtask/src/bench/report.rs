@@ -363,15 +363,37 @@ pub fn render_section(
                 ))
             })
             .collect();
-        for note in w.notes.iter().chain(&errors) {
+        let late = late_send_notes(w);
+        for note in w.notes.iter().chain(&errors).chain(&late) {
             let _ = writeln!(out, "* {note}");
         }
-        if !w.notes.is_empty() || !errors.is_empty() {
+        if !w.notes.is_empty() || !errors.is_empty() || !late.is_empty() {
             out.push('\n');
         }
     }
     let _ = writeln!(out, "{END_MARKER}");
     out
+}
+
+/// A send later than this (wall ms) means every client slot was busy: the replay stopped being
+/// open loop for a while.
+pub const LATE_SEND_MS: f64 = 1000.0;
+
+/// One note per run whose client sent a request more than [`LATE_SEND_MS`] after its arrival time.
+fn late_send_notes(w: &WorkloadResults) -> Vec<String> {
+    w.runs
+        .iter()
+        .filter(|r| r.max_send_lag_ms > LATE_SEND_MS)
+        .map(|r| {
+            format!(
+                "{} / {} / {}: a request was sent {:.1} s after its arrival time (every `--concurrency` slot was busy), so this line was not fully open loop; raise `--concurrency`",
+                fleet(r),
+                r.load,
+                r.policy,
+                r.max_send_lag_ms / 1000.0
+            )
+        })
+        .collect()
 }
 
 /// Puts `section` into `path` between the markers, keeping everything else; creates the file
@@ -823,6 +845,19 @@ mod tests {
             .measured
             .contains("kv 200 ms, round robin 2000 ms"));
         assert_eq!(fmt_time(Some(48_940.0)), "48.9 s");
+    }
+
+    #[test]
+    fn late_sends_are_reported_only_past_the_threshold() {
+        let mut w = results().remove(0);
+        assert!(late_send_notes(&w).is_empty());
+        w.runs[1].max_send_lag_ms = LATE_SEND_MS - 1.0;
+        w.runs[3].max_send_lag_ms = 39_450.0;
+        let notes = late_send_notes(&w);
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(notes[0].starts_with(
+            "4 replicas x 1000 blocks / 8 req/s / round-robin: a request was sent 39.5 s"
+        ));
     }
 
     #[test]
