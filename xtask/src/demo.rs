@@ -241,7 +241,7 @@ fn build(layout: &Layout, debug: bool) -> Result<()> {
         "-p",
         "kvroute-filter",
         "--target",
-        "wasm32-wasip1",
+        crate::toolchain::WASM_TARGET,
     ])
     .current_dir(&layout.root);
     cmd::run(&mut wasm)

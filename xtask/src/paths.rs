@@ -59,7 +59,7 @@ impl Layout {
     /// The filter as Envoy loads it (built by `cargo build -p kvroute-filter --target wasm32-wasip1 --release`).
     pub fn filter_wasm(&self) -> PathBuf {
         self.target_dir
-            .join("wasm32-wasip1")
+            .join(crate::toolchain::WASM_TARGET)
             .join("release")
             .join("kvroute_filter.wasm")
     }

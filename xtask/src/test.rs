@@ -163,7 +163,7 @@ fn plan(opts: &TestOptions) -> Vec<Step> {
                 "-p",
                 "kvroute-filter",
                 "--target",
-                "wasm32-wasip1",
+                crate::toolchain::WASM_TARGET,
                 "--",
                 "-D",
                 "warnings",
@@ -172,7 +172,13 @@ fn plan(opts: &TestOptions) -> Vec<Step> {
     }
     steps.push(step(
         "core (wasm32)",
-        cargo(&["build", "-p", "kvroute-core", "--target", "wasm32-wasip1"]),
+        cargo(&[
+            "build",
+            "-p",
+            "kvroute-core",
+            "--target",
+            crate::toolchain::WASM_TARGET,
+        ]),
     ));
     steps.push(step(
         "filter .wasm",
@@ -181,7 +187,7 @@ fn plan(opts: &TestOptions) -> Vec<Step> {
             "-p",
             "kvroute-filter",
             "--target",
-            "wasm32-wasip1",
+            crate::toolchain::WASM_TARGET,
             "--release",
         ]),
     ));

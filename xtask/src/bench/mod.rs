@@ -547,7 +547,7 @@ fn build_release(layout: &Layout) -> Result<()> {
             "-p",
             "kvroute-filter",
             "--target",
-            "wasm32-wasip1",
+            crate::toolchain::WASM_TARGET,
         ][..],
     ] {
         let mut cargo = Command::new(crate::paths::cargo_bin());
