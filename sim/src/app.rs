@@ -109,7 +109,7 @@ pub async fn run(cli: Cli) -> Result<(), AppError> {
         let sink = match &events_cfg {
             Some(c) if c.publishes() => {
                 let rc = c.for_rank(rank)?;
-                let p = events::start(rc, layout, rank as i64).await?;
+                let p = events::start(rc, layout, rank as i64, &cli.host).await?;
                 let mut v = serde_json::to_value(&p.config).unwrap_or(Value::Null);
                 v["enable_kv_cache_events"] = Value::Bool(true);
                 sources.insert(rank.to_string(), v);

@@ -12,7 +12,8 @@ use crate::latency::LatencyModel;
 #[derive(Debug, Clone, Parser)]
 #[command(name = "kvroute-sim", version, about)]
 pub struct Cli {
-    /// Address to listen on.
+    /// Address to listen on: the HTTP server, and the event and replay sockets of `tcp://*:PORT`
+    /// endpoints (loopback by default: the events carry prompt token ids).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// HTTP port (0 = pick a free one; the bound address is logged and printed).

@@ -137,9 +137,18 @@ pub fn is_bind_endpoint(endpoint: &str) -> bool {
         || endpoint.starts_with("inproc://")
 }
 
-/// The address the zeromq crate can bind: `*` becomes `0.0.0.0` (its resolver does not know `*`).
-fn bindable(endpoint: &str) -> String {
-    endpoint.replace("tcp://*:", "tcp://0.0.0.0:")
+/// The address the zeromq crate binds for `endpoint`: `*` becomes `host`, the simulator's
+/// `--host` (127.0.0.1 unless set). vLLM binds `*` on every interface; the simulator keeps its
+/// event and replay sockets on the interface of its HTTP server instead, because `BlockStored`
+/// carries prompt token ids: `--host 0.0.0.0` opts into every interface. (The zeromq crate's
+/// resolver does not know `*` anyway.)
+pub fn bindable(endpoint: &str, host: &str) -> String {
+    let host = if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]")
+    } else {
+        host.to_string()
+    };
+    endpoint.replace("tcp://*:", &format!("tcp://{host}:"))
 }
 
 fn sock_err(endpoint: &str, e: impl std::fmt::Display) -> EventsError {
@@ -149,17 +158,19 @@ fn sock_err(endpoint: &str, e: impl std::fmt::Display) -> EventsError {
     }
 }
 
-/// Starts the publisher for one engine rank (`cfg` already offset for the rank).
+/// Starts the publisher for one engine rank (`cfg` already offset for the rank); `*` endpoints
+/// bind on `bind_host` ([`bindable`]).
 pub async fn start(
     cfg: KvEventsConfig,
     layout: WireLayout,
     data_parallel_rank: i64,
+    bind_host: &str,
 ) -> Result<Publisher, EventsError> {
     let mut publisher = zeromq::PubSocket::new();
     let mut pending_connect = None;
     if is_bind_endpoint(&cfg.endpoint) {
         publisher
-            .bind(&bindable(&cfg.endpoint))
+            .bind(&bindable(&cfg.endpoint, bind_host))
             .await
             .map_err(|e| sock_err(&cfg.endpoint, e))?;
     } else {
@@ -184,7 +195,9 @@ pub async fn start(
     let replay = match &cfg.replay_endpoint {
         Some(ep) => {
             let mut r = zeromq::RouterSocket::new();
-            r.bind(&bindable(ep)).await.map_err(|e| sock_err(ep, e))?;
+            r.bind(&bindable(ep, bind_host))
+                .await
+                .map_err(|e| sock_err(ep, e))?;
             Some(r)
         }
         None => None,
@@ -351,5 +364,82 @@ async fn send_frames(send: &mut zeromq::RouterSendHalf, frames: Vec<Bytes>) -> b
             }
         },
         Err(_) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn wildcard_endpoints_bind_on_the_http_host() {
+        assert_eq!(
+            bindable("tcp://*:5557", "127.0.0.1"),
+            "tcp://127.0.0.1:5557"
+        );
+        assert_eq!(bindable("tcp://*:5557", "::1"), "tcp://[::1]:5557");
+        assert_eq!(bindable("tcp://*:5557", "0.0.0.0"), "tcp://0.0.0.0:5557");
+        assert_eq!(
+            bindable("tcp://10.0.0.1:5558", "127.0.0.1"),
+            "tcp://10.0.0.1:5558"
+        );
+    }
+
+    /// The local addresses of the listening TCP sockets on `port` (Linux `/proc/net/tcp`).
+    #[cfg(target_os = "linux")]
+    fn listeners_on(port: u16) -> Vec<std::net::Ipv4Addr> {
+        let table = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp");
+        table
+            .lines()
+            .skip(1)
+            .filter_map(|line| {
+                let cols: Vec<&str> = line.split_whitespace().collect();
+                let (addr, p) = cols.get(1)?.split_once(':')?;
+                (cols.get(3) == Some(&"0A") && u16::from_str_radix(p, 16).ok()? == port).then(
+                    || {
+                        std::net::Ipv4Addr::from(
+                            u32::from_str_radix(addr, 16).unwrap_or(0).swap_bytes(),
+                        )
+                    },
+                )
+            })
+            .collect()
+    }
+
+    /// Prompts leak through the event stream (`BlockStored` carries token ids): with the default
+    /// flags and vLLM's usual `tcp://*:PORT` endpoints, both sockets listen on loopback only.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn default_event_sockets_listen_on_loopback_only() {
+        let cli = crate::cli::Cli::parse_from(["kvroute-sim", "--model-dir", "/unused"]);
+        let free = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map(|a| a.port())
+                .expect("a free port")
+        };
+        let (events, replay) = (free(), free());
+        let cfg = KvEventsConfig::parse(&format!(
+            r#"{{"enable_kv_cache_events":true,"endpoint":"tcp://*:{events}","replay_endpoint":"tcp://*:{replay}"}}"#
+        ))
+        .expect("config");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let publisher = start(cfg, WireLayout::V0_33, 0, &cli.host)
+                .await
+                .expect("publisher");
+            for (what, port) in [("PUB", events), ("replay ROUTER", replay)] {
+                let addrs = listeners_on(port);
+                assert!(
+                    !addrs.is_empty() && addrs.iter().all(|a| a.is_loopback()),
+                    "the {what} socket on port {port} listens on {addrs:?}, not loopback only"
+                );
+            }
+            publisher.join().await;
+        });
     }
 }
