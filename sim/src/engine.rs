@@ -387,15 +387,17 @@ impl Loop {
 
     fn update_gauges(&mut self) {
         let stats = self.sched.stats();
-        let (running, waiting, usage) = (
+        let (running, waiting, usage, cached) = (
             self.sched.num_running(),
             self.sched.num_waiting(),
             self.sched.kv_usage(),
+            self.sched.kv().pool().num_cached_hashes(),
         );
         let mut g = self.lock_metrics();
         g.running = running;
         g.waiting = waiting;
         g.kv_usage = usage;
+        g.cached_blocks = cached;
         g.prefix_cache_queries = stats.prefix_cache_queries;
         g.prefix_cache_hits = stats.prefix_cache_hits;
         g.preemptions = stats.preemptions;

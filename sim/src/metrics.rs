@@ -88,6 +88,8 @@ pub struct EngineMetrics {
     pub events: u64,
     /// Event batches dropped because the publisher queue was full.
     pub event_batches_dropped: u64,
+    /// Distinct block hashes in the prefix cache now (what a router's index should hold).
+    pub cached_blocks: usize,
 }
 
 impl Default for EngineMetrics {
@@ -108,6 +110,7 @@ impl Default for EngineMetrics {
             event_batches: 0,
             events: 0,
             event_batches_dropped: 0,
+            cached_blocks: 0,
         }
     }
 }
@@ -249,6 +252,14 @@ pub fn render(model_name: &str, engines: &[EngineMetrics], process_start_s: f64)
         "counter",
         "KV events handed to the publisher.",
         &|e| e.events as f64,
+        "",
+    );
+    scalar(
+        &mut out,
+        "kvroute_sim:cached_blocks",
+        "gauge",
+        "Distinct block hashes in the prefix cache (the blocks a KV event subscriber should know).",
+        &|e| e.cached_blocks as f64,
         "",
     );
     scalar(

@@ -4,8 +4,10 @@
 //! * `cargo xtask test`: setup, fmt, clippy, the wasm32 builds and every test (what CI runs).
 //! * `cargo xtask demo`: the whole stack on loopback, kvroute against round robin.
 //! * `cargo xtask bench routing`: the routing benchmark.
+//! * `cargo xtask chaos`: attacks and faults against a local stack, each with pass criteria.
 
 mod bench;
+mod chaos;
 mod cmd;
 mod demo;
 mod http;
@@ -58,6 +60,9 @@ enum Cmd {
     Demo(demo::DemoOptions),
     /// Benchmarks (`cargo xtask bench routing`; `--full` for the big sweep).
     Bench(bench::BenchOptions),
+    /// Attacks and faults against a local stack (spoofing, huge prompts, aborted and stalled
+    /// clients, indexer and replica failures), each with pass criteria and figures.
+    Chaos(chaos::ChaosOptions),
 }
 
 fn main() -> ExitCode {
@@ -93,5 +98,6 @@ fn run(cli: Cli) -> Result<()> {
         ),
         Cmd::Demo(opts) => demo::run(&layout, &opts),
         Cmd::Bench(opts) => bench::run(&layout, &opts),
+        Cmd::Chaos(opts) => chaos::run(&layout, &opts),
     }
 }

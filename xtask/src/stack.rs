@@ -141,6 +141,8 @@ pub struct Stack {
     pub ports: Ports,
     sup: Supervisor,
     generation: u32,
+    /// Where the indexer keeps its snapshot (`[snapshot] path`); none when `None`.
+    pub indexer_snapshot: Option<PathBuf>,
 }
 
 impl Stack {
@@ -163,6 +165,7 @@ impl Stack {
             work_dir,
             sup: Supervisor::new(die_with_parent),
             generation: 0,
+            indexer_snapshot: None,
         })
     }
 
@@ -194,42 +197,70 @@ impl Stack {
     /// Starts every replica (cold) and waits until each answers `/health`.
     pub fn start_replicas(&mut self) -> Result<()> {
         self.generation += 1;
-        for (index, ports) in self.ports.replicas.clone().iter().enumerate() {
-            let events = json!({
-                "enable_kv_cache_events": true,
-                "publisher": "zmq",
-                "endpoint": format!("tcp://*:{}", ports.events),
-                "replay_endpoint": format!("tcp://*:{}", ports.replay),
-                "topic": "kv-events",
-            });
-            let mut cmd = Command::new(&self.bins.sim);
-            cmd.arg("--port")
-                .arg(ports.http.to_string())
-                .args(["--served-model-name", &self.cfg.model, "--model-dir"])
-                .arg(&self.cfg.model_dir)
-                .args(["--block-size", &self.cfg.block_size.to_string()])
-                .args([
-                    "--num-gpu-blocks-override",
-                    &self.cfg.gpu_blocks.to_string(),
-                ])
-                .args(["--prefix-caching-hash-algo", &self.cfg.hash_algo])
-                .args(["--kv-events-config", &events.to_string()])
-                .args(["--time-scale", &self.cfg.time_scale.to_string()])
-                .args(&self.cfg.sim_args)
-                .env("RUST_LOG", "warn");
-            let name = format!("replica-r{index}");
-            let log = self.log(&name);
-            self.sup.spawn(&name, cmd, &log)?;
+        for index in 0..self.ports.replicas.len() {
+            self.spawn_replica(index)?;
         }
-        for (index, addr) in self.replica_addrs().iter().enumerate() {
-            self.sup.wait_http_ok(
-                &format!("replica r{index}"),
-                addr,
-                "/health",
-                Duration::from_secs(60),
-            )?;
+        for index in 0..self.ports.replicas.len() {
+            self.wait_replica(index)?;
         }
         Ok(())
+    }
+
+    /// Starts replica `index` again (cold, on its ports) after it was stopped or died, and
+    /// waits until it answers `/health`.
+    pub fn start_replica(&mut self, index: usize) -> Result<()> {
+        self.spawn_replica(index)?;
+        self.wait_replica(index)
+    }
+
+    fn spawn_replica(&mut self, index: usize) -> Result<()> {
+        let ports = *self
+            .ports
+            .replicas
+            .get(index)
+            .with_context(|| format!("no replica r{index}"))?;
+        let events = json!({
+            "enable_kv_cache_events": true,
+            "publisher": "zmq",
+            "endpoint": format!("tcp://*:{}", ports.events),
+            "replay_endpoint": format!("tcp://*:{}", ports.replay),
+            "topic": "kv-events",
+        });
+        let mut cmd = Command::new(&self.bins.sim);
+        cmd.arg("--port")
+            .arg(ports.http.to_string())
+            .args(["--served-model-name", &self.cfg.model, "--model-dir"])
+            .arg(&self.cfg.model_dir)
+            .args(["--block-size", &self.cfg.block_size.to_string()])
+            .args([
+                "--num-gpu-blocks-override",
+                &self.cfg.gpu_blocks.to_string(),
+            ])
+            .args(["--prefix-caching-hash-algo", &self.cfg.hash_algo])
+            .args(["--kv-events-config", &events.to_string()])
+            .args(["--time-scale", &self.cfg.time_scale.to_string()])
+            .args(&self.cfg.sim_args)
+            .env("RUST_LOG", "warn");
+        let name = format!("replica-r{index}");
+        let log = self.log(&name);
+        self.sup.spawn(&name, cmd, &log)?;
+        Ok(())
+    }
+
+    fn wait_replica(&mut self, index: usize) -> Result<()> {
+        let addr = self.replica_addrs()[index].clone();
+        self.sup.wait_http_ok(
+            &format!("replica r{index}"),
+            &addr,
+            "/health",
+            Duration::from_secs(60),
+        )
+    }
+
+    /// Pids (each its process group) of the live processes whose names start with `prefix`
+    /// (`indexer`, `envoy-kvroute`, `replica-r1`).
+    pub fn pids(&self, prefix: &str) -> Vec<u32> {
+        self.sup.pids_matching(prefix)
     }
 
     /// Process groups of the router: every Envoy and the indexer (not the replicas). Their CPU
@@ -283,6 +314,12 @@ impl Stack {
             self.cfg.block_size,
             quote(&self.cfg.hash_algo)?,
         );
+        if let Some(snapshot) = &self.indexer_snapshot {
+            toml.push_str(&format!(
+                "\n[snapshot]\npath = {}\ninterval_ms = 10000\n",
+                quote(&snapshot.to_string_lossy())?
+            ));
+        }
         for (index, ports) in self.ports.replicas.iter().enumerate() {
             toml.push_str(&format!(
                 "\n[[models.replicas]]\nname = \"r{index}\"\nhttp = \"127.0.0.1:{}\"\n\
@@ -375,6 +412,34 @@ impl Stack {
         self.sup.detach()
     }
 
+    /// Fails unless every port of the stack that something listens on is bound to loopback
+    /// only: the replicas' event and replay sockets carry prompt token ids, their HTTP servers
+    /// `/reset_prefix_cache`, the indexer `/debug/lookup`, Envoy's admin `/quitquitquit`.
+    pub fn check_loopback_only(&self) -> Result<()> {
+        let mut ports = vec![
+            ("indexer HTTP".to_string(), self.ports.indexer),
+            ("kvroute Envoy listener".to_string(), self.ports.kvroute.0),
+            ("kvroute Envoy admin".to_string(), self.ports.kvroute.1),
+            ("baseline Envoy listener".to_string(), self.ports.baseline.0),
+            ("baseline Envoy admin".to_string(), self.ports.baseline.1),
+        ];
+        for (i, p) in self.ports.replicas.iter().enumerate() {
+            ports.push((format!("replica r{i} HTTP"), p.http));
+            ports.push((format!("replica r{i} events (PUB)"), p.events));
+            ports.push((format!("replica r{i} replay (ROUTER)"), p.replay));
+        }
+        let listening = listening_sockets()?;
+        for (what, port) in ports {
+            if let Some((addr, _)) = listening
+                .iter()
+                .find(|(addr, p)| *p == port && !addr.is_loopback())
+            {
+                bail!("{what} (port {port}) listens on {addr}, not on loopback only");
+            }
+        }
+        Ok(())
+    }
+
     /// The replicas' prefix-cache counters, summed.
     pub fn cache_counters(&self) -> Result<CacheCounters> {
         let all = self
@@ -434,6 +499,50 @@ impl Stack {
             std::thread::sleep(Duration::from_millis(200));
         }
     }
+}
+
+/// Local (address, port) of every listening TCP socket on this host (Linux `/proc/net/tcp` and
+/// `tcp6`; empty elsewhere).
+fn listening_sockets() -> Result<Vec<(std::net::IpAddr, u16)>> {
+    let mut out = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = fs::read_to_string(table) else {
+            continue;
+        };
+        out.extend(parse_listening(&text));
+    }
+    Ok(out)
+}
+
+/// The LISTEN (`0A`) rows of a `/proc/net/tcp{,6}` table.
+fn parse_listening(table: &str) -> Vec<(std::net::IpAddr, u16)> {
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            if cols.get(3) != Some(&"0A") {
+                return None;
+            }
+            let (addr, port) = cols.get(1)?.split_once(':')?;
+            let port = u16::from_str_radix(port, 16).ok()?;
+            let ip = match addr.len() {
+                8 => std::net::IpAddr::from(u32::from_str_radix(addr, 16).ok()?.swap_bytes().to_be_bytes()),
+                32 => {
+                    // Four 32-bit words, each in host (little-endian) byte order.
+                    let mut bytes = [0u8; 16];
+                    for (i, chunk) in bytes.chunks_mut(4).enumerate() {
+                        let word = u32::from_str_radix(addr.get(i * 8..i * 8 + 8)?, 16).ok()?;
+                        chunk.copy_from_slice(&word.swap_bytes().to_be_bytes());
+                    }
+                    let v6 = std::net::Ipv6Addr::from(bytes);
+                    v6.to_ipv4_mapped().map_or(std::net::IpAddr::V6(v6), std::net::IpAddr::V4)
+                }
+                _ => return None,
+            };
+            Some((ip, port))
+        })
+        .collect()
 }
 
 /// The values of `envoy/envoy.yaml`'s placeholders (documented at the top of that file).
@@ -531,6 +640,29 @@ mod tests {
             super::kvroute_template_values(1, 2, "/x.wasm", 3, "[]", "{}").expect("values");
         render(&text, &values)
             .expect("xtask's stack.rs must know every placeholder of envoy/envoy.yaml");
+    }
+
+    #[test]
+    fn listening_sockets_are_parsed_with_their_addresses() {
+        let v4 = "  sl  local_address rem_address   st\n\
+             0: 00000000:15B5 00000000:0000 0A 0\n\
+             1: 0100007F:15B6 00000000:0000 0A 0\n\
+             2: 0100007F:15B7 0100007F:9C40 01 0\n";
+        let got = super::parse_listening(v4);
+        assert_eq!(
+            got,
+            vec![
+                ("0.0.0.0".parse().unwrap(), 5557),
+                ("127.0.0.1".parse().unwrap(), 5558)
+            ]
+        );
+        assert!(!got[0].0.is_loopback() && got[1].0.is_loopback());
+        let v6 = "  sl  local_address\n\
+             0: 00000000000000000000000001000000:1F90 00000000000000000000000000000000:0000 0A 0\n\
+             1: 00000000000000000000000000000000:1F91 00000000000000000000000000000000:0000 0A 0\n";
+        let got = super::parse_listening(v6);
+        assert_eq!(got[0], ("::1".parse().unwrap(), 8080));
+        assert!(got[0].0.is_loopback() && !got[1].0.is_loopback());
     }
 
     #[test]

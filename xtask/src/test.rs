@@ -1,5 +1,6 @@
 //! `cargo xtask test`: the whole check CI runs. Setup, then formatting, lints, the wasm32 builds,
-//! the binaries and every test, stopping at (and naming) the first step that fails.
+//! the binaries, every test and the chaos suite's short form, stopping at (and naming) the first
+//! step that fails.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -220,6 +221,12 @@ fn plan(opts: &TestOptions) -> Vec<Step> {
             command: run,
             tally_libtest: true,
         });
+    }
+    if opts.filters.is_empty() {
+        // The standing chaos suite's short form, on the debug binaries built above.
+        let mut chaos = Command::new(std::env::current_exe().unwrap_or_else(|_| "xtask".into()));
+        chaos.args(["chaos", "--short", "--no-setup", "--no-build", "--debug"]);
+        steps.push(step("chaos (short)", chaos));
     }
     steps
 }

@@ -1,0 +1,211 @@
+//! `cargo xtask chaos`: the standing chaos suite. One local stack (3 `kvroute-sim` replicas, the
+//! indexer, Envoy with the filter, all on 127.0.0.1), then every scenario of
+//! [`scenarios::ALL`] in turn: attacks (spoofed destination, engine admin paths, huge prompts,
+//! aborted and stalled clients) and faults (indexer SIGSTOP and kill -9, a replica killed and
+//! restarted, a hung replica), each with its own pass criteria and figures, and last a check that
+//! the index equals what the engines really cache. The attacks on the event stream itself (frame
+//! bombs, garbage, replay bombs) and on the filter's registry run as integration tests of the
+//! indexer and the filter, which `cargo xtask test` runs.
+//!
+//! `--short` (what `cargo xtask test` runs) sends fewer requests and holds faults shorter.
+
+mod probe;
+mod scenarios;
+mod traffic;
+
+use std::fs;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::json;
+
+use crate::paths::Layout;
+use crate::procs;
+use crate::setup;
+use crate::stack::{Binaries, Stack, StackConfig};
+
+/// Options of `cargo xtask chaos`.
+#[derive(Debug, Clone, Args)]
+pub struct ChaosOptions {
+    /// Fewer requests and shorter faults (a couple of minutes; `cargo xtask test` runs this).
+    #[arg(long)]
+    pub short: bool,
+    /// Only the scenarios whose names contain one of these.
+    #[arg(long = "only")]
+    pub only: Vec<String>,
+    /// Do not run setup first.
+    #[arg(long)]
+    pub no_setup: bool,
+    /// Do not build; use the binaries and .wasm already in the target directory.
+    #[arg(long)]
+    pub no_build: bool,
+    /// Run the debug binaries (what `cargo xtask test` built) instead of release ones.
+    #[arg(long)]
+    pub debug: bool,
+}
+
+/// Runs the suite; fails when any scenario failed.
+pub fn run(layout: &Layout, opts: &ChaosOptions) -> Result<()> {
+    procs::install_ctrl_c()?;
+    if !opts.no_setup {
+        setup::run(layout)?;
+    }
+    if !opts.no_build {
+        build(layout, opts.debug)?;
+    }
+    let selected: Vec<_> = scenarios::ALL
+        .iter()
+        .filter(|(name, _)| opts.only.is_empty() || opts.only.iter().any(|o| name.contains(o)))
+        .collect();
+    if selected.is_empty() {
+        bail!(
+            "no scenario matches {:?}; the scenarios are: {}",
+            opts.only,
+            scenarios::ALL
+                .iter()
+                .map(|(n, _)| *n)
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+
+    let work_dir = layout.target_dir.join("chaos");
+    let _ = fs::remove_dir_all(&work_dir);
+    let cfg = StackConfig {
+        replicas: 3,
+        model: "qwen3".to_string(),
+        model_dir: layout.model_dir(),
+        block_size: 16,
+        gpu_blocks: 2_000,
+        time_scale: 4.0,
+        hash_algo: "sha256_cbor".to_string(),
+        envoy_concurrency: 2,
+        sim_args: Vec::new(),
+        scoring: Vec::new(),
+    };
+    let model = cfg.model.clone();
+    let profile = if opts.debug { "debug" } else { "release" };
+    let mut stack = Stack::new(
+        layout,
+        cfg,
+        Binaries::new(layout, profile),
+        work_dir.clone(),
+        true,
+    )?;
+    println!("xtask chaos: starting 3 replicas, the indexer and Envoy with the filter ...");
+    stack.start_replicas()?;
+    stack.start_indexer("kv")?;
+    stack.start_kvroute_envoy()?;
+
+    let mut reports = Vec::new();
+    let started = Instant::now();
+    for (name, scenario) in selected {
+        println!("xtask chaos: {name} ...");
+        let t = Instant::now();
+        let mut ctx = scenarios::Ctx {
+            stack: &mut stack,
+            short: opts.short,
+            model: model.clone(),
+        };
+        let mut report = match scenario(&mut ctx) {
+            Ok(report) => report,
+            Err(e) => scenarios::Report {
+                name,
+                figures: Vec::new(),
+                failures: vec![format!("could not run: {e:#}")],
+            },
+        };
+        if let Err(e) = stack.check_alive() {
+            report
+                .failures
+                .push(format!("a process of the stack died: {e:#}"));
+        }
+        println!(
+            "xtask chaos: {name}: {} in {:.1} s",
+            if report.passed() { "pass" } else { "FAIL" },
+            t.elapsed().as_secs_f64()
+        );
+        reports.push(report);
+        if procs::interrupted() {
+            bail!("interrupted");
+        }
+    }
+    drop(stack);
+
+    print_table(&reports);
+    let summary = json!({
+        "short": opts.short,
+        "seconds": started.elapsed().as_secs_f64(),
+        "scenarios": reports.iter().map(|r| json!({
+            "name": r.name, "passed": r.passed(), "figures": r.figures, "failures": r.failures,
+        })).collect::<Vec<_>>(),
+    });
+    let path = work_dir.join("summary.json");
+    fs::write(&path, serde_json::to_string_pretty(&summary)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    let failed: Vec<&str> = reports
+        .iter()
+        .filter(|r| !r.passed())
+        .map(|r| r.name)
+        .collect();
+    let passed = reports.len() - failed.len();
+    println!(
+        "xtask chaos: {passed} passed, {} failed (logs and summary.json in {})",
+        failed.len(),
+        work_dir.display()
+    );
+    if !failed.is_empty() {
+        bail!("chaos scenarios failed: {}", failed.join(", "));
+    }
+    Ok(())
+}
+
+fn print_table(reports: &[scenarios::Report]) {
+    println!("\n{:<24} {:<6} figures", "scenario", "result");
+    for r in reports {
+        let result = if r.passed() { "pass" } else { "FAIL" };
+        let mut lines = r.figures.iter();
+        println!(
+            "{:<24} {result:<6} {}",
+            r.name,
+            lines.next().map_or("", String::as_str)
+        );
+        for line in lines {
+            println!("{:<31} {line}", "");
+        }
+        for failure in &r.failures {
+            println!("{:<31} failed: {failure}", "");
+        }
+    }
+    println!();
+}
+
+fn build(layout: &Layout, debug: bool) -> Result<()> {
+    let mut bins = std::process::Command::new(crate::paths::cargo_bin());
+    bins.args([
+        "build",
+        "-p",
+        "kvroute-sim",
+        "-p",
+        "kvroute-indexer",
+        "--bins",
+    ]);
+    if !debug {
+        bins.arg("--release");
+    }
+    let mut wasm = std::process::Command::new(crate::paths::cargo_bin());
+    wasm.args([
+        "build",
+        "-p",
+        "kvroute-filter",
+        "--target",
+        crate::toolchain::WASM_TARGET,
+        "--release",
+    ]);
+    for mut cmd in [bins, wasm] {
+        cmd.current_dir(&layout.root);
+        crate::cmd::run(&mut cmd)?;
+    }
+    Ok(())
+}
