@@ -11,15 +11,19 @@ docker-compose.sim.yml (kvroute-sim) and check, for each:
 * the services: envoy, indexer (sharing Envoy's network namespace), the wasm copy, and two or more
   replicas, each with a static address on the compose network's subnet;
 * every replica: `--kv-events-config` is JSON that enables the ZeroMQ publisher on a bound
-  `tcp://*:PORT` with a replay endpoint and a topic; `--prefix-caching-hash-algo sha256_cbor`;
-  `--enable-prompt-tokens-details`; vLLM replicas reserve distinct GPUs and share one HF cache volume;
+  `tcp://*:PORT` with a replay endpoint on the replica's static address and a topic;
+  `--prefix-caching-hash-algo sha256_cbor`; `--enable-prompt-tokens-details`; vLLM replicas reserve
+  distinct GPUs and share one HF cache volume;
+* exposure: `--host` is the replica's static address, no replica publishes a port (HTTP, events and
+  replay carry prompts and admin endpoints), Envoy publishes its listener port and nothing else
+  except on the host's loopback, and Envoy's admin listens on 127.0.0.1;
 * indexer.toml: every replica's HTTP, event and replay address, topic, model name, block size,
   hash algorithm and vLLM version match the replica services, and no replica is missing or extra;
   the model directory is mounted into the indexer;
 * envoy.yaml: the fallback cluster lists exactly the replicas, the indexer cluster is the indexer's
   `listen` address, the wasm file is where the wasm volume is mounted, the listener port is
   published, and the file equals ../envoy/envoy.yaml rendered with its values except for the
-  listener and admin addresses.
+  listener address.
 
 With --indexer/--model-dir, indexer.toml is also parsed by `kvroute-indexer serve --check-config`
 (the real parser; model_dir pointed at DIR). With --envoy/--wasm, envoy.yaml is checked by
@@ -222,15 +226,15 @@ def check_kv_events(raw: str | None, where: str, problems: Problems) -> tuple[in
     topic = cfg.get("topic", "")
     ok = problems.check(isinstance(endpoint, str) and endpoint.startswith("tcp://*:") and tcp_port(endpoint),
                         where, f"--kv-events-config endpoint {endpoint!r} must be tcp://*:PORT (the engine binds it)")
-    ok &= problems.check(isinstance(replay, str) and replay.startswith("tcp://*:") and tcp_port(replay),
-                         where, f"--kv-events-config needs a replay_endpoint tcp://*:PORT (got {replay!r})")
+    ok &= problems.check(isinstance(replay, str) and tcp_port(replay), where,
+                         f"--kv-events-config needs a replay_endpoint tcp://ADDRESS:PORT (got {replay!r})")
     ok &= problems.check(isinstance(topic, str) and topic != "", where,
                          "--kv-events-config should name a topic")
     if not ok:
         return None
     ep, rp = tcp_port(endpoint), tcp_port(replay)
     problems.check(ep != rp, where, "events and replay endpoints use the same port")
-    return ep, rp, topic
+    return ep, rp, topic, replay
 
 
 def check_replica(name: str, service: dict, kind: str, subnet: ipaddress.IPv4Network, network: str,
@@ -242,14 +246,10 @@ def check_replica(name: str, service: dict, kind: str, subnet: ipaddress.IPv4Net
         m = re.fullmatch(r"vllm/vllm-openai:v(\d+\.\d+\.\d+)", image)
         problems.check(m is not None, where, f"image {image!r} must be pinned to a release (vllm/vllm-openai:vX.Y.Z)")
         version = m.group(1) if m else None
-        host = flag_values(args, "--host")
-        problems.check(host in ([], ["0.0.0.0"]), where, "--host must be 0.0.0.0 (or absent)")
         problems.check(args[:1] != [] and not args[0].startswith("-"), where,
                        "the model must be the first argument of `vllm serve`")
     else:
         version = (flag_values(args, "--vllm-version") or ["0.33.0"])[0]
-        problems.check(flag_values(args, "--host") == ["0.0.0.0"], where,
-                       "kvroute-sim needs --host 0.0.0.0 (its default is 127.0.0.1)")
         model_dir = one_flag(args, "--model-dir", where, problems)
         if model_dir is not None:
             problems.check(mount_for(service, model_dir) is not None, where,
@@ -267,6 +267,18 @@ def check_replica(name: str, service: dict, kind: str, subnet: ipaddress.IPv4Net
     ok = problems.check(ip is not None, where, f"needs a static ipv4_address on network {network}")
     if ip is not None:
         ok &= problems.check(ipaddress.ip_address(ip) in subnet, where, f"{ip} is outside {subnet}")
+    # Exposure: the engine's HTTP API (/reset_prefix_cache, /metrics) and its event and replay
+    # sockets (every prompt's token ids) stay on the compose network.
+    problems.check(flag_values(args, "--host") == [ip], where,
+                   f"--host must be the service's compose address {ip} (not every interface: "
+                   "the engine's API and, for kvroute-sim, its event sockets would follow)")
+    problems.check(not service.get("ports"), where,
+                   "a replica publishes no port: its HTTP API, event and replay sockets carry prompts "
+                   "and admin endpoints; only Envoy's listener is for clients")
+    if events is not None:
+        problems.check(events[3] == f"tcp://{ip}:{events[1]}", where,
+                       f"replay_endpoint {events[3]!r} must bind the service's compose address "
+                       f"(tcp://{ip}:{events[1]}): the replay socket returns past prompts' token ids")
     for label, value in (("--port", port_s), ("--block-size", block_s)):
         ok &= problems.check(value is not None and value.isdigit(), where, f"{label} must be an integer")
     if not ok or events is None or served is None or algo is None:
@@ -382,7 +394,7 @@ def check_template(envoy: dict, template: Path, where: str, problems: Problems) 
     rendered = yaml.safe_load(text)
     for get in (listener_socket, lambda e: e["admin"]["address"]["socket_address"]):
         problems.check(get(rendered)["address"] == "127.0.0.1", where, "the template no longer listens on 127.0.0.1")
-        get(rendered)["address"] = get(envoy)["address"]
+    listener_socket(rendered)["address"] = listener_socket(envoy)["address"]
     diff = first_diff(rendered, envoy)
     problems.check(diff is None, where,
                    f"differs from {template.name} rendered with its values (re-render it): {diff}")
@@ -394,6 +406,16 @@ def check_envoy(envoy: dict, envoy_service: dict, replicas: list[Replica], toml_
     problems.check(sock["address"] == "0.0.0.0", where, "the listener must listen on 0.0.0.0 in a container")
     problems.check(int(sock["port_value"]) in published_container_ports(envoy_service), where,
                    f"listener port {sock['port_value']} is not published by the envoy service")
+    admin = envoy["admin"]["address"]["socket_address"]
+    problems.check(admin["address"] == "127.0.0.1", where,
+                   "Envoy's admin must listen on 127.0.0.1 (it has unauthenticated mutating endpoints; "
+                   "the replicas share the compose network)")
+    for p in envoy_service.get("ports", []) or []:
+        spec = str(p.get("published", "")) + ":" + str(p.get("target", "")) if isinstance(p, dict) else str(p)
+        host_loopback = isinstance(p, dict) and str(p.get("host_ip", "")) == "127.0.0.1" or spec.startswith("127.0.0.1:")
+        problems.check(host_loopback or published_container_ports({"ports": [p]}) == {int(sock["port_value"])}, where,
+                       f"envoy publishes {p!r}: only the listener port is for clients (the indexer shares this "
+                       "network namespace; publish anything else on the host's loopback at most)")
     cl = clusters(envoy)
     wasm = wasm_config(envoy)
     problems.check(wasm.get("allow_on_headers_stop_iteration") is True, where,

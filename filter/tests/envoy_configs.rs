@@ -1,6 +1,9 @@
 //! The shipped Envoy configurations are accepted by the real Envoy (`--mode validate`): the
-//! rendered `envoy/envoy.yaml`, and the Envoy parts of the Istio EnvoyFilter (its ECDS Wasm config,
-//! clusters and route patch, assembled into a bootstrap). Istio itself does not run here.
+//! rendered `envoy/envoy.yaml`, and the Envoy parts of the Istio example (the EnvoyFilter's ECDS
+//! Wasm config, clusters, route and connection-manager patches, the VirtualService's routes and the
+//! bootstrap ConfigMap's overload manager, assembled into a bootstrap). Istio itself does not run
+//! here. Both carry the exposure and abuse limits (path allow-list, client timeouts, overload
+//! manager, fallback health); `e2e_paths.rs` shows them working through a real Envoy.
 
 mod common;
 
@@ -29,14 +32,135 @@ fn validate(name: &str, config: &str) {
     );
 }
 
-#[test]
-fn the_shipped_envoy_yaml_validates() {
+fn shipped() -> String {
     let opts = EnvoyOptions::new(
         8190,
         vec!["127.0.0.1:8001".into(), "127.0.0.1:8002".into()],
         json!({"models": {"qwen3": {}}}),
     );
-    validate("shipped", &render_envoy(&opts, 10000, 9901));
+    render_envoy(&opts, 10000, 9901)
+}
+
+#[test]
+fn the_shipped_envoy_yaml_validates() {
+    validate("shipped", &shipped());
+}
+
+/// Seconds of a protobuf Duration string (`"10s"`, `"0.25s"`); 0 when absent.
+fn secs(v: &Value) -> f64 {
+    v.as_str()
+        .and_then(|s| s.strip_suffix('s'))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The client limits every shipped configuration carries (reasons at the top of envoy.yaml).
+fn assert_client_limits(what: &str, hcm: &Value) {
+    for key in [
+        "request_headers_timeout",
+        "request_timeout",
+        "stream_idle_timeout",
+    ] {
+        assert!(
+            secs(&hcm[key]) > 0.0,
+            "{what}: {key} is {} (unbounded)",
+            hcm[key]
+        );
+    }
+    assert!(
+        secs(&hcm["request_timeout"]) < secs(&hcm["stream_idle_timeout"]),
+        "{what}: the upload bound should be the tighter one"
+    );
+    assert!(
+        hcm["max_request_headers_kb"]
+            .as_u64()
+            .is_some_and(|kb| kb <= 60),
+        "{what}"
+    );
+    assert!(
+        secs(&hcm["common_http_protocol_options"]["idle_timeout"]) > 0.0,
+        "{what}"
+    );
+    assert!(
+        hcm["http2_protocol_options"]["max_concurrent_streams"].as_u64() > Some(0),
+        "{what}"
+    );
+}
+
+fn assert_overload_manager(what: &str, om: &Value) {
+    let monitors: Vec<&str> = om["resource_monitors"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|m| m["name"].as_str()).collect())
+        .unwrap_or_default();
+    for m in [
+        "envoy.resource_monitors.fixed_heap",
+        "envoy.resource_monitors.global_downstream_max_connections",
+    ] {
+        assert!(monitors.contains(&m), "{what}: no {m} in {monitors:?}");
+    }
+    let actions: Vec<&str> = om["actions"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|m| m["name"].as_str()).collect())
+        .unwrap_or_default();
+    for a in [
+        "envoy.overload_actions.shrink_heap",
+        "envoy.overload_actions.reset_high_memory_stream",
+        "envoy.overload_actions.stop_accepting_requests",
+    ] {
+        assert!(actions.contains(&a), "{what}: no {a} in {actions:?}");
+    }
+}
+
+#[test]
+fn the_shipped_envoy_yaml_exposes_only_the_api_and_bounds_clients() {
+    let dir = scratch("shipped-structure");
+    let path = dir.join("shipped.yaml");
+    std::fs::write(&path, shipped()).expect("write");
+    let doc = yaml_docs(&path).remove(0);
+    assert_overload_manager("envoy.yaml", &doc["overload_manager"]);
+    let listener = &doc["static_resources"]["listeners"][0];
+    assert_eq!(
+        listener["address"]["socket_address"]["address"],
+        "127.0.0.1"
+    );
+    assert_eq!(
+        doc["admin"]["address"]["socket_address"]["address"],
+        "127.0.0.1"
+    );
+    let hcm = &listener["filter_chains"][0]["filters"][0]["typed_config"];
+    assert_client_limits("envoy.yaml", hcm);
+    assert_eq!(hcm["normalize_path"], true);
+    assert_eq!(hcm["merge_slashes"], true);
+    let routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+        .as_array()
+        .expect("routes");
+    // Every route to a cluster is an allow-listed path; the catch-all answers locally.
+    for r in &routes[..routes.len() - 1] {
+        assert!(r["route"]["cluster"].is_string(), "{r}");
+        assert!(
+            r["match"]["safe_regex"]["regex"].is_string(),
+            "not allow-listed: {r}"
+        );
+        assert!(
+            secs(&r["route"]["timeout"]) == 0.0,
+            "long streams need no route timeout: {r}"
+        );
+    }
+    let last = routes.last().expect("a route");
+    assert_eq!(last["match"]["prefix"], "/");
+    assert_eq!(last["direct_response"]["status"], 404);
+    let clusters = doc["static_resources"]["clusters"]
+        .as_array()
+        .expect("clusters");
+    let fallback = clusters
+        .iter()
+        .find(|c| c["name"] == "kvroute_replicas_fallback")
+        .expect("fallback cluster");
+    assert_eq!(
+        fallback["health_checks"][0]["http_health_check"]["path"],
+        "/health"
+    );
+    assert!(fallback["outlier_detection"]["max_ejection_percent"].as_u64() <= Some(50));
 }
 
 /// YAML documents as JSON, through the venv's Python (PyYAML comes with transformers).
@@ -97,23 +221,60 @@ fn the_istio_envoyfilter_carries_valid_envoy_config() {
         "load_assignment": {"cluster_name": "vllm-fallback", "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 8000}}}}]}]}}));
     let routed = of("HTTP_ROUTE")[0].clone();
+    assert!(
+        routed["match"]["safe_regex"]["regex"].is_string(),
+        "{routed}"
+    );
+    // The VirtualService's routes as istiod renders them: the allow-listed fallback, then 404.
+    let vs = docs
+        .iter()
+        .find(|d| d["kind"] == "VirtualService")
+        .expect("a VirtualService");
+    let http_routes = vs["spec"]["http"].as_array().expect("http routes");
+    let regex = http_routes[0]["match"][0]["uri"]["regex"]
+        .as_str()
+        .expect("the fallback route matches an allow-list regex");
+    assert_eq!(http_routes[0]["name"], "vllm-fallback");
+    let not_found = &http_routes.last().expect("routes")["directResponse"];
+    assert_eq!(not_found["status"], 404);
+    let hcm_patch = &of("NETWORK_FILTER")[0]["typed_config"];
+    assert_client_limits("istio HCM patch", hcm_patch);
+    let mut hcm = json!({
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "gw",
+        "route_config": {"virtual_hosts": [{"name": "v", "domains": ["*"], "routes": [
+            routed,
+            {"name": "vllm-fallback", "match": {"safe_regex": {"regex": regex}},
+             "route": {"cluster": "vllm-fallback", "timeout": "0s"}},
+            {"name": "not-found", "match": {"prefix": "/"},
+             "direct_response": {"status": 404, "body": {"inline_string": not_found["body"]["string"]}}}]}]},
+        "http_filters": [
+            {"name": ext[0]["name"], "typed_config": wasm},
+            {"name": "envoy.filters.http.router", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]});
+    for (k, v) in hcm_patch.as_object().expect("patch") {
+        hcm[k] = v.clone();
+    }
+    let config_map = docs
+        .iter()
+        .find(|d| d["kind"] == "ConfigMap")
+        .expect("the bootstrap ConfigMap");
+    let custom: Value = serde_json::from_str(
+        config_map["data"]["custom_bootstrap.json"]
+            .as_str()
+            .expect("custom_bootstrap.json"),
+    )
+    .expect("custom_bootstrap.json is JSON");
+    assert_overload_manager("istio bootstrap", &custom["overload_manager"]);
     let bootstrap = json!({
+        "overload_manager": custom["overload_manager"],
         "static_resources": {
             "listeners": [{
                 "name": "gw",
                 "address": {"socket_address": {"address": "127.0.0.1", "port_value": 10000}},
                 "filter_chains": [{"filters": [{
                     "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                        "stat_prefix": "gw",
-                        "route_config": {"virtual_hosts": [{"name": "v", "domains": ["*"], "routes": [
-                            routed,
-                            {"name": "vllm-fallback", "match": {"prefix": "/"}, "route": {"cluster": "vllm-fallback"}}]}]},
-                        "http_filters": [
-                            {"name": ext[0]["name"], "typed_config": wasm},
-                            {"name": "envoy.filters.http.router", "typed_config": {
-                                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}}]}]}],
+                    "typed_config": hcm}]}]}],
             "clusters": clusters}});
     validate("istio-parts", &bootstrap.to_string());
 

@@ -149,9 +149,16 @@ pub fn run(layout: &Layout, opts: &DemoOptions) -> Result<()> {
     );
 
     step("starting replicas, indexer and Envoy with the kvroute filter");
+    // The indexer snapshots its index (docs/indexer.md), so a restarted indexer resumes warm; a
+    // previous demo's snapshot describes other processes and is removed.
+    let snapshot = demo_dir.join("indexer.snap");
+    let _ = fs::remove_file(&snapshot);
+    stack.indexer_snapshot = Some(snapshot);
     stack.start_replicas()?;
     stack.start_indexer("kv")?;
     stack.start_kvroute_envoy()?;
+    // Prompts (event and replay sockets) and admin endpoints stay on loopback.
+    stack.check_loopback_only()?;
 
     let mut results: Vec<(&str, PolicySummary)> = Vec::new();
     let filter_before = stack.filter_counters().unwrap_or_default();
@@ -201,20 +208,80 @@ pub fn run(layout: &Layout, opts: &DemoOptions) -> Result<()> {
 
     if opts.keep {
         let addr = stack.kvroute_addr();
+        let ports = stack.ports.clone();
         let pids = stack.detach();
         println!("\nxtask demo: --keep: the kvroute stack is still running:");
         for (pid, name) in &pids {
             println!("    {name:<16} pid {pid}");
         }
+        println!("\nPorts, all on 127.0.0.1 (docs/operations.md#security says what each carries):");
+        println!(
+            "    {:<16} {} (clients: the OpenAI API)",
+            "Envoy listener", ports.kvroute.0
+        );
+        println!(
+            "    {:<16} {} (stats; unauthenticated admin)",
+            "Envoy admin", ports.kvroute.1
+        );
+        println!(
+            "    {:<16} {} (/v1/route, /metrics, /readyz, /debug/replicas, /debug/lookup)",
+            "indexer HTTP", ports.indexer
+        );
+        for (i, p) in ports.replicas.iter().enumerate() {
+            println!(
+                "    {:<16} HTTP {}, KV events PUB {}, replay ROUTER {} (events carry prompt tokens)",
+                format!("replica r{i}"),
+                p.http,
+                p.events,
+                p.replay
+            );
+        }
         println!(
             "\nTry it:\n  curl -sN http://{addr}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"qwen3\",\"stream\":true,\"max_tokens\":32,\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'"
         );
-        let groups: Vec<String> = pids.iter().map(|(pid, _)| format!("-{pid}")).collect();
-        println!("Stop it:\n  kill -TERM -- {}", groups.join(" "));
+        let script = demo_dir.join("stop.sh");
+        fs::write(&script, stop_script(&pids, &ports))
+            .with_context(|| format!("writing {}", script.display()))?;
+        println!(
+            "Stop it (also stops a process restarted by hand on one of these ports):\n  sh {}",
+            script.display()
+        );
     } else {
         step("stopping everything");
     }
     Ok(())
+}
+
+/// A shell script that stops the kept stack: its process groups, then whatever still listens on
+/// one of its ports (a replica or indexer someone restarted, which is in no recorded group).
+fn stop_script(pids: &[(u32, String)], ports: &crate::stack::Ports) -> String {
+    let groups: Vec<String> = pids.iter().map(|(pid, _)| format!("-{pid}")).collect();
+    let mut all = vec![ports.indexer, ports.kvroute.0, ports.kvroute.1];
+    for p in &ports.replicas {
+        all.extend([p.http, p.events, p.replay]);
+    }
+    let all: Vec<String> = all.iter().map(u16::to_string).collect();
+    format!(
+        r#"#!/bin/sh
+# Written by `cargo xtask demo --keep`: stops the kept stack.
+kill -TERM -- {groups} 2>/dev/null
+sleep 1
+for port in {ports}; do
+  hex=$(printf ':%04X' "$port")
+  for inode in $(awk -v p="$hex" '$4 == "0A" && substr($2, length($2) - 4) == p {{ print $10 }}' /proc/net/tcp /proc/net/tcp6 2>/dev/null); do
+    for fd in /proc/[0-9]*/fd/*; do
+      if [ "$(readlink "$fd" 2>/dev/null)" = "socket:[$inode]" ]; then
+        pid=${{fd#/proc/}}; pid=${{pid%%/*}}
+        echo "stopping pid $pid (listening on port $port)"
+        kill -TERM "$pid" 2>/dev/null
+      fi
+    done
+  done
+done
+"#,
+        groups = groups.join(" "),
+        ports = all.join(" ")
+    )
 }
 
 fn step(what: &str) {
@@ -422,4 +489,56 @@ fn print_filter_counters(before: &BTreeMap<String, u64>, after: &BTreeMap<String
             fail_open.join(", ")
         }
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::stack::{Ports, ReplicaPorts};
+    use std::process::{Command, Stdio};
+
+    /// The stop script ends the recorded groups and a process that was restarted by hand (in no
+    /// recorded group) but listens on one of the stack's ports.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_stop_script_also_stops_a_restarted_process() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        drop(listener);
+        // A stand-in for a hand-restarted replica: listens on the replica's HTTP port.
+        let mut restarted = Command::new("python3")
+            .args(["-c", &format!("import socket,time\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\ns.bind(('127.0.0.1',{port}))\ns.listen()\nprint('up',flush=True)\ntime.sleep(120)")])
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3");
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(restarted.stdout.take().expect("stdout")),
+            &mut line,
+        )
+        .expect("read");
+        assert_eq!(line.trim(), "up");
+        let ports = Ports {
+            replicas: vec![ReplicaPorts {
+                http: port,
+                events: 1,
+                replay: 2,
+            }],
+            indexer: 3,
+            kvroute: (4, 5),
+            baseline: (6, 7),
+        };
+        let script = super::stop_script(&[(999_999, "replica-r0".into())], &ports);
+        let out = Command::new("sh")
+            .arg("-c")
+            .arg(&script)
+            .output()
+            .expect("sh");
+        let status = restarted.wait().expect("wait");
+        assert!(
+            !status.success(),
+            "the restarted process survived: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("port {port}")));
+    }
 }

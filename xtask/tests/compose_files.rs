@@ -177,9 +177,40 @@ fn each_inconsistency_is_reported() {
         ),
         (
             "docker-compose.yml",
-            ", \"replay_endpoint\": \"tcp://*:5558\"",
+            ", \"replay_endpoint\": \"tcp://172.30.57.20:5558\"",
             "",
             "needs a replay_endpoint",
+        ),
+        // Exposure: prompts (event and replay sockets), the engine's admin paths, Envoy's admin.
+        (
+            "docker-compose.sim.yml",
+            "      - 172.30.57.21                # the compose network only (HTTP; the sim binds its event sockets here too)\n",
+            "      - 0.0.0.0\n",
+            "--host must be the service's compose address 172.30.57.21",
+        ),
+        (
+            "docker-compose.yml",
+            "\"replay_endpoint\": \"tcp://172.30.57.21:5558\"",
+            "\"replay_endpoint\": \"tcp://*:5558\"",
+            "replay_endpoint 'tcp://*:5558' must bind the service's compose address",
+        ),
+        (
+            "docker-compose.sim.yml",
+            "    networks:\n      kvroute:\n        ipv4_address: 172.30.57.21\n",
+            "    ports:\n      - \"5557:5557\"\n    networks:\n      kvroute:\n        ipv4_address: 172.30.57.21\n",
+            "service sim-1: a replica publishes no port",
+        ),
+        (
+            "docker-compose.yml",
+            "      - \"10000:10000\"              # OpenAI API for clients (the only published port)\n",
+            "      - \"10000:10000\"\n      - \"8190:8190\"\n",
+            "envoy publishes '8190:8190'",
+        ),
+        (
+            "envoy.yaml",
+            "socket_address: { address: 127.0.0.1, port_value: 9901 }",
+            "socket_address: { address: 0.0.0.0, port_value: 9901 }",
+            "Envoy's admin must listen on 127.0.0.1",
         ),
         (
             "docker-compose.yml",

@@ -489,6 +489,9 @@ pub struct EnvoyOptions {
     pub concurrency: usize,
     /// The VM configuration (offline tokenizers), `Value::Null` for none.
     pub vm_config: Value,
+    /// Text replacements applied to the rendered envoy.yaml (e.g. a shorter timeout for a test);
+    /// each `from` must occur.
+    pub yaml_edits: Vec<(String, String)>,
 }
 
 impl EnvoyOptions {
@@ -500,6 +503,7 @@ impl EnvoyOptions {
             with_filter: true,
             concurrency: 1,
             vm_config: Value::Null,
+            yaml_edits: Vec::new(),
         }
     }
 }
@@ -568,6 +572,10 @@ pub fn render_envoy(opts: &EnvoyOptions, listen: u16, admin: u16) -> String {
     } else {
         "unused".to_string()
     };
+    for (from, to) in &opts.yaml_edits {
+        assert!(text.contains(from.as_str()), "envoy.yaml has no {from:?}");
+        text = text.replace(from.as_str(), to);
+    }
     text.replace("{{LISTEN_PORT}}", &listen.to_string())
         .replace("{{ADMIN_PORT}}", &admin.to_string())
         .replace("{{WASM_PATH}}", &wasm)

@@ -573,6 +573,8 @@ fn run_policy(
     stack.stop_replicas();
     stack.start_replicas()?;
     let router = policy.start(stack, envoy, work_dir)?;
+    // Prompts (event and replay sockets) and admin endpoints stay on loopback.
+    stack.check_loopback_only()?;
     let addr = router.addr.clone();
     let replica_addrs = stack.replica_addrs();
     let before = replica_addrs
