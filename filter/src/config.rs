@@ -5,7 +5,10 @@
 
 use std::collections::BTreeMap;
 
-use kvroute_core::request::TokenizerOptions;
+use kvroute_core::request::{
+    TokenizerOptions, DEFAULT_MAX_PROMPT_TOKENS, MAX_PROMPT_BYTES_PER_TOKEN,
+    MAX_SANE_MODEL_MAX_LENGTH,
+};
 use serde::Deserialize;
 
 /// What to do with a request body larger than `max_body_bytes`.
@@ -55,6 +58,10 @@ pub struct ModelConfig {
     pub tokenizer_source: TokenizerSource,
     /// LoRA adapter name -> path, as the engine was started with (`--lora-modules`).
     pub lora_paths: BTreeMap<String, String>,
+    /// Longest prompt tokenised, in tokens (the engines' `--max-model-len`); a longer prompt fails
+    /// open as `prompt_too_long`. Default: the indexer's `max_model_len` for the model, else
+    /// `model_max_length` from `tokenizer_config.json`, else 131072.
+    pub max_prompt_tokens: Option<usize>,
     /// Tokenizer and chat-template settings; must mirror the engine's flags
     /// (`--chat-template`, `--chat-template-content-format`, `--default-chat-template-kwargs`, ...)
     /// and bound the segment cache (`segment_cache_max_bytes`, default 32 MiB per model per VM).
@@ -97,7 +104,9 @@ pub struct FilterConfig {
     /// Request paths (without query) that are routed; anything else passes through unrouted.
     pub routed_paths: Vec<String>,
     /// Largest request body the filter buffers and routes (bytes). Must stay below Envoy's
-    /// buffer limit (`per_connection_buffer_limit_bytes`) or Envoy answers 413 itself.
+    /// buffer limit (`per_connection_buffer_limit_bytes`) or Envoy answers 413 itself. The
+    /// default, 4 MiB, holds the longest prompt of the default token cap: 131072 tokens x 16
+    /// bytes per token (`MAX_PROMPT_BYTES_PER_TOKEN`) x 2 for JSON escapes.
     pub max_body_bytes: usize,
     /// What to do with a larger body.
     pub oversized_body: OversizedBody,
@@ -124,6 +133,12 @@ pub struct FilterConfig {
     pub tokenizer_retry: RetryConfig,
     /// How long a model the indexer does not know is remembered as unknown (ms).
     pub unknown_model_retry_ms: u64,
+    /// Most model names remembered as unknown (the oldest is forgotten first). Unknown names never
+    /// take one of the `max_models` slots.
+    pub unknown_model_cache_entries: usize,
+    /// Longest `model` name looked up (bytes); a longer one fails open as `unknown_model` at
+    /// once, without asking the indexer.
+    pub max_model_name_bytes: usize,
     /// Block size when neither the configuration nor the indexer gives one.
     pub default_block_size: usize,
 }
@@ -137,7 +152,7 @@ impl Default for FilterConfig {
             complete_timeout_ms: 1_000,
             tokenizer_timeout_ms: 30_000,
             routed_paths: vec!["/v1/completions".into(), "/v1/chat/completions".into()],
-            max_body_bytes: 4 * 1024 * 1024,
+            max_body_bytes: DEFAULT_MAX_PROMPT_TOKENS * MAX_PROMPT_BYTES_PER_TOKEN * 2,
             oversized_body: OversizedBody::FailOpen,
             inject_kv_cache_report_mode: false,
             debug_headers: false,
@@ -149,6 +164,8 @@ impl Default for FilterConfig {
             max_models: 4,
             tokenizer_retry: RetryConfig::default(),
             unknown_model_retry_ms: 30_000,
+            unknown_model_cache_entries: 256,
+            max_model_name_bytes: 256,
             default_block_size: 16,
         }
     }
@@ -256,10 +273,36 @@ impl FilterConfig {
                 "is empty and discover_models is false: nothing could ever be routed",
             ));
         }
+        if self.unknown_model_cache_entries == 0 || self.unknown_model_cache_entries > 1 << 20 {
+            return Err(invalid(
+                "unknown_model_cache_entries",
+                "must be in 1..=1048576",
+            ));
+        }
+        if self.max_model_name_bytes == 0 || self.max_model_name_bytes > 64 * 1024 {
+            return Err(invalid("max_model_name_bytes", "must be in 1..=65536"));
+        }
         check_block_size("default_block_size", self.default_block_size)?;
         for (name, m) in &self.models {
             if name.is_empty() {
                 return Err(invalid("models", "has an empty model name"));
+            }
+            if name.len() > self.max_model_name_bytes {
+                return Err(invalid(
+                    "models",
+                    format!(
+                        "has a name longer than max_model_name_bytes ({})",
+                        self.max_model_name_bytes
+                    ),
+                ));
+            }
+            if let Some(n) = m.max_prompt_tokens {
+                if n == 0 || n > MAX_SANE_MODEL_MAX_LENGTH {
+                    return Err(invalid(
+                        format!("models.{name}.max_prompt_tokens"),
+                        format!("must be in 1..={MAX_SANE_MODEL_MAX_LENGTH}, got {n}"),
+                    ));
+                }
             }
             if let Some(bs) = m.block_size {
                 check_block_size(&format!("models.{name}.block_size"), bs)?;
@@ -303,6 +346,11 @@ mod tests {
             FilterConfig::parse(b"  {} ").unwrap(),
             FilterConfig::default()
         );
+    }
+
+    #[test]
+    fn the_default_body_limit_holds_the_default_prompt_cap() {
+        assert_eq!(FilterConfig::default().max_body_bytes, 4 * 1024 * 1024);
     }
 
     #[test]
@@ -355,6 +403,10 @@ mod tests {
         let e = FilterConfig::parse(br#"{"tokenizer_retry":{"initial_ms":10,"max_ms":5}}"#)
             .unwrap_err();
         assert!(e.to_string().contains("tokenizer_retry"), "{e}");
+        let e = FilterConfig::parse(br#"{"models":{"m":{"max_prompt_tokens":0}}}"#).unwrap_err();
+        assert!(e.to_string().contains("models.m.max_prompt_tokens"), "{e}");
+        let e = FilterConfig::parse(br#"{"max_model_name_bytes":0}"#).unwrap_err();
+        assert!(e.to_string().contains("max_model_name_bytes"), "{e}");
     }
 
     #[test]

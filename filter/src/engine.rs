@@ -5,7 +5,10 @@
 use std::collections::BTreeMap;
 
 use kvroute_core::hashing::ExtraKeyStyle;
-use kvroute_core::request::{request_extras, Endpoint, ModelFiles, ModelTokenizer, PromptTokens};
+use kvroute_core::request::{
+    request_extras, Endpoint, ModelFiles, ModelTokenizer, PromptTokens, RequestError,
+    DEFAULT_MAX_PROMPT_TOKENS,
+};
 use kvroute_core::router_key::request_keys;
 use serde_json::Value;
 
@@ -37,11 +40,24 @@ pub struct Prepared {
     pub lora: Option<String>,
 }
 
+/// Why a request was not prepared.
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    /// The prompt is longer than the model's `max_prompt_tokens`.
+    #[error("prompt longer than {0} tokens")]
+    TooLong(usize),
+    /// The request could not be rendered or tokenised (the message never holds prompt text).
+    #[error("{0}")]
+    Invalid(String),
+}
+
 /// A model ready to route: its tokenizer and hashing parameters.
 pub struct LoadedModel {
     tokenizer: ModelTokenizer,
     /// Block size used for the keys.
     pub block_size: usize,
+    /// Longest prompt tokenised (tokens); a longer one fails open as `prompt_too_long`.
+    pub max_prompt_tokens: usize,
     style: ExtraKeyStyle,
     lora_paths: BTreeMap<String, String>,
 }
@@ -50,6 +66,7 @@ impl std::fmt::Debug for LoadedModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LoadedModel")
             .field("block_size", &self.block_size)
+            .field("max_prompt_tokens", &self.max_prompt_tokens)
             .finish_non_exhaustive()
     }
 }
@@ -87,22 +104,30 @@ impl LoadedModel {
                 _ => ExtraKeyStyle::Tagged,
             },
         };
+        let max_prompt_tokens = model_cfg
+            .and_then(|m| m.max_prompt_tokens)
+            .or(bundle.max_model_len)
+            .or(tokenizer.model_max_length())
+            .unwrap_or(DEFAULT_MAX_PROMPT_TOKENS);
         Ok(Self {
             tokenizer,
             block_size,
+            max_prompt_tokens,
             style,
             lora_paths: model_cfg.map(|m| m.lora_paths.clone()).unwrap_or_default(),
         })
     }
 
-    /// Renders/tokenises the request and computes its router keys. A batch of prompts routes by
-    /// its first prompt.
-    pub fn prepare(&self, endpoint: Endpoint, body: &Value) -> Result<Prepared, String> {
+    /// Renders/tokenises the request (at most `max_prompt_tokens` per prompt) and computes its
+    /// router keys. A batch of prompts routes by its first prompt.
+    pub fn prepare(&self, endpoint: Endpoint, body: &Value) -> Result<Prepared, PrepareError> {
         let tokens = match self
             .tokenizer
-            .tokenize_request(endpoint, body)
-            .map_err(|e| e.to_string())?
-        {
+            .tokenize_request_capped(endpoint, body, self.max_prompt_tokens)
+            .map_err(|e| match e {
+                RequestError::PromptTooLong { limit } => PrepareError::TooLong(limit),
+                other => PrepareError::Invalid(other.to_string()),
+            })? {
             PromptTokens::Single(t) => t,
             PromptTokens::Batch(b) => b.into_iter().next().unwrap_or_default(),
         };

@@ -11,7 +11,7 @@ use proxy_wasm::types::Action;
 use serde_json::Value;
 
 use crate::config::OversizedBody;
-use crate::engine::endpoint_for_path;
+use crate::engine::{endpoint_for_path, PrepareError};
 use crate::hlog;
 use crate::host::{self, Buffer, Map};
 use crate::metrics::{Counter, Histogram};
@@ -191,7 +191,10 @@ impl KvRouteHttp {
                     "kvroute: request {} not tokenised: {e}",
                     self.request_id
                 );
-                FailOpen::TokenizeError
+                match e {
+                    PrepareError::TooLong(_) => FailOpen::PromptTooLong,
+                    PrepareError::Invalid(_) => FailOpen::TokenizeError,
+                }
             })?;
         if let Ok(t1) = host::now_nanos() {
             shared

@@ -199,6 +199,7 @@ fn fail_open_name(r: FailOpen) -> &'static str {
         FailOpen::TooLarge => "kvroute.fail_open.too_large",
         FailOpen::TokenizerNotReady => "kvroute.fail_open.tokenizer_not_ready",
         FailOpen::TokenizeError => "kvroute.fail_open.tokenize_error",
+        FailOpen::PromptTooLong => "kvroute.fail_open.prompt_too_long",
         FailOpen::HostcallError => "kvroute.fail_open.hostcall_error",
     }
 }

@@ -29,13 +29,15 @@ pub enum FailOpen {
     TokenizerNotReady,
     /// The prompt could not be rendered or tokenised.
     TokenizeError,
+    /// The prompt is longer than the model's `max_prompt_tokens` (the engine refuses it too).
+    PromptTooLong,
     /// A host call failed.
     HostcallError,
 }
 
 impl FailOpen {
     /// Every reason, for metric definition.
-    pub const ALL: [FailOpen; 11] = [
+    pub const ALL: [FailOpen; 12] = [
         FailOpen::IndexerUnavailable,
         FailOpen::IndexerTimeout,
         FailOpen::IndexerError,
@@ -46,6 +48,7 @@ impl FailOpen {
         FailOpen::TooLarge,
         FailOpen::TokenizerNotReady,
         FailOpen::TokenizeError,
+        FailOpen::PromptTooLong,
         FailOpen::HostcallError,
     ];
 
@@ -62,6 +65,7 @@ impl FailOpen {
             FailOpen::TooLarge => "too_large",
             FailOpen::TokenizerNotReady => "tokenizer_not_ready",
             FailOpen::TokenizeError => "tokenize_error",
+            FailOpen::PromptTooLong => "prompt_too_long",
             FailOpen::HostcallError => "hostcall_error",
         }
     }
@@ -171,6 +175,8 @@ pub struct TokenizerBundle {
     pub block_size: Option<usize>,
     /// Extra-key style (`tagged`/`plain`), if announced.
     pub extra_key_style: Option<String>,
+    /// The engines' context length (vLLM's `max_model_len`), if announced.
+    pub max_model_len: Option<usize>,
 }
 
 /// A JSON document carried either as a string or inline as an object.
@@ -204,11 +210,17 @@ pub fn parse_tokenizer_bundle(v: &Value) -> Result<TokenizerBundle, String> {
         .get("extra_key_style")
         .and_then(Value::as_str)
         .map(str::to_string);
+    let max_model_len = obj
+        .get("max_model_len")
+        .and_then(Value::as_u64)
+        .and_then(|n| usize::try_from(n).ok())
+        .filter(|n| (1..=kvroute_core::request::MAX_SANE_MODEL_MAX_LENGTH).contains(n));
     Ok(TokenizerBundle {
         tokenizer_json,
         tokenizer_config_json,
         block_size,
         extra_key_style,
+        max_model_len,
     })
 }
 

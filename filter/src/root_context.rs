@@ -17,7 +17,7 @@ use crate::hlog;
 use crate::host::{self, Buffer, Map};
 use crate::http_context::KvRouteHttp;
 use crate::metrics::{Counter, Metrics};
-use crate::models::{ModelRegistry, RegistryPolicy};
+use crate::models::{log_name, ModelRegistry, RegistryPolicy};
 use crate::protocol::{parse_status, parse_tokenizer_bundle, TokenizerBundle};
 
 /// How often the root context looks for tokenizer fetches to (re)start.
@@ -85,7 +85,11 @@ impl KvRouteRoot {
                 Duration::from_millis(shared.cfg.tokenizer_timeout_ms),
             ) {
                 Ok(token) => {
-                    hlog!(Debug, "kvroute: fetching tokenizer of model {model:?}");
+                    hlog!(
+                        Debug,
+                        "kvroute: fetching tokenizer of model {}",
+                        log_name(&model)
+                    );
                     self.fetches.insert(token, model);
                 }
                 Err(e) => {
@@ -96,7 +100,8 @@ impl KvRouteRoot {
                     shared.metrics.inc(Counter::TokenizerLoadFailed);
                     hlog!(
                         Warn,
-                        "kvroute: cannot fetch tokenizer of {model:?} from cluster {:?} ({e}); retry in {backoff} ms",
+                        "kvroute: cannot fetch tokenizer of {} from cluster {:?} ({e}); retry in {backoff} ms",
+                        log_name(&model),
                         shared.cfg.indexer_cluster
                     );
                 }
@@ -131,7 +136,9 @@ impl KvRouteRoot {
             let loaded =
                 LoadedModel::from_bundle(&bundle, shared.cfg.models.get(name), &shared.cfg)
                     .map_err(|e| format!("models.{name}: tokenizer does not load: {e}"))?;
-            shared.models.borrow_mut().loaded(name, loaded);
+            if !shared.models.borrow_mut().loaded(name, loaded) {
+                return Err(format!("models.{name}: no free model slot"));
+            }
             shared.metrics.inc(Counter::TokenizerLoaded);
         }
         Ok(())
@@ -159,12 +166,23 @@ impl KvRouteRoot {
                     serde_json::from_slice::<Value>(&b).map_err(|e| format!("not JSON: {e}"))
                 })
                 .and_then(|v| parse_tokenizer_bundle(&v)),
-            Some(404) => {
+            // 404, or any refusal of the name itself (414 URI too long, 400): a negative answer,
+            // cached; not a failure to retry.
+            Some(s) if (400..500).contains(&s) && s != 408 && s != 429 => {
                 shared.models.borrow_mut().unknown(&model, now);
-                hlog!(
-                    Warn,
-                    "kvroute: the indexer does not know model {model:?}; its requests fail open"
-                );
+                if shared.cfg.models.contains_key(&model) {
+                    hlog!(
+                        Warn,
+                        "kvroute: the indexer does not know model {} (HTTP {s}); its requests fail open",
+                        log_name(&model)
+                    );
+                } else {
+                    hlog!(
+                        Debug,
+                        "kvroute: the indexer does not know model {} (HTTP {s})",
+                        log_name(&model)
+                    );
+                }
                 return;
             }
             Some(s) => Err(format!("indexer answered HTTP {s}")),
@@ -175,20 +193,29 @@ impl KvRouteRoot {
         });
         match loaded {
             Ok(m) => {
-                hlog!(
-                    Info,
-                    "kvroute: tokenizer of model {model:?} ready (block size {})",
-                    m.block_size
-                );
-                shared.models.borrow_mut().loaded(&model, m);
-                shared.metrics.inc(Counter::TokenizerLoaded);
+                let (block_size, cap) = (m.block_size, m.max_prompt_tokens);
+                if shared.models.borrow_mut().loaded(&model, m) {
+                    hlog!(
+                        Info,
+                        "kvroute: tokenizer of model {} ready (block size {block_size}, max prompt tokens {cap})",
+                        log_name(&model)
+                    );
+                    shared.metrics.inc(Counter::TokenizerLoaded);
+                } else {
+                    hlog!(
+                        Warn,
+                        "kvroute: model {} not kept: all max_models slots are taken",
+                        log_name(&model)
+                    );
+                }
             }
             Err(e) => {
                 let backoff = shared.models.borrow_mut().failed(&model, now);
                 shared.metrics.inc(Counter::TokenizerLoadFailed);
                 hlog!(
                     Warn,
-                    "kvroute: tokenizer of model {model:?} not loaded: {e}; retry in {backoff} ms"
+                    "kvroute: tokenizer of model {} not loaded: {e}; retry in {backoff} ms",
+                    log_name(&model)
                 );
             }
         }
@@ -260,6 +287,9 @@ impl RootContext for KvRouteRoot {
         let policy = RegistryPolicy {
             discover: cfg.discover_models,
             max_models: cfg.max_models,
+            max_probes: cfg.max_models,
+            max_negative: cfg.unknown_model_cache_entries,
+            max_name_bytes: cfg.max_model_name_bytes,
             initial_backoff_ms: cfg.tokenizer_retry.initial_ms,
             max_backoff_ms: cfg.tokenizer_retry.max_ms,
             unknown_ttl_ms: cfg.unknown_model_retry_ms,

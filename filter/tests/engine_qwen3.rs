@@ -27,6 +27,7 @@ fn bundle(block_size: Option<usize>) -> TokenizerBundle {
         tokenizer_config_json: read("tokenizer_config.json"),
         block_size,
         extra_key_style: None,
+        max_model_len: None,
     }
 }
 
@@ -134,4 +135,36 @@ fn configuration_overrides_the_indexer_and_extras_change_keys() {
             &json!({"model": "qwen3", "messages": 5})
         )
         .is_err());
+}
+
+#[test]
+fn the_prompt_cap_comes_from_config_then_indexer_then_tokenizer_config() {
+    use kvroute_filter::engine::PrepareError;
+    let c = cfg(json!({"models": {"capped": {"max_prompt_tokens": 64}}}));
+    // Qwen3's tokenizer_config.json says model_max_length 131072.
+    let plain = LoadedModel::from_bundle(&bundle(Some(16)), None, &c).expect("load");
+    assert_eq!(plain.max_prompt_tokens, 131_072);
+    let mut announced = bundle(Some(16));
+    announced.max_model_len = Some(40_960);
+    let m = LoadedModel::from_bundle(&announced, None, &c).expect("load");
+    assert_eq!(
+        m.max_prompt_tokens, 40_960,
+        "the indexer's max_model_len wins"
+    );
+    let m = LoadedModel::from_bundle(&announced, c.models.get("capped"), &c).expect("load");
+    assert_eq!(m.max_prompt_tokens, 64, "the configuration wins");
+
+    let fits = json!({"model": "capped", "prompt": "word ".repeat(50)});
+    assert!(m.prepare(Endpoint::Completions, &fits).is_ok());
+    let long = json!({"model": "capped", "prompt": "word ".repeat(80)});
+    assert!(matches!(
+        m.prepare(Endpoint::Completions, &long),
+        Err(PrepareError::TooLong(64))
+    ));
+    let digits =
+        json!({"model": "capped", "messages": [{"role": "user", "content": "7".repeat(900)}]});
+    assert!(matches!(
+        m.prepare(Endpoint::ChatCompletions, &digits),
+        Err(PrepareError::TooLong(64))
+    ));
 }

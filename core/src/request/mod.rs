@@ -10,6 +10,11 @@
 //! Tokenisation goes through a bounded cache of independently tokenisable segments
 //! ([`segmenter`], [`segment_cache`]) so text seen before (a shared system prompt, earlier
 //! turns) is not tokenised again; the result is identical to tokenising the whole text.
+//!
+//! Bounded work: [`ModelTokenizer::tokenize_request_capped`] refuses a prompt longer than a
+//! token cap (the model's context length) with [`RequestError::PromptTooLong`], first from the
+//! rendered text's size ([`MAX_PROMPT_BYTES_PER_TOKEN`]), then while tokenising, so that the
+//! tokeniser's working set stays proportional to the cap, not to the body.
 
 mod chat_template;
 mod model_files;
@@ -21,6 +26,24 @@ mod tokenizer;
 pub use model_files::ModelFiles;
 pub use segment_cache::SegmentCacheStats;
 pub use tokenizer::{ModelTokenizer, TokenizerOptions};
+
+/// Bytes of prompt text per token above which a prompt cannot fit its token cap. Measured with
+/// the Qwen3 tokenizer on real text (docs/filter.md, "Bounded work per request"): English prose
+/// 3.3-4.0 bytes per token (6.6 at most for one whitespace-heavy page), Rust and Python code
+/// 3.8-4.5 (5.4 at most), Chinese 4.5, Japanese 4.6, Korean 4.0, JSON 1.5-3.6, code indented by
+/// 32 spaces 6.3. 16 is 2.4x the densest real file: a prompt with more than `cap x 16` bytes is
+/// refused without tokenising it. Only synthetic runs of one character (64 dashes: 17.7, spaces:
+/// 128 bytes per token) exceed it, and those fail open, i.e. go unrouted.
+pub const MAX_PROMPT_BYTES_PER_TOKEN: usize = 16;
+
+/// The token cap of a model that announces no context length (neither the configuration, nor
+/// the indexer, nor `model_max_length` in `tokenizer_config.json`): 128 Ki tokens, the context
+/// of most current models (Qwen3, Llama 3.1).
+pub const DEFAULT_MAX_PROMPT_TOKENS: usize = 131_072;
+
+/// Largest `model_max_length` taken from `tokenizer_config.json`; transformers writes `1e30`
+/// when a model sets none.
+pub const MAX_SANE_MODEL_MAX_LENGTH: usize = 16 << 20;
 
 use crate::hashing::{LoraRef, RequestExtras};
 
@@ -121,6 +144,12 @@ pub enum RequestError {
         /// What was counted.
         what: &'static str,
         /// The configured limit.
+        limit: usize,
+    },
+    /// The prompt is longer than the token cap (the model's context): the engine refuses it.
+    #[error("the prompt is longer than {limit} tokens")]
+    PromptTooLong {
+        /// The cap.
         limit: usize,
     },
     /// Valid for vLLM, but kvroute cannot reproduce its tokens (e.g. images).

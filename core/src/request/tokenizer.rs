@@ -11,7 +11,15 @@ use super::chat_template::ChatTemplates;
 use super::openai::{self, CompletionPrompt};
 use super::segment_cache::{SegmentCache, SegmentCacheStats, SegmentKey};
 use super::segmenter::{Piece, Segmenter};
-use super::{ChatContentFormat, Endpoint, ModelFiles, PromptTokens, RequestError};
+use super::{
+    ChatContentFormat, Endpoint, ModelFiles, PromptTokens, RequestError,
+    MAX_PROMPT_BYTES_PER_TOKEN, MAX_SANE_MODEL_MAX_LENGTH,
+};
+
+/// With a token cap, a text piece longer than this (and than the tokens left under the cap) is
+/// first counted in chunks of this size, so the tokenizer never sees more of it at once than
+/// this (the tokenizer holds ~330 bytes per token natively, ~21 MB for a chunk of digits).
+const LONG_PIECE_BYTES: usize = 64 * 1024;
 
 /// transformers appends this to the final message for `continue_final_message`, renders, then
 /// cuts the rendered text at it.
@@ -81,6 +89,7 @@ pub struct ModelTokenizer {
     segmenter: Segmenter,
     cache: Mutex<SegmentCache>,
     opts: TokenizerOptions,
+    model_max_length: Option<usize>,
 }
 
 impl std::fmt::Debug for ModelTokenizer {
@@ -150,6 +159,11 @@ impl ModelTokenizer {
             opts.segment_cache_max_bytes,
             opts.segment_cache_max_entries,
         ));
+        let model_max_length = config
+            .get("model_max_length")
+            .and_then(Value::as_u64)
+            .and_then(|n| usize::try_from(n).ok())
+            .filter(|n| (1..=MAX_SANE_MODEL_MAX_LENGTH).contains(n));
         Ok(Self {
             tokenizer,
             templates,
@@ -157,7 +171,14 @@ impl ModelTokenizer {
             segmenter,
             cache,
             opts,
+            model_max_length,
         })
+    }
+
+    /// `model_max_length` from `tokenizer_config.json`, when it is a plausible context length
+    /// (an integer in 1..=16 Mi; transformers writes `1e30` for "none").
+    pub fn model_max_length(&self) -> Option<usize> {
+        self.model_max_length
     }
 
     /// The options this tokenizer was built with.
@@ -193,12 +214,38 @@ impl ModelTokenizer {
         endpoint: Endpoint,
         body: &Value,
     ) -> Result<PromptTokens, RequestError> {
+        self.tokenize_request_inner(endpoint, body, None)
+    }
+
+    /// [`Self::tokenize_request`] for prompts of at most `max_tokens` tokens each; a longer one
+    /// is [`RequestError::PromptTooLong`]. Refused before tokenising when the rendered text has
+    /// more than `max_tokens x` [`MAX_PROMPT_BYTES_PER_TOKEN`] bytes; otherwise tokenising stops
+    /// once the running count passes the cap, and a long piece of text is counted in bounded
+    /// chunks before it is tokenised whole, so the work and memory per request follow the cap.
+    /// Prompts within the cap get exactly the ids of [`Self::tokenize_request`].
+    pub fn tokenize_request_capped(
+        &self,
+        endpoint: Endpoint,
+        body: &Value,
+        max_tokens: usize,
+    ) -> Result<PromptTokens, RequestError> {
+        self.tokenize_request_inner(endpoint, body, Some(max_tokens))
+    }
+
+    fn tokenize_request_inner(
+        &self,
+        endpoint: Endpoint,
+        body: &Value,
+        cap: Option<usize>,
+    ) -> Result<PromptTokens, RequestError> {
         match endpoint {
             Endpoint::ChatCompletions => {
                 let (text, add_special_tokens) = self.render_chat_inner(body)?;
-                Ok(PromptTokens::Single(
-                    self.encode_text(&text, add_special_tokens)?,
-                ))
+                Ok(PromptTokens::Single(self.encode_text_inner(
+                    &text,
+                    add_special_tokens,
+                    cap,
+                )?))
             }
             Endpoint::Completions => {
                 let (prompt, add_special_tokens) = openai::completion_prompt(body, &self.opts)?;
@@ -206,13 +253,15 @@ impl ModelTokenizer {
                     CompletionPrompt::Batch(items) => {
                         let mut all = Vec::with_capacity(items.len());
                         for item in items {
-                            all.push(self.completion_ids(item, add_special_tokens)?);
+                            all.push(self.completion_ids(item, add_special_tokens, cap)?);
                         }
                         Ok(PromptTokens::Batch(all))
                     }
-                    single => Ok(PromptTokens::Single(
-                        self.completion_ids(single, add_special_tokens)?,
-                    )),
+                    single => Ok(PromptTokens::Single(self.completion_ids(
+                        single,
+                        add_special_tokens,
+                        cap,
+                    )?)),
                 }
             }
         }
@@ -222,10 +271,14 @@ impl ModelTokenizer {
         &self,
         prompt: CompletionPrompt,
         add_special_tokens: bool,
+        cap: Option<usize>,
     ) -> Result<Vec<u32>, RequestError> {
         match prompt {
-            CompletionPrompt::Text(text) => self.encode_text(&text, add_special_tokens),
-            CompletionPrompt::Ids(ids) => Ok(ids),
+            CompletionPrompt::Text(text) => self.encode_text_inner(&text, add_special_tokens, cap),
+            CompletionPrompt::Ids(ids) => match cap {
+                Some(limit) if ids.len() > limit => Err(RequestError::PromptTooLong { limit }),
+                _ => Ok(ids),
+            },
             CompletionPrompt::Batch(_) => Err(RequestError::InvalidField {
                 field: "prompt".into(),
                 reason: "nested batches are not allowed".into(),
@@ -310,11 +363,39 @@ impl ModelTokenizer {
         text: &str,
         add_special_tokens: bool,
     ) -> Result<Vec<u32>, RequestError> {
-        let ids = self.encode_segments(text)?;
-        if add_special_tokens {
-            self.post_process(ids)
+        self.encode_text_inner(text, add_special_tokens, None)
+    }
+
+    /// [`Self::encode_text`] with an optional token cap (see [`Self::tokenize_request_capped`]).
+    pub fn encode_text_capped(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        max_tokens: usize,
+    ) -> Result<Vec<u32>, RequestError> {
+        self.encode_text_inner(text, add_special_tokens, Some(max_tokens))
+    }
+
+    fn encode_text_inner(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        cap: Option<usize>,
+    ) -> Result<Vec<u32>, RequestError> {
+        if let Some(limit) = cap {
+            if text.len() > limit.saturating_mul(MAX_PROMPT_BYTES_PER_TOKEN) {
+                return Err(RequestError::PromptTooLong { limit });
+            }
+        }
+        let ids = self.encode_segments(text, cap)?;
+        let ids = if add_special_tokens {
+            self.post_process(ids)?
         } else {
-            Ok(ids)
+            ids
+        };
+        match cap {
+            Some(limit) if ids.len() > limit => Err(RequestError::PromptTooLong { limit }),
+            _ => Ok(ids),
         }
     }
 
@@ -358,9 +439,52 @@ impl ModelTokenizer {
         self.encode_text_uncached(text, false)
     }
 
-    fn encode_segments(&self, text: &str) -> Result<Vec<u32>, RequestError> {
+    /// Refuses a long piece of text that cannot fit in the `remaining` tokens, counting it in
+    /// chunks of [`LONG_PIECE_BYTES`] so that a piece of many tokens (a line of digits) never
+    /// reaches the tokenizer whole. A token covers at least one byte, so a piece no longer than
+    /// `remaining` bytes is not counted. Cutting inside the text can only add a token or two per
+    /// cut, so a prompt refused here was at most a few tokens below the cap.
+    fn check_piece_fits(
+        &self,
+        text: &str,
+        remaining: usize,
+        limit: usize,
+    ) -> Result<(), RequestError> {
+        if text.len() <= remaining.max(LONG_PIECE_BYTES) {
+            return Ok(());
+        }
+        let mut counted = 0usize;
+        let mut rest = text;
+        while !rest.is_empty() {
+            let (chunk, tail) = rest.split_at(floor_char_boundary(rest, LONG_PIECE_BYTES));
+            counted = counted.saturating_add(self.encode_piece(chunk)?.len());
+            if counted > remaining {
+                return Err(RequestError::PromptTooLong { limit });
+            }
+            rest = tail;
+        }
+        Ok(())
+    }
+
+    fn encode_segments(&self, text: &str, cap: Option<usize>) -> Result<Vec<u32>, RequestError> {
+        let too_long = |limit| RequestError::PromptTooLong { limit };
         let mut pieces: Vec<Piece<'_>> = Vec::new();
-        self.segmenter.split(text, |p| pieces.push(p));
+        // Each added token is one token: stop collecting once they alone pass the cap.
+        let mut added = 0usize;
+        let mut over = false;
+        self.segmenter.split(text, |p| {
+            if over {
+                return;
+            }
+            if matches!(p, Piece::Added(_)) {
+                added += 1;
+                over = cap.is_some_and(|c| added > c);
+            }
+            pieces.push(p);
+        });
+        if let (true, Some(limit)) = (over, cap) {
+            return Err(too_long(limit));
+        }
         let keys: Vec<Option<SegmentKey>> = pieces
             .iter()
             .map(|p| match p {
@@ -374,17 +498,37 @@ impl ModelTokenizer {
                 .map(|k| k.as_ref().and_then(|k| cache.get(k)))
                 .collect()
         };
+        // Tokens known so far: added tokens and cached pieces; fresh pieces are added below.
+        let mut count: usize = pieces
+            .iter()
+            .zip(&found)
+            .map(|(p, f)| match (p, f) {
+                (Piece::Added(_), _) => 1,
+                (Piece::Text(_), Some(ids)) => ids.len(),
+                (Piece::Text(_), None) => 0,
+            })
+            .sum();
+        if let Some(limit) = cap.filter(|&c| count > c) {
+            return Err(too_long(limit));
+        }
         let mut fresh: HashMap<SegmentKey, Arc<[u32]>> = HashMap::new();
         for ((piece, key), slot) in pieces.iter().zip(&keys).zip(found.iter_mut()) {
             if let (Piece::Text(t), Some(key), None) = (piece, key, &slot) {
                 let ids = match fresh.get(key) {
                     Some(ids) => ids.clone(),
                     None => {
+                        if let Some(limit) = cap {
+                            self.check_piece_fits(t, limit.saturating_sub(count), limit)?;
+                        }
                         let ids: Arc<[u32]> = self.encode_piece(t)?.into();
                         fresh.insert(*key, ids.clone());
                         ids
                     }
                 };
+                count = count.saturating_add(ids.len());
+                if let Some(limit) = cap.filter(|&c| count > c) {
+                    return Err(too_long(limit));
+                }
                 *slot = Some(ids);
             }
         }
@@ -425,6 +569,22 @@ impl ModelTokenizer {
             .post_process(enc, None, true)
             .map_err(tokenizer_error)?;
         Ok(enc.get_ids().to_vec())
+    }
+}
+
+/// The largest char boundary of `s` at or below `max` (at least one char, so progress is made).
+fn floor_char_boundary(s: &str, max: usize) -> usize {
+    if s.len() <= max {
+        return s.len();
+    }
+    let mut i = max;
+    while i > 0 && !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    if i == 0 {
+        s.chars().next().map_or(s.len(), char::len_utf8)
+    } else {
+        i
     }
 }
 

@@ -182,6 +182,23 @@ impl Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Resident set size (bytes) from /proc (0 when unreadable).
+    pub fn rss_bytes(&self) -> u64 {
+        std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("VmRSS:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            })
+            .map_or(0, |kb| kb * 1024)
+    }
 }
 
 impl Drop for Proc {
@@ -661,6 +678,22 @@ impl Envoy {
             .find(|(k, _)| *k == name)
             .and_then(|(_, v)| v.trim().parse().ok())
             .unwrap_or(0)
+    }
+
+    /// Every stat whose name contains `part`, as (name, value) (histograms skipped).
+    pub fn stats_containing(&self, part: &str) -> Vec<(String, u64)> {
+        let r = http(
+            self.admin,
+            "GET",
+            &format!("/stats?filter={part}"),
+            &[],
+            b"",
+        );
+        r.text()
+            .lines()
+            .filter_map(|l| l.split_once(": "))
+            .filter_map(|(k, v)| v.trim().parse().ok().map(|v| (k.to_string(), v)))
+            .collect()
     }
 
     /// A filter counter, `wasmcustom.kvroute.<name>`.
