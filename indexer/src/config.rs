@@ -3,7 +3,7 @@
 //! field (`models[0].replicas[1].http`), so a broken file is fixed in one look.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use kvroute_core::hashing::{ExtraKeyStyle, HashAlgo, HashConfig};
@@ -160,6 +160,22 @@ pub struct EventsSection {
     /// Most batches accepted from one replay (default 200000).
     #[serde(default = "default_replay_max_batches")]
     pub replay_max_batches: usize,
+    /// Most payload bytes buffered from one replay before it is abandoned (default 64 MiB).
+    #[serde(default = "default_replay_max_bytes")]
+    pub replay_max_bytes: usize,
+    /// Largest ZeroMQ message (all frames) or command frame accepted on any event socket, live
+    /// or replay; a peer announcing more is disconnected before anything is allocated for it
+    /// (default 64 MiB; vLLM's largest batches are a few MB).
+    #[serde(default = "default_max_message_bytes")]
+    pub max_message_bytes: usize,
+    /// IP address bound for engines that connect out (bind mode found by discovery), in place
+    /// of all interfaces (default `127.0.0.1`).
+    #[serde(default = "default_bind_address")]
+    pub bind_address: String,
+    /// Peers (`IP` or `IP/prefix`) admitted by bound event sockets. Empty (the default): the
+    /// replica's own configured hosts plus loopback.
+    #[serde(default)]
+    pub allowed_peers: Vec<String>,
 }
 
 impl Default for EventsSection {
@@ -169,7 +185,128 @@ impl Default for EventsSection {
             max_backoff_ms: default_max_backoff_ms(),
             replay_read_timeout_ms: default_replay_read_timeout_ms(),
             replay_max_batches: default_replay_max_batches(),
+            replay_max_bytes: default_replay_max_bytes(),
+            max_message_bytes: default_max_message_bytes(),
+            bind_address: default_bind_address(),
+            allowed_peers: Vec::new(),
         }
+    }
+}
+
+impl EventsSection {
+    /// The networks a bound event socket of `replica` admits: `allowed_peers` when set, else the
+    /// replica's own hosts (`http`, `endpoint`, event and replay hosts given as IPs) and loopback.
+    pub fn allowed_peer_nets(&self, replica: &ReplicaConfig) -> Vec<IpNet> {
+        if !self.allowed_peers.is_empty() {
+            return self
+                .allowed_peers
+                .iter()
+                .filter_map(|p| p.parse().ok())
+                .collect();
+        }
+        let mut nets = vec![IpNet::LOOPBACK_V4, IpNet::LOOPBACK_V6];
+        let hosts = [replica.http.as_str()]
+            .into_iter()
+            .chain(replica.endpoint.as_deref())
+            .filter_map(|a| a.parse::<SocketAddr>().ok().map(|a| a.ip()))
+            .chain(
+                replica
+                    .events
+                    .iter()
+                    .chain(&replica.replay)
+                    .filter_map(|ep| parse_tcp_endpoint(ep).ok())
+                    .filter_map(|(h, _)| h.trim_matches(['[', ']']).parse::<IpAddr>().ok()),
+            );
+        for ip in hosts {
+            let net = IpNet::host(ip);
+            if !ip.is_unspecified() && !nets.iter().any(|n| n.contains(ip)) {
+                nets.push(net);
+            }
+        }
+        nets
+    }
+}
+
+/// An IP network (`10.0.0.0/8`, `fd00::/8`; a bare address is a single host). IPv4-mapped IPv6
+/// peers (`::ffff:10.0.0.1`) match IPv4 networks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpNet {
+    addr: IpAddr,
+    prefix: u8,
+}
+
+impl IpNet {
+    /// `127.0.0.0/8`.
+    pub const LOOPBACK_V4: IpNet = IpNet {
+        addr: IpAddr::V4(Ipv4Addr::new(127, 0, 0, 0)),
+        prefix: 8,
+    };
+    /// `::1/128`.
+    pub const LOOPBACK_V6: IpNet = IpNet {
+        addr: IpAddr::V6(Ipv6Addr::LOCALHOST),
+        prefix: 128,
+    };
+
+    /// The network of exactly one address.
+    pub fn host(ip: IpAddr) -> IpNet {
+        let ip = ip.to_canonical();
+        IpNet {
+            addr: ip,
+            prefix: if ip.is_ipv4() { 32 } else { 128 },
+        }
+    }
+
+    /// Whether `ip` is in this network.
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let bits = |prefix: u8, width: u32| -> u128 {
+            if prefix == 0 {
+                0
+            } else {
+                (u128::MAX << (width - u32::from(prefix))) & (u128::MAX >> (128 - width))
+            }
+        };
+        match (self.addr, ip.to_canonical()) {
+            (IpAddr::V4(net), IpAddr::V4(ip)) => {
+                let m = bits(self.prefix, 32);
+                u128::from(u32::from(net)) & m == u128::from(u32::from(ip)) & m
+            }
+            (IpAddr::V6(net), IpAddr::V6(ip)) => {
+                let m = bits(self.prefix, 128);
+                u128::from(net) & m == u128::from(ip) & m
+            }
+            _ => false,
+        }
+    }
+}
+
+impl std::str::FromStr for IpNet {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (addr, prefix) = match s.split_once('/') {
+            Some((a, p)) => (a, Some(p)),
+            None => (s, None),
+        };
+        let addr: IpAddr = addr
+            .parse()
+            .map_err(|_| format!("{s:?} is not an IP address or IP/prefix"))?;
+        let addr = addr.to_canonical();
+        let width = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix = match prefix {
+            None => width,
+            Some(p) => p
+                .parse::<u8>()
+                .ok()
+                .filter(|p| *p <= width)
+                .ok_or_else(|| format!("{s:?} has an invalid prefix length (0..={width})"))?,
+        };
+        Ok(IpNet { addr, prefix })
+    }
+}
+
+impl std::fmt::Display for IpNet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
     }
 }
 fn default_connect_timeout_ms() -> u64 {
@@ -183,6 +320,15 @@ fn default_replay_read_timeout_ms() -> u64 {
 }
 fn default_replay_max_batches() -> usize {
     200_000
+}
+fn default_replay_max_bytes() -> usize {
+    64 * 1024 * 1024
+}
+fn default_max_message_bytes() -> usize {
+    64 * 1024 * 1024
+}
+fn default_bind_address() -> String {
+    "127.0.0.1".to_string()
 }
 
 /// `[policies]`.
@@ -626,6 +772,65 @@ events = ["tcp://127.0.0.1:5557"]
         let cfg = Config::parse(&text, "examples/indexer.toml").expect("example parses");
         assert_eq!(cfg.models[0].replicas.len(), 2);
         assert_eq!(cfg.models[0].replicas[1].data_parallel_size, 2);
+    }
+
+    #[test]
+    fn event_socket_bounds_have_safe_defaults_and_are_validated() {
+        let cfg = Config::parse(MINIMAL, "t").expect("valid");
+        assert_eq!(cfg.events.max_message_bytes, 64 << 20);
+        assert_eq!(cfg.events.replay_max_bytes, 64 << 20);
+        assert_eq!(cfg.events.bind_address, "127.0.0.1");
+        for (bad, field) in [
+            ("bind_address = \"0.0.0.0:1\"", "events.bind_address"),
+            (
+                "allowed_peers = [\"10.0.0.0/33\"]",
+                "events.allowed_peers[0]",
+            ),
+            ("allowed_peers = [\"eth0\"]", "events.allowed_peers[0]"),
+            ("max_message_bytes = 10", "events.max_message_bytes"),
+            ("replay_max_bytes = 0", "events.replay_max_bytes"),
+        ] {
+            let text = format!("[events]\n{bad}\n{MINIMAL}");
+            let err = Config::parse(&text, "t").unwrap_err().to_string();
+            assert!(err.contains(field), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn ip_networks_match_as_cidr() {
+        let net: IpNet = "10.0.0.0/8".parse().unwrap();
+        assert!(net.contains("10.200.1.2".parse().unwrap()));
+        assert!(net.contains("::ffff:10.1.1.1".parse().unwrap()));
+        assert!(!net.contains("11.0.0.1".parse().unwrap()));
+        assert!(!net.contains("::1".parse().unwrap()));
+        let host: IpNet = "192.168.1.7".parse().unwrap();
+        assert!(host.contains("192.168.1.7".parse().unwrap()));
+        assert!(!host.contains("192.168.1.8".parse().unwrap()));
+        let v6: IpNet = "fd00::/8".parse().unwrap();
+        assert!(v6.contains("fd12::1".parse().unwrap()));
+        assert!(!v6.contains("fe80::1".parse().unwrap()));
+        let all: IpNet = "0.0.0.0/0".parse().unwrap();
+        assert!(all.contains("203.0.113.9".parse().unwrap()));
+        assert!("10.0.0.0/x".parse::<IpNet>().is_err());
+    }
+
+    #[test]
+    fn default_allowed_peers_are_the_replicas_hosts_and_loopback() {
+        let cfg = Config::parse(MINIMAL, "t").expect("valid");
+        let mut r = cfg.models[0].replicas[0].clone();
+        r.http = "10.0.0.5:8000".into();
+        r.replay = vec!["tcp://10.0.0.6:5558".into()];
+        let nets = cfg.events.allowed_peer_nets(&r);
+        let ok = |ip: &str| nets.iter().any(|n| n.contains(ip.parse().unwrap()));
+        assert!(ok("10.0.0.5") && ok("10.0.0.6") && ok("127.0.0.1") && ok("::1"));
+        assert!(!ok("10.0.0.7"));
+        let mut events = cfg.events.clone();
+        events.allowed_peers = vec!["10.0.0.0/8".into()];
+        let nets = events.allowed_peer_nets(&r);
+        assert!(nets.iter().any(|n| n.contains("10.9.9.9".parse().unwrap())));
+        assert!(!nets
+            .iter()
+            .any(|n| n.contains("127.0.0.1".parse().unwrap())));
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::config::ReplicaConfig;
+use crate::config::{parse_tcp_endpoint, ReplicaConfig};
 
 /// Locks a mutex, recovering the data if a panicking thread poisoned it.
 pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -66,6 +66,29 @@ pub struct StreamStats {
     pub connects: AtomicU64,
     /// Hash self-check candidates seen (for sampling).
     pub hash_checks: AtomicU64,
+    /// Peers disconnected for announcing a message over `events.max_message_bytes`.
+    pub oversized: AtomicU64,
+    /// Connections to a bound event socket refused by `events.allowed_peers`.
+    pub refused_peers: AtomicU64,
+    /// Replays abandoned for exceeding `replay_max_batches` or `replay_max_bytes`.
+    pub replays_too_large: AtomicU64,
+    /// Peers already logged at warn (bounded; later ones are only counted).
+    pub warned_peers: Mutex<std::collections::HashSet<String>>,
+}
+
+/// Most distinct peers logged at warn per stream.
+const MAX_WARNED_PEERS: usize = 64;
+
+impl StreamStats {
+    /// True the first time `peer` is seen here (then log it at warn); false afterwards, and for
+    /// every peer once [`MAX_WARNED_PEERS`] were logged.
+    pub fn first_warning(&self, peer: &str) -> bool {
+        let mut seen = lock(&self.warned_peers);
+        if seen.len() >= MAX_WARNED_PEERS || seen.contains(peer) {
+            return false;
+        }
+        seen.insert(peer.to_string())
+    }
 }
 
 /// Mutable state of one stream, guarded by a mutex.
@@ -354,10 +377,12 @@ impl Fleet {
 /// DP rank (`{"0": KVEventsConfig, "1": ...}`, `{}` when events are off); a JSON list (one entry
 /// per rank) or an object with such a list under `sources` is accepted too. Each entry has
 /// `endpoint` and optionally `replay_endpoint`. Wildcard hosts (`*`, `0.0.0.0`, `::`) are
-/// replaced by the replica's HTTP host.
+/// replaced by the replica's HTTP host; an engine that connects out gets a bound endpoint on
+/// `bind_host` (`events.bind_address`).
 pub async fn discover_event_sources(
     client: &reqwest::Client,
     cfg: &mut ReplicaConfig,
+    bind_host: &str,
 ) -> Result<(), MembershipError> {
     let url = format!("http://{}/kv_event_sources", cfg.http);
     let err = |message: String| MembershipError::Discovery {
@@ -384,7 +409,20 @@ pub async fn discover_event_sources(
         events,
         replay,
         bind,
-    } = parse_event_sources(&body, &host).map_err(err)?;
+        published_to,
+    } = parse_event_sources(&body, &host, bind_host).map_err(err)?;
+    let bind_is_loopback = bind_host
+        .parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_loopback());
+    for target in &published_to {
+        let remote = parse_tcp_endpoint(target)
+            .ok()
+            .and_then(|(h, _)| h.trim_matches(['[', ']']).parse::<std::net::IpAddr>().ok())
+            .is_none_or(|ip| !ip.is_loopback());
+        if bind_is_loopback && remote {
+            tracing::warn!(replica = %cfg.name, engine_publishes_to = %target, bind_address = bind_host, "the engine connects out to a non-loopback address but events.bind_address is loopback: set events.bind_address to the interface it connects to");
+        }
+    }
     cfg.data_parallel_size = u32::try_from(events.len()).unwrap_or(1).max(1);
     cfg.events = events;
     cfg.bind = bind;
@@ -404,8 +442,10 @@ pub struct EventSources {
     /// Per DP rank: the engine's replay (ROUTER) endpoint, if it has one.
     pub replay: Vec<Option<String>>,
     /// The engine connects out to `events` (vLLM does so for a tcp endpoint with neither `*` nor
-    /// `::` in it), so the indexer must bind them: on all interfaces, at the listed port.
+    /// `::` in it), so the indexer must bind them: on the bind host, at the listed port.
     pub bind: bool,
+    /// The engine's own endpoints, for ranks that connect out.
+    pub published_to: Vec<String>,
 }
 
 /// Whether vLLM's publisher binds `endpoint` (it connects out otherwise): vLLM binds when the
@@ -417,8 +457,13 @@ pub fn engine_binds(endpoint: &str) -> bool {
         || endpoint.starts_with("inproc://")
 }
 
-/// Parses a `/kv_event_sources` answer into per-rank event and replay endpoints.
-pub fn parse_event_sources(body: &serde_json::Value, host: &str) -> Result<EventSources, String> {
+/// Parses a `/kv_event_sources` answer into per-rank event and replay endpoints; ranks that
+/// connect out get `tcp://{bind_host}:{port}` to bind.
+pub fn parse_event_sources(
+    body: &serde_json::Value,
+    host: &str,
+    bind_host: &str,
+) -> Result<EventSources, String> {
     let list = match body {
         serde_json::Value::Array(a) => a.clone(),
         serde_json::Value::Object(o) => match o.get("sources").or_else(|| o.get("data")) {
@@ -445,6 +490,12 @@ pub fn parse_event_sources(body: &serde_json::Value, host: &str) -> Result<Event
     let mut events = Vec::new();
     let mut replay = Vec::new();
     let mut connect_out = Vec::new();
+    let mut published_to = Vec::new();
+    let bind_host = if bind_host.contains(':') && !bind_host.starts_with('[') {
+        format!("[{bind_host}]")
+    } else {
+        bind_host.to_string()
+    };
     for entry in &list {
         let disabled = entry.get("enable_kv_cache_events") == Some(&serde_json::Value::Bool(false))
             || entry.get("publisher").and_then(|p| p.as_str()) == Some("null");
@@ -469,7 +520,8 @@ pub fn parse_event_sources(body: &serde_json::Value, host: &str) -> Result<Event
                         "the engine publishes to {ep:?}, which is not a tcp://HOST:PORT endpoint"
                     )
                 })?;
-            events.push(format!("tcp://0.0.0.0:{port}"));
+            events.push(format!("tcp://{bind_host}:{port}"));
+            published_to.push(ep.to_string());
             connect_out.push(true);
         }
         replay.push(
@@ -494,6 +546,7 @@ pub fn parse_event_sources(body: &serde_json::Value, host: &str) -> Result<Event
         events,
         replay,
         bind,
+        published_to,
     })
 }
 
@@ -516,7 +569,7 @@ mod tests {
             {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"},
             {"endpoint": "tcp://*:5558"}
         ]);
-        let s = parse_event_sources(&body, "10.0.0.7").unwrap();
+        let s = parse_event_sources(&body, "10.0.0.7", "127.0.0.1").unwrap();
         assert_eq!(s.events, ["tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558"]);
         assert_eq!(s.replay, [Some("tcp://10.0.0.7:5558".to_string()), None]);
         assert!(!s.bind);
@@ -533,7 +586,7 @@ mod tests {
                   "replay_endpoint": "tcp://*:5567", "buffer_steps": 10000, "hwm": 100000,
                   "max_queue_size": 100000, "topic": "kv-events"}
         });
-        let s = parse_event_sources(&body, "127.0.0.1").unwrap();
+        let s = parse_event_sources(&body, "127.0.0.1", "127.0.0.1").unwrap();
         assert_eq!(s.events, ["tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"]);
         assert!(!s.bind);
         assert_eq!(
@@ -545,17 +598,23 @@ mod tests {
         );
         // An endpoint without `*` or `::`: the engine connects out to it, the indexer binds.
         let one = serde_json::json!({"0": {"endpoint": "tcp://10.1.2.3:5557", "replay_endpoint": "tcp://*:5567"}});
-        let s = parse_event_sources(&one, "127.0.0.1").unwrap();
-        assert_eq!(s.events, ["tcp://0.0.0.0:5557"]);
+        let s = parse_event_sources(&one, "127.0.0.1", "127.0.0.1").unwrap();
+        // Bound on `events.bind_address` (loopback by default), never on all interfaces.
+        assert_eq!(s.events, ["tcp://127.0.0.1:5557"]);
+        assert_eq!(s.published_to, ["tcp://10.1.2.3:5557"]);
+        let s = parse_event_sources(&one, "127.0.0.1", "10.1.2.3").unwrap();
+        assert_eq!(s.events, ["tcp://10.1.2.3:5557"]);
+        let s = parse_event_sources(&one, "127.0.0.1", "fd00::7").unwrap();
+        assert_eq!(s.events, ["tcp://[fd00::7]:5557"]);
         assert_eq!(s.replay, [Some("tcp://127.0.0.1:5567".to_string())]);
         assert!(s.bind);
         let ipv6 = serde_json::json!({"0": {"endpoint": "tcp://[::]:5557"}});
-        assert!(!parse_event_sources(&ipv6, "h").unwrap().bind);
+        assert!(!parse_event_sources(&ipv6, "h", "127.0.0.1").unwrap().bind);
     }
 
     #[test]
     fn event_sources_errors_are_explicit() {
-        let err = |v: serde_json::Value| parse_event_sources(&v, "h").unwrap_err();
+        let err = |v: serde_json::Value| parse_event_sources(&v, "h", "127.0.0.1").unwrap_err();
         assert!(err(serde_json::json!({})).contains("no event sources"));
         assert!(err(
             serde_json::json!({"0": {"endpoint": "tcp://*:1"}, "2": {"endpoint": "tcp://*:3"}})

@@ -26,7 +26,7 @@ pub fn render(state: &AppState) -> String {
     // Per-stream counters.
     let replicas = state.fleet.all();
     type Getter = fn(&crate::membership::StreamStats) -> u64;
-    let stream_counters: [(&str, &str, Getter); 10] = [
+    let stream_counters: [(&str, &str, Getter); 13] = [
         ("event_batches_total", "Event batches applied.", |s| {
             s.batches.load(Ordering::Relaxed)
         }),
@@ -67,6 +67,21 @@ pub fn render(state: &AppState) -> String {
         ("stream_connects_total", "Event stream connections.", |s| {
             s.connects.load(Ordering::Relaxed)
         }),
+        (
+            "event_oversized_messages_total",
+            "Peers (live, replay or bound socket) disconnected for announcing a message over events.max_message_bytes.",
+            |s| s.oversized.load(Ordering::Relaxed),
+        ),
+        (
+            "event_peers_refused_total",
+            "Connections to a bound event socket refused by events.allowed_peers.",
+            |s| s.refused_peers.load(Ordering::Relaxed),
+        ),
+        (
+            "replays_too_large_total",
+            "Replays abandoned for exceeding events.replay_max_batches or events.replay_max_bytes.",
+            |s| s.replays_too_large.load(Ordering::Relaxed),
+        ),
     ];
     for (name, help, get) in stream_counters {
         let full = format!("{p}_{name}");

@@ -10,7 +10,12 @@
 //!   cannot cover the gap, a stream without replay, or a sequence number that goes backwards (engine
 //!   restart) drops this stream's entries and counts a reset.
 //! * Undecodable payloads are counted and skipped; the stream goes on.
+//! * Every socket (SUB, replay DEALER, bound SUB) refuses messages over
+//!   `events.max_message_bytes` before allocating them (the peer is disconnected and counted);
+//!   a replay stops at `replay_max_batches` / `replay_max_bytes`; a bound SUB admits only
+//!   `events.allowed_peers` (default: the replica's hosts and loopback).
 
+use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -20,7 +25,8 @@ use futures::StreamExt;
 use kvroute_core::events::{decode_batch, KvEvent};
 use tokio::time::timeout;
 use zeromq::{
-    DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage,
+    CodecError, DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend,
+    SubSocket, ZmqError, ZmqMessage,
 };
 
 use crate::membership::{discover_event_sources, lock, Replica, Stream};
@@ -35,7 +41,10 @@ pub const END_OF_REPLAY: u64 = u64::MAX;
 pub enum StreamError {
     /// ZeroMQ error.
     #[error("zmq: {0}")]
-    Zmq(#[from] zeromq::ZmqError),
+    Zmq(zeromq::ZmqError),
+    /// A peer announced a message over `events.max_message_bytes` and was disconnected.
+    #[error("peer announced an oversized message: {0}")]
+    MessageTooLarge(CodecError),
     /// Connect or read timed out.
     #[error("timed out: {0}")]
     Timeout(&'static str),
@@ -43,11 +52,35 @@ pub enum StreamError {
     #[error("malformed replay reply: {0}")]
     BadReply(String),
     /// The replay was larger than allowed.
-    #[error("replay exceeded {0} batches")]
-    TooLarge(usize),
+    #[error("replay exceeded {limit} {unit}")]
+    TooLarge {
+        /// The bound.
+        limit: usize,
+        /// What it counts ("batches", "bytes").
+        unit: &'static str,
+    },
     /// The stream has no endpoint yet.
     #[error("no event endpoint (discovery failed: {0})")]
     NoEndpoint(String),
+}
+
+impl From<ZmqError> for StreamError {
+    fn from(e: ZmqError) -> Self {
+        match e {
+            ZmqError::Codec(c @ CodecError::MessageTooLarge { .. }) => {
+                StreamError::MessageTooLarge(c)
+            }
+            other => StreamError::Zmq(other),
+        }
+    }
+}
+
+/// Options of every ZeroMQ socket the indexer makes: connect timeout and message size bound.
+fn socket_options(cfg: &crate::config::EventsSection) -> SocketOptions {
+    let mut opts = SocketOptions::default();
+    opts.connect_timeout(Duration::from_millis(cfg.connect_timeout_ms));
+    opts.max_message_size(cfg.max_message_bytes);
+    opts
 }
 
 /// What to do with a live message, given the stream's sequence state.
@@ -230,7 +263,7 @@ impl StreamCtx {
             .read()
             .map(|c| c.clone())
             .map_err(|_| StreamError::NoEndpoint("poisoned".into()))?;
-        discover_event_sources(&self.state.http, &mut cfg)
+        discover_event_sources(&self.state.http, &mut cfg, &self.cfg().bind_address)
             .await
             .map_err(|e| StreamError::NoEndpoint(e.to_string()))?;
         // The engine may run more DP ranks than configured: each gets its own stream.
@@ -263,13 +296,14 @@ impl StreamCtx {
         backoff: &mut Backoff,
     ) -> Result<(), StreamError> {
         let ct = Duration::from_millis(self.cfg().connect_timeout_ms);
-        let mut opts = SocketOptions::default();
-        opts.connect_timeout(ct);
-        let mut sock = SubSocket::with_options(opts);
+        let mut sock = SubSocket::with_options(socket_options(self.cfg()));
         let mut monitor = sock.monitor();
-        timeout(ct + Duration::from_millis(250), sock.connect(endpoint))
+        let connected = timeout(ct + Duration::from_millis(250), sock.connect(endpoint))
             .await
-            .map_err(|_| StreamError::Timeout("connect"))??;
+            .map_err(|_| StreamError::Timeout("connect"))?;
+        if let Err(e) = connected {
+            return Err(self.note_error(e.into(), endpoint));
+        }
         let topic = self.topic();
         sock.subscribe(&topic).await?;
         backoff.reset();
@@ -283,7 +317,7 @@ impl StreamCtx {
             tokio::select! {
                 msg = sock.recv() => match msg {
                     Ok(m) => self.on_live(m).await,
-                    Err(e) => return Err(e.into()),
+                    Err(e) => return Err(self.note_error(e.into(), endpoint)),
                 },
                 ev = monitor.next() => match ev {
                     Some(SocketEvent::Disconnected(_)) | None => return Ok(()),
@@ -299,7 +333,9 @@ impl StreamCtx {
         endpoint: &str,
         backoff: &mut Backoff,
     ) -> Result<(), StreamError> {
-        let mut sock = SubSocket::new();
+        let mut opts = socket_options(self.cfg());
+        opts.accept_filter(self.accept_filter());
+        let mut sock = SubSocket::with_options(opts);
         let mut monitor = sock.monitor();
         sock.bind(endpoint).await?;
         let topic = self.topic();
@@ -315,6 +351,8 @@ impl StreamCtx {
                         self.on_live(m).await
                     }
                     Err(e) => {
+                        // The crate drops the failing peer; the socket stays bound for others.
+                        let e = self.note_error(e.into(), &format!("a peer of {endpoint}"));
                         tracing::debug!(error = %e, "bound SUB recv error");
                         self.set_connected(false);
                     }
@@ -327,12 +365,66 @@ impl StreamCtx {
                         self.sync_after_connect().await;
                     }
                     Some(SocketEvent::Disconnected(_)) => self.set_connected(false),
+                    Some(SocketEvent::AcceptFailed(e)) => {
+                        self.note_error(e.into(), &format!("a peer of {endpoint}"));
+                    }
                     Some(_) => {}
                     None => return Ok(()),
                 },
                 _ = tick.tick() => self.check_resync().await,
             }
         }
+    }
+
+    /// Admits the peers of `events.allowed_peers` (default: the replica's hosts and loopback) to
+    /// the bound SUB; counts and logs (once per address) the others.
+    fn accept_filter(&self) -> zeromq::AcceptFilter {
+        let nets = self
+            .replica
+            .config
+            .read()
+            .map(|c| self.cfg().allowed_peer_nets(&c))
+            .unwrap_or_default();
+        let stream = self.stream.clone();
+        let replica = self.replica.name.clone();
+        Arc::new(move |peer: SocketAddr| {
+            if nets.iter().any(|n| n.contains(peer.ip())) {
+                return true;
+            }
+            stream.stats.refused_peers.fetch_add(1, Ordering::Relaxed);
+            if stream
+                .stats
+                .first_warning(&format!("refused {}", peer.ip()))
+            {
+                tracing::warn!(replica = %replica, rank = stream.rank, %peer, "refused a connection to the bound event socket: peer not in events.allowed_peers");
+            }
+            false
+        })
+    }
+
+    /// Counts the error when a peer sent an oversized message (logged at warn once per peer) or a
+    /// replay was too large; returns it.
+    fn note_error(&self, e: StreamError, peer: &str) -> StreamError {
+        match &e {
+            StreamError::MessageTooLarge(c) => {
+                self.stream.stats.oversized.fetch_add(1, Ordering::Relaxed);
+                if self
+                    .stream
+                    .stats
+                    .first_warning(&format!("oversized {peer}"))
+                {
+                    tracing::warn!(replica = %self.replica.name, rank = self.stream.rank, %peer, error = %c, "disconnected a peer that announced a message over events.max_message_bytes");
+                }
+            }
+            StreamError::TooLarge { .. } => {
+                self.stream
+                    .stats
+                    .replays_too_large
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+        e
     }
 
     fn topic(&self) -> String {
@@ -368,17 +460,10 @@ impl StreamCtx {
         let batches = match self.replay_endpoint() {
             Some(ep) => {
                 self.stream.stats.replays.fetch_add(1, Ordering::Relaxed);
-                match replay(
-                    &ep,
-                    last,
-                    Duration::from_millis(self.cfg().connect_timeout_ms),
-                    Duration::from_millis(self.cfg().replay_read_timeout_ms),
-                    self.cfg().replay_max_batches,
-                )
-                .await
-                {
+                match replay(&ep, last, self.cfg()).await {
                     Ok(b) => Some(b),
                     Err(e) => {
+                        let e = self.note_error(e, &ep);
                         self.stream
                             .stats
                             .replay_failures
@@ -475,14 +560,9 @@ impl StreamCtx {
         let result = match self.replay_endpoint() {
             Some(ep) => {
                 self.stream.stats.replays.fetch_add(1, Ordering::Relaxed);
-                let r = replay(
-                    &ep,
-                    from,
-                    Duration::from_millis(self.cfg().connect_timeout_ms),
-                    Duration::from_millis(self.cfg().replay_read_timeout_ms),
-                    self.cfg().replay_max_batches,
-                )
-                .await;
+                let r = replay(&ep, from, self.cfg())
+                    .await
+                    .map_err(|e| self.note_error(e, &ep));
                 if let Err(e) = &r {
                     self.stream
                         .stats
@@ -611,17 +691,17 @@ fn parse_seq(frame: &[u8]) -> Option<u64> {
 
 /// Asks a replica's ROUTER for every buffered batch with seq >= `start`, through a new DEALER.
 /// Returns `(seq, payload)` oldest first. Handles both reply layouts: `[b"", topic, seq, payload]`
-/// (vLLM >= 0.26) and `[b"", seq, payload]` (<= 0.25).
+/// (vLLM >= 0.26) and `[b"", seq, payload]` (<= 0.25). Bounded by `cfg`: timeouts on connect
+/// and every read, `max_message_bytes` per message, `replay_max_batches` and `replay_max_bytes`
+/// (payload bytes) in total.
 pub async fn replay(
     endpoint: &str,
     start: u64,
-    connect_timeout: Duration,
-    read_timeout: Duration,
-    max_batches: usize,
+    cfg: &crate::config::EventsSection,
 ) -> Result<Vec<(u64, Bytes)>, StreamError> {
-    let mut opts = SocketOptions::default();
-    opts.connect_timeout(connect_timeout);
-    let mut dealer = DealerSocket::with_options(opts);
+    let connect_timeout = Duration::from_millis(cfg.connect_timeout_ms);
+    let read_timeout = Duration::from_millis(cfg.replay_read_timeout_ms);
+    let mut dealer = DealerSocket::with_options(socket_options(cfg));
     timeout(
         connect_timeout + Duration::from_millis(250),
         dealer.connect(endpoint),
@@ -637,6 +717,7 @@ pub async fn replay(
         .await
         .map_err(|_| StreamError::Timeout("replay send"))??;
     let mut out = Vec::new();
+    let mut bytes = 0usize;
     loop {
         let msg = timeout(read_timeout, dealer.recv())
             .await
@@ -655,10 +736,22 @@ pub async fn replay(
         if seq == END_OF_REPLAY {
             return Ok(out);
         }
-        if out.len() >= max_batches {
-            return Err(StreamError::TooLarge(max_batches));
+        if out.len() >= cfg.replay_max_batches {
+            return Err(StreamError::TooLarge {
+                limit: cfg.replay_max_batches,
+                unit: "batches",
+            });
         }
-        out.push((seq, payload));
+        bytes = bytes.saturating_add(payload.len());
+        if bytes > cfg.replay_max_bytes {
+            return Err(StreamError::TooLarge {
+                limit: cfg.replay_max_bytes,
+                unit: "bytes",
+            });
+        }
+        // A copy, so the bound holds for memory too: a slice would keep the whole read buffer
+        // it was cut from alive.
+        out.push((seq, Bytes::copy_from_slice(&payload)));
     }
 }
 

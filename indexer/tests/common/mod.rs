@@ -290,3 +290,85 @@ pub fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// Raw ZMTP 3.0 over a tokio `TcpStream`, for tests that play a hostile peer byte by byte: the
+/// NULL-mechanism greeting, a READY command, and frame headers that announce lengths the peer
+/// never sends.
+pub mod zmtp {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    /// The 64-byte greeting: signature, version 3.0, mechanism NULL, as-server 0.
+    pub fn greeting() -> [u8; 64] {
+        let mut g = [0u8; 64];
+        g[0] = 0xff;
+        g[9] = 0x7f;
+        g[10] = 3;
+        g[12..16].copy_from_slice(b"NULL");
+        g
+    }
+
+    /// A READY command frame announcing `socket_type` ("PUB", "ROUTER", ...).
+    pub fn ready(socket_type: &str) -> Vec<u8> {
+        let mut body = vec![5u8];
+        body.extend_from_slice(b"READY");
+        body.push(11);
+        body.extend_from_slice(b"Socket-Type");
+        body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
+        body.extend_from_slice(socket_type.as_bytes());
+        let mut frame = vec![0x04, body.len() as u8];
+        frame.extend(body);
+        frame
+    }
+
+    /// A long message-frame header announcing `len` bytes (flags: long, plus MORE if `more`).
+    pub fn long_frame_header(len: u64, more: bool) -> [u8; 9] {
+        let mut h = [0u8; 9];
+        h[0] = 0x02 | u8::from(more);
+        h[1..].copy_from_slice(&len.to_be_bytes());
+        h
+    }
+
+    /// A short message frame carrying `body` (at most 255 bytes).
+    pub fn short_frame(body: &[u8], more: bool) -> Vec<u8> {
+        let mut f = vec![
+            u8::from(more),
+            u8::try_from(body.len()).expect("short frame"),
+        ];
+        f.extend_from_slice(body);
+        f
+    }
+
+    /// Reads one frame: `(flags, body)`; refuses bodies over 1 MiB (this is a test peer).
+    pub async fn read_frame(s: &mut TcpStream) -> std::io::Result<(u8, Vec<u8>)> {
+        let flags = s.read_u8().await?;
+        let len = if flags & 0x02 != 0 {
+            s.read_u64().await?
+        } else {
+            u64::from(s.read_u8().await?)
+        };
+        if len > 1 << 20 {
+            return Err(std::io::Error::other("test peer: frame over 1 MiB"));
+        }
+        let mut body = vec![0u8; len as usize];
+        s.read_exact(&mut body).await?;
+        Ok((flags, body))
+    }
+
+    /// Sends our greeting and READY as `socket_type`, then reads the other side's greeting and
+    /// its READY command.
+    pub async fn handshake(s: &mut TcpStream, socket_type: &str) -> std::io::Result<()> {
+        s.write_all(&greeting()).await?;
+        s.write_all(&ready(socket_type)).await?;
+        let mut g = [0u8; 64];
+        s.read_exact(&mut g).await?;
+        if g[0] != 0xff || g[9] != 0x7f {
+            return Err(std::io::Error::other("not a ZMTP greeting"));
+        }
+        let (flags, body) = read_frame(s).await?;
+        if flags & 0x04 == 0 || !body.starts_with(b"\x05READY") {
+            return Err(std::io::Error::other("expected a READY command"));
+        }
+        Ok(())
+    }
+}

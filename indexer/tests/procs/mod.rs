@@ -357,3 +357,12 @@ pub fn replica_of<'a>(replicas: &'a Value, name: &str) -> Option<&'a Value> {
         .flatten()
         .find(|r| r["name"] == name)
 }
+
+/// A field of `/proc/<pid>/status` given in kB (`VmRSS`, `VmHWM`), in bytes; `None` off Linux or
+/// once the process is gone.
+pub fn proc_status_bytes(pid: u32, field: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = text.lines().find(|l| l.starts_with(&format!("{field}:")))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
