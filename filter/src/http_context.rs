@@ -1,9 +1,13 @@
 //! The per-request HTTP context: strip the destination header, buffer the body, tokenise, ask the
 //! indexer, set `x-envoy-original-dst-host`, optionally rewrite the body, resume; on any failure,
 //! fail open (no header, so the route goes to the fallback cluster). At the end of the stream,
-//! report completion (with the engine's `cached_tokens`) to the indexer.
+//! report completion (with the engine's `cached_tokens` and the indexer's `decision_id`) to the
+//! indexer; a stream that ended while its route call was pending (or after a failed call the
+//! indexer may have counted) is reported as abandoned by its `callout_id`, so the indexer releases
+//! the replica's in-flight slot at once.
 
 use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use proxy_wasm::traits::{Context, HttpContext};
@@ -20,8 +24,9 @@ use crate::metrics::{Counter, Histogram};
 const MAX_SESSION_BYTES: usize = 256;
 use crate::models::Lookup;
 use crate::protocol::{
-    complete_body, inject_kv_cache_report_mode, parse_route_answer, parse_status, request_id,
-    FailOpen, ResponseScanner, RouteRequest,
+    abandon_body, callout_id, complete_body, inject_kv_cache_report_mode, max_tokens_of,
+    parse_route_answer, parse_status, request_id, route_may_be_counted, Completion, FailOpen,
+    ResponseScanner, RouteRequest,
 };
 use crate::root_context::Shared;
 
@@ -60,6 +65,15 @@ pub struct KvRouteHttp {
     /// The replica the indexer chose (also when setting the header then failed).
     routed_to: Option<String>,
     decision: Option<(Option<String>, Option<String>)>,
+    /// The indexer's id of the applied decision, echoed in `/v1/complete`.
+    decision_id: Option<String>,
+    /// This request's route call id while the indexer may count its decision without this
+    /// request knowing it (call pending, or failed after the indexer may have decided).
+    unanswered_callout: Option<String>,
+    /// The response's last byte passed the filter.
+    response_done: bool,
+    /// The end was reported (`on_done` and `on_log` both report; once).
+    reported: bool,
     fail_open: Option<FailOpen>,
     scanner: Option<ResponseScanner>,
 }
@@ -77,6 +91,10 @@ impl KvRouteHttp {
             body: None,
             routed_to: None,
             decision: None,
+            decision_id: None,
+            unanswered_callout: None,
+            response_done: false,
+            reported: false,
             fail_open: None,
             scanner: None,
         }
@@ -201,12 +219,15 @@ impl KvRouteHttp {
                 .metrics
                 .record(Histogram::PrepareUs, t1.saturating_sub(t0) / 1000);
         }
+        let callout = next_callout_id();
         let route = RouteRequest {
             model: &model,
             router_keys: prepared.router_keys,
             num_tokens: prepared.num_tokens,
             block_size: loaded.block_size,
             request_id: &self.request_id,
+            callout_id: &callout,
+            max_tokens: max_tokens_of(&body),
             lora: prepared.lora.as_deref(),
             session: self.session.as_deref(),
         };
@@ -236,6 +257,7 @@ impl KvRouteHttp {
             token,
             started_ms: host::now_millis(),
         };
+        self.unanswered_callout = Some(callout);
         if shared.cfg.inject_kv_cache_report_mode {
             self.body = Some((raw, body));
         }
@@ -266,9 +288,15 @@ impl KvRouteHttp {
         };
         let answer_body =
             host::get_buffer(Buffer::CallResponseBody, 0, body_size).unwrap_or_default();
-        let answer =
-            parse_route_answer(status, &answer_body, elapsed, shared.cfg.route_timeout_ms)?;
+        let answer = parse_route_answer(status, &answer_body, elapsed, shared.cfg.route_timeout_ms)
+            .inspect_err(|_| {
+                if !route_may_be_counted(status) {
+                    self.unanswered_callout = None;
+                }
+            })?;
         // The indexer counted this request in flight: report its end whatever happens next.
+        self.unanswered_callout = None;
+        self.decision_id = answer.decision_id.clone();
         self.routed_to = Some(answer.endpoint.clone());
         host::set_header(Map::RequestHeaders, DST_HEADER, &answer.endpoint).map_err(|e| {
             hlog!(Warn, "kvroute: cannot set {DST_HEADER}: {e}");
@@ -329,18 +357,35 @@ impl KvRouteHttp {
         shared.metrics.inc(Counter::BodyRewritten);
     }
 
-    fn report_completion(&self, shared: &Shared) {
-        let Some(endpoint) = &self.routed_to else {
-            return;
-        };
-        if !shared.cfg.report_completion {
+    /// Reports the request's end once: a completion (abandoned when the response did not end) of
+    /// the decision applied, or the abandonment of a route call whose answer was never used.
+    fn report_end(&mut self, shared: &Shared) {
+        if self.reported || !shared.cfg.report_completion {
             return;
         }
-        let cached = self
-            .scanner
-            .as_ref()
-            .and_then(ResponseScanner::cached_tokens);
-        let body = complete_body(&self.request_id, endpoint, cached);
+        let body = if let Some(endpoint) = &self.routed_to {
+            let cached = self
+                .scanner
+                .as_ref()
+                .filter(|_| self.response_done)
+                .and_then(ResponseScanner::cached_tokens);
+            if !self.response_done {
+                shared.metrics.inc(Counter::Abandoned);
+            }
+            complete_body(&Completion {
+                decision_id: self.decision_id.as_deref(),
+                request_id: &self.request_id,
+                endpoint,
+                cached_tokens: cached,
+                abandoned: !self.response_done,
+            })
+        } else if let Some(callout) = &self.unanswered_callout {
+            shared.metrics.inc(Counter::Abandoned);
+            abandon_body(callout, &self.request_id)
+        } else {
+            return;
+        };
+        self.reported = true;
         let headers = vec![
             (":method", "POST"),
             (":path", "/v1/complete"),
@@ -369,7 +414,28 @@ impl KvRouteHttp {
     }
 }
 
+/// A route call id unique to this VM (seeded with the VM's first call time).
+fn next_callout_id() -> String {
+    static SEED: AtomicU64 = AtomicU64::new(0);
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let mut seed = SEED.load(Ordering::Relaxed);
+    if seed == 0 {
+        seed = host::now_nanos().unwrap_or(1).max(1);
+        SEED.store(seed, Ordering::Relaxed);
+    }
+    callout_id(seed, SEQ.fetch_add(1, Ordering::Relaxed))
+}
+
 impl Context for KvRouteHttp {
+    fn on_done(&mut self) -> bool {
+        // The stream is going away (also on a reset while the route call is pending): report now,
+        // in case no access-log callback follows.
+        if let Some(shared) = self.shared.clone() {
+            self.report_end(&shared);
+        }
+        true
+    }
+
     fn on_http_call_response(
         &mut self,
         token_id: u32,
@@ -515,7 +581,10 @@ impl HttpContext for KvRouteHttp {
         }
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        if end_of_stream {
+            self.response_done = true;
+        }
         let Some(shared) = self.shared.clone() else {
             return Action::Continue;
         };
@@ -545,7 +614,10 @@ impl HttpContext for KvRouteHttp {
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if end_of_stream {
+            self.response_done = true;
+        }
         if let Some(scanner) = &mut self.scanner {
             match host::get_buffer(Buffer::ResponseBody, 0, body_size) {
                 Ok(chunk) => scanner.push(&chunk),
@@ -555,9 +627,14 @@ impl HttpContext for KvRouteHttp {
         Action::Continue
     }
 
+    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        self.response_done = true;
+        Action::Continue
+    }
+
     fn on_log(&mut self) {
         if let Some(shared) = self.shared.clone() {
-            self.report_completion(&shared);
+            self.report_end(&shared);
         }
     }
 }

@@ -26,6 +26,9 @@ pub enum Counter {
     CompleteSent,
     /// `POST /v1/complete` could not be issued.
     CompleteFailed,
+    /// A request ended before its route answer was used or before its response ended (client
+    /// left, stream reset); reported to the indexer as abandoned.
+    Abandoned,
     /// A model tokenizer became ready in a VM.
     TokenizerLoaded,
     /// A tokenizer fetch or build failed.
@@ -33,7 +36,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    const ALL: [Counter; 11] = [
+    const ALL: [Counter; 12] = [
         Counter::Requests,
         Counter::Routed,
         Counter::NoBody,
@@ -43,6 +46,7 @@ impl Counter {
         Counter::BodyRewritten,
         Counter::CompleteSent,
         Counter::CompleteFailed,
+        Counter::Abandoned,
         Counter::TokenizerLoaded,
         Counter::TokenizerLoadFailed,
     ];
@@ -58,6 +62,7 @@ impl Counter {
             Counter::BodyRewritten => "kvroute.body_rewritten",
             Counter::CompleteSent => "kvroute.complete_sent",
             Counter::CompleteFailed => "kvroute.complete_failed",
+            Counter::Abandoned => "kvroute.abandoned",
             Counter::TokenizerLoaded => "kvroute.tokenizer_loaded",
             Counter::TokenizerLoadFailed => "kvroute.tokenizer_load_failed",
         }

@@ -82,8 +82,13 @@ pub struct RouteRequest<'a> {
     pub num_tokens: usize,
     /// Block size the keys were computed with.
     pub block_size: usize,
-    /// Correlates with `POST /v1/complete`.
+    /// The client's (or Envoy's) request id: informational, never the decision key.
     pub request_id: &'a str,
+    /// This filter's id for the route call, to abandon it (see [`abandon_body`]).
+    pub callout_id: &'a str,
+    /// The request's `max_tokens` / `max_completion_tokens`, for the indexer's in-flight deadline.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u64>,
     /// LoRA adapter name, if the request targets one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lora: Option<&'a str>,
@@ -103,7 +108,13 @@ pub struct RouteAnswer {
     pub reason: Option<String>,
     /// Matched GPU tokens, for debug headers.
     pub matched_gpu_tokens: Option<u64>,
+    /// The indexer's key for this decision, echoed in `/v1/complete` (`None` from an indexer that
+    /// predates it, or when longer than [`MAX_DECISION_ID_BYTES`]).
+    pub decision_id: Option<String>,
 }
+
+/// Longest `decision_id` kept from a route answer.
+pub const MAX_DECISION_ID_BYTES: usize = 128;
 
 #[derive(Deserialize)]
 struct RawMatched {
@@ -120,6 +131,8 @@ struct RawRouteAnswer {
     reason: Option<String>,
     #[serde(default)]
     matched_tokens: Option<RawMatched>,
+    #[serde(default)]
+    decision_id: Option<String>,
 }
 
 /// Classifies a `/v1/route` callout outcome. `status` is the `:status` of the answer (`None` when
@@ -155,6 +168,9 @@ pub fn parse_route_answer(
         replica: raw.replica,
         reason: raw.reason,
         matched_gpu_tokens: raw.matched_tokens.and_then(|m| m.gpu),
+        decision_id: raw
+            .decision_id
+            .filter(|d| !d.is_empty() && d.len() <= MAX_DECISION_ID_BYTES),
     })
 }
 
@@ -224,15 +240,67 @@ pub fn parse_tokenizer_bundle(v: &Value) -> Result<TokenizerBundle, String> {
     })
 }
 
-/// The body of `POST /v1/complete`.
-pub fn complete_body(request_id: &str, endpoint: &str, cached_tokens: Option<u64>) -> Vec<u8> {
-    serde_json::json!({
-        "request_id": request_id,
-        "endpoint": endpoint,
-        "cached_tokens": cached_tokens,
-    })
-    .to_string()
-    .into_bytes()
+/// How a routed request ended, for `POST /v1/complete`.
+#[derive(Debug, Clone, Copy)]
+pub struct Completion<'a> {
+    /// The route answer's `decision_id` (`None`: an older indexer, keyed by `request_id`).
+    pub decision_id: Option<&'a str>,
+    /// The request id sent with the route call.
+    pub request_id: &'a str,
+    /// The replica it was sent to.
+    pub endpoint: &'a str,
+    /// The engine's `cached_tokens`, if the response carried it.
+    pub cached_tokens: Option<u64>,
+    /// The stream ended before its response did (client left, reset).
+    pub abandoned: bool,
+}
+
+/// The body of `POST /v1/complete` for a routed request. Without a `decision_id` it is the
+/// original body (`request_id`, `endpoint`, `cached_tokens`), which older indexers accept.
+pub fn complete_body(c: &Completion<'_>) -> Vec<u8> {
+    let v = match c.decision_id {
+        Some(d) => serde_json::json!({
+            "decision_id": d,
+            "request_id": c.request_id,
+            "endpoint": c.endpoint,
+            "cached_tokens": c.cached_tokens,
+            "abandoned": c.abandoned,
+        }),
+        None => serde_json::json!({
+            "request_id": c.request_id,
+            "endpoint": c.endpoint,
+            "cached_tokens": c.cached_tokens,
+        }),
+    };
+    v.to_string().into_bytes()
+}
+
+/// The body of `POST /v1/complete` abandoning a route call whose answer never reached the
+/// request (the client left while it was pending, or the call failed after the indexer may have
+/// counted it): the indexer releases that decision, or does not count it when it arrives later.
+pub fn abandon_body(callout_id: &str, request_id: &str) -> Vec<u8> {
+    serde_json::json!({"callout_id": callout_id, "request_id": request_id, "abandoned": true})
+        .to_string()
+        .into_bytes()
+}
+
+/// A route call id unique per VM: the VM's start time (ns) and a sequence number.
+pub fn callout_id(vm_seed: u64, seq: u64) -> String {
+    format!("c{vm_seed:x}-{seq:x}")
+}
+
+/// The request's output budget: `max_completion_tokens`, else `max_tokens`, when a number.
+pub fn max_tokens_of(body: &Value) -> Option<u64> {
+    body.get("max_completion_tokens")
+        .and_then(Value::as_u64)
+        .or_else(|| body.get("max_tokens").and_then(Value::as_u64))
+}
+
+/// True when a route call that produced no usable answer may still have been counted by the
+/// indexer (no answer at all, Envoy's timeout, or a 200 the filter could not use): such a call is
+/// abandoned. An error status from the indexer (4xx, 500-503) counted nothing.
+pub fn route_may_be_counted(status: Option<u16>) -> bool {
+    !matches!(status, Some(400..=503))
 }
 
 /// Adds `"vllm_xargs": {"kv_cache_report_mode": "full"}` to a JSON object body, keeping any other
@@ -372,6 +440,16 @@ mod tests {
         let ok = br#"{"endpoint":"127.0.0.1:8001","replica":"r0","matched_tokens":{"gpu":48,"cpu":0,"storage":0},"reason":"prefix_hit"}"#;
         let a = parse_route_answer(Some(200), ok, 3, 100).unwrap();
         assert_eq!(a.endpoint, "127.0.0.1:8001");
+        assert_eq!(a.decision_id, None, "an indexer without decision ids");
+        let with_id = br#"{"endpoint":"127.0.0.1:8001","decision_id":"1a2b-7"}"#;
+        let a2 = parse_route_answer(Some(200), with_id, 3, 100).unwrap();
+        assert_eq!(a2.decision_id.as_deref(), Some("1a2b-7"));
+        let long = format!(
+            r#"{{"endpoint":"127.0.0.1:8001","decision_id":"{}"}}"#,
+            "x".repeat(129)
+        );
+        let a3 = parse_route_answer(Some(200), long.as_bytes(), 3, 100).unwrap();
+        assert_eq!(a3.decision_id, None, "an absurd id is not echoed");
         assert_eq!(a.replica.as_deref(), Some("r0"));
         assert_eq!(a.matched_gpu_tokens, Some(48));
         assert_eq!(
@@ -428,13 +506,15 @@ mod tests {
             num_tokens: 33,
             block_size: 16,
             request_id: "id",
+            callout_id: "c1-2",
+            max_tokens: None,
             lora: None,
             session: None,
         };
         let s = serde_json::to_string(&r).unwrap();
         assert_eq!(
             s,
-            r#"{"model":"m","router_keys":[18446744073709551615,1],"num_tokens":33,"block_size":16,"request_id":"id"}"#
+            r#"{"model":"m","router_keys":[18446744073709551615,1],"num_tokens":33,"block_size":16,"request_id":"id","callout_id":"c1-2"}"#
         );
         let with_session = RouteRequest {
             session: Some("user-42"),
@@ -442,9 +522,15 @@ mod tests {
         };
         let s = serde_json::to_string(&with_session).unwrap();
         assert!(
-            s.ends_with(r#""request_id":"id","session":"user-42"}"#),
+            s.ends_with(r#""request_id":"id","callout_id":"c1-2","session":"user-42"}"#),
             "{s}"
         );
+        let with_max = RouteRequest {
+            max_tokens: Some(64),
+            ..r
+        };
+        let s = serde_json::to_string(&with_max).unwrap();
+        assert!(s.contains(r#""max_tokens":64"#), "{s}");
     }
 
     #[test]
@@ -537,10 +623,51 @@ mod tests {
 
     #[test]
     fn complete_body_has_the_contract_fields() {
-        let v: Value = serde_json::from_slice(&complete_body("r", "127.0.0.1:1", None)).unwrap();
+        let legacy = Completion {
+            decision_id: None,
+            request_id: "r",
+            endpoint: "127.0.0.1:1",
+            cached_tokens: None,
+            abandoned: true,
+        };
+        let v: Value = serde_json::from_slice(&complete_body(&legacy)).unwrap();
         assert_eq!(
             v,
-            json!({"request_id":"r","endpoint":"127.0.0.1:1","cached_tokens":null})
+            json!({"request_id":"r","endpoint":"127.0.0.1:1","cached_tokens":null}),
+            "an older indexer gets the body it knows"
         );
+        let keyed = Completion {
+            decision_id: Some("ab-1"),
+            cached_tokens: Some(16),
+            ..legacy
+        };
+        let v: Value = serde_json::from_slice(&complete_body(&keyed)).unwrap();
+        assert_eq!(
+            v,
+            json!({"decision_id":"ab-1","request_id":"r","endpoint":"127.0.0.1:1",
+                   "cached_tokens":16,"abandoned":true})
+        );
+        let v: Value = serde_json::from_slice(&abandon_body("c1-2", "r")).unwrap();
+        assert_eq!(
+            v,
+            json!({"callout_id":"c1-2","request_id":"r","abandoned":true})
+        );
+    }
+
+    #[test]
+    fn route_failures_that_may_have_been_counted() {
+        assert!(route_may_be_counted(None), "reset or timeout");
+        assert!(route_may_be_counted(Some(504)), "Envoy's timeout");
+        assert!(route_may_be_counted(Some(200)), "an unusable 200");
+        for s in [400, 404, 413, 500, 502, 503] {
+            assert!(!route_may_be_counted(Some(s)), "{s}");
+        }
+        assert_eq!(max_tokens_of(&json!({"max_tokens": 7})), Some(7));
+        assert_eq!(
+            max_tokens_of(&json!({"max_tokens": 7, "max_completion_tokens": 9})),
+            Some(9)
+        );
+        assert_eq!(max_tokens_of(&json!({"max_tokens": "x"})), None);
+        assert_ne!(callout_id(1, 2), callout_id(1, 3));
     }
 }

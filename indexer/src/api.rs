@@ -91,10 +91,22 @@ async fn route_handler(
     }
 }
 
+/// Body of `POST /v1/complete`: a decision's end, by `decision_id` (from the route answer), or
+/// the abandonment of a route call whose answer never reached the request, by `callout_id`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct CompleteRequest {
-    request_id: String,
+    #[serde(default)]
+    decision_id: Option<String>,
+    #[serde(default)]
+    callout_id: Option<String>,
+    /// The request ended before its response did (client left, stream reset).
+    #[serde(default)]
+    abandoned: bool,
+    /// Informational (older filters sent only this; it is never a key).
+    #[serde(default)]
+    #[allow(dead_code)]
+    request_id: Option<String>,
     #[serde(default)]
     #[allow(dead_code)]
     endpoint: Option<String>,
@@ -108,10 +120,30 @@ async fn complete_handler(State(state): State<Arc<AppState>>, body: Bytes) -> Re
         Err(resp) => return resp.into_response(),
     };
     let m = &state.metrics;
+    let Some(decision_id) = req.decision_id.as_deref() else {
+        if let (Some(callout), true) = (req.callout_id.as_deref(), req.abandoned) {
+            m.completions_abandoned.fetch_add(1, Ordering::Relaxed);
+            let _ = state.load.abandon_callout(callout);
+            return StatusCode::NO_CONTENT.into_response();
+        }
+        m.completions_missing_id.fetch_add(1, Ordering::Relaxed);
+        return error(
+            StatusCode::BAD_REQUEST,
+            "missing decision_id (the route answer's; a filter older than this indexer sends \
+             only request_id, and its decisions end at their deadline)",
+        );
+    };
     m.completions.fetch_add(1, Ordering::Relaxed);
-    match state.load.completed(&req.request_id) {
+    if req.abandoned {
+        m.completions_abandoned.fetch_add(1, Ordering::Relaxed);
+    }
+    let done = state
+        .load
+        .parse_id(decision_id)
+        .and_then(|id| state.load.completed(id));
+    match done {
         Some(p) => {
-            if let Some(reported) = req.cached_tokens {
+            if let Some(reported) = req.cached_tokens.filter(|_| !req.abandoned) {
                 m.predicted_hit_tokens
                     .fetch_add(p.predicted_tokens, Ordering::Relaxed);
                 m.reported_hit_tokens.fetch_add(reported, Ordering::Relaxed);
@@ -185,6 +217,8 @@ async fn tokenizer_handler(
 }
 
 async fn metrics_handler(State(state): State<Arc<AppState>>) -> Response {
+    // Decisions past their deadline stop counting before the gauges are read.
+    state.load.expire(std::time::Instant::now());
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         crate::metrics::render(&state),
@@ -233,6 +267,7 @@ async fn readyz_handler(State(state): State<Arc<AppState>>) -> Response {
 }
 
 async fn debug_replicas(State(state): State<Arc<AppState>>) -> Response {
+    state.load.expire(std::time::Instant::now());
     let stale_after = state.stale_after();
     let list: Vec<Value> = state
         .fleet

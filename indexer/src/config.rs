@@ -85,6 +85,9 @@ pub struct Config {
     /// Replica scoring weights (see `kvroute_core::scoring::ScoringConfig`).
     #[serde(default)]
     pub scoring: ScoringConfig,
+    /// How long routed requests count as in flight without a completion (`[inflight]`).
+    #[serde(default)]
+    pub inflight: crate::load::InflightConfig,
     /// Served models, each with its replicas.
     #[serde(default)]
     pub models: Vec<ModelConfig>,
@@ -491,6 +494,9 @@ impl Config {
                 return Err(invalid("snapshot.path", "must not be empty"));
             }
         }
+        self.inflight
+            .validate()
+            .map_err(|(f, msg)| invalid(format!("inflight.{f}"), msg))?;
         if self.events.connect_timeout_ms == 0 {
             return Err(invalid("events.connect_timeout_ms", "must be > 0"));
         }

@@ -1,30 +1,139 @@
 //! In-flight requests per replica, counted from routing decisions and `POST /v1/complete`.
 //!
-//! Every decision is remembered by request id until its completion arrives (then the replica's
-//! in-flight count goes down and the predicted hit is compared with the engine's `cached_tokens`).
-//! The table is bounded: entries older than [`PENDING_TTL`] or beyond [`MAX_PENDING`] are dropped
-//! (and their in-flight count released), so a filter that never reports cannot leak memory or pin a
-//! replica as busy forever.
+//! Every decision is keyed by an id this indexer makes ([`DecisionId`]: a per-process nonce and a
+//! sequence number), returned in the route answer and echoed by the filter in `/v1/complete`. A
+//! client's `x-request-id` is never a key, so colliding client ids cannot merge or release each
+//! other's counts, and ids from before a restart match nothing.
+//!
+//! A decision ends (its replica's in-flight count goes down) at the first of:
+//! * its completion (`decision_id`; the predicted hit is then compared with `cached_tokens`);
+//! * its abandonment by the filter's `callout_id`, when the client left before the route answer
+//!   reached it (an abandon that arrives before its route is remembered for `expiry_floor_ms`, and
+//!   that route is then not counted);
+//! * its deadline: the request's estimated duration (queued and uncached prefill at the prefill
+//!   rate, plus `max_tokens` at the per-request decode rate), clamped to
+//!   `[inflight] expiry_floor_ms ..= expiry_cap_ms`, so decisions of a filter that died (VM
+//!   crash, Envoy killed) go away on their own;
+//! * its eviction, when more than `max_pending` are remembered (earliest deadline first).
 //!
 //! Each decision also adds the request's uncached prompt blocks to the replica's pending prefill
 //! (`Replica::pending_prefill_blocks`, the scorer's queue term) until the prefill is estimated done
 //! (uncached tokens at the configured prefill rate, measured from the later of the decision and the
-//! end of the prefill already pending there) or the request completes, whichever comes first.
+//! end of the prefill already pending there) or the request ends, whichever comes first.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
-use std::sync::atomic::Ordering;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use serde::{Deserialize, Serialize};
+
 use crate::membership::{lock, Replica};
 
-/// Longest a routed request is considered in flight without a completion.
-pub const PENDING_TTL: Duration = Duration::from_secs(600);
-/// Most routed requests remembered.
-pub const MAX_PENDING: usize = 200_000;
 /// Longest a decision's prefill is estimated to stay pending, queueing included.
 pub const MAX_PREFILL_ESTIMATE: Duration = Duration::from_secs(60);
+/// Longest accepted `callout_id`.
+pub const MAX_CALLOUT_ID_BYTES: usize = 128;
+
+/// `[inflight]`: how long a routed request counts as in flight without a completion.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct InflightConfig {
+    /// Shortest lifetime of a decision without a completion, in ms (default 30000).
+    #[serde(default = "default_expiry_floor_ms")]
+    pub expiry_floor_ms: u64,
+    /// Longest lifetime of a decision without a completion, in ms (default 600000).
+    #[serde(default = "default_expiry_cap_ms")]
+    pub expiry_cap_ms: u64,
+    /// Decode rate of one request assumed for the deadline, tokens/s (default 20; keep it low:
+    /// a request that outlives its deadline stops counting as load).
+    #[serde(default = "default_decode_tokens_per_s")]
+    pub decode_tokens_per_s: f64,
+    /// Output length assumed when the route request has no `max_tokens` (default 2048).
+    #[serde(default = "default_max_tokens")]
+    pub default_max_tokens: u64,
+    /// Most decisions (and early abandons) remembered (default 200000).
+    #[serde(default = "default_max_pending")]
+    pub max_pending: usize,
+}
+
+impl Default for InflightConfig {
+    fn default() -> Self {
+        Self {
+            expiry_floor_ms: default_expiry_floor_ms(),
+            expiry_cap_ms: default_expiry_cap_ms(),
+            decode_tokens_per_s: default_decode_tokens_per_s(),
+            default_max_tokens: default_max_tokens(),
+            max_pending: default_max_pending(),
+        }
+    }
+}
+fn default_expiry_floor_ms() -> u64 {
+    30_000
+}
+fn default_expiry_cap_ms() -> u64 {
+    600_000
+}
+fn default_decode_tokens_per_s() -> f64 {
+    20.0
+}
+fn default_max_tokens() -> u64 {
+    2048
+}
+fn default_max_pending() -> usize {
+    200_000
+}
+
+impl InflightConfig {
+    /// Checks the fields; the error is (field, message).
+    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+        if self.expiry_floor_ms == 0 {
+            return Err(("expiry_floor_ms", "must be > 0".into()));
+        }
+        if self.expiry_cap_ms < self.expiry_floor_ms {
+            return Err(("expiry_cap_ms", "must be >= expiry_floor_ms".into()));
+        }
+        if !(self.decode_tokens_per_s.is_finite() && self.decode_tokens_per_s > 0.0) {
+            return Err(("decode_tokens_per_s", "must be a number > 0".into()));
+        }
+        if self.max_pending == 0 {
+            return Err(("max_pending", "must be > 0".into()));
+        }
+        Ok(())
+    }
+
+    fn floor(&self) -> Duration {
+        Duration::from_millis(self.expiry_floor_ms)
+    }
+
+    fn cap(&self) -> Duration {
+        Duration::from_millis(self.expiry_cap_ms.max(self.expiry_floor_ms))
+    }
+
+    /// Estimated decode time of `max_tokens` (the default when `None`), at most the cap.
+    pub fn decode_time(&self, max_tokens: Option<u64>) -> Duration {
+        let tokens = max_tokens.unwrap_or(self.default_max_tokens) as f64;
+        Duration::try_from_secs_f64(tokens / self.decode_tokens_per_s)
+            .unwrap_or(self.cap())
+            .min(self.cap())
+    }
+}
+
+/// The key of one decision, made by this indexer. Its text form (`"{nonce:08x}-{seq:x}"`) is what
+/// the route answer carries as `decision_id`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DecisionId {
+    nonce: u32,
+    seq: u64,
+}
+
+impl fmt::Display for DecisionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:08x}-{:x}", self.nonce, self.seq)
+    }
+}
 
 /// What was decided for one request.
 #[derive(Debug, Clone)]
@@ -35,90 +144,228 @@ pub struct Pending {
     pub predicted_tokens: u64,
     /// When it was routed.
     pub at: Instant,
+    /// When it stops counting as in flight without a completion.
+    pub deadline: Instant,
     /// Uncached prompt blocks still counted as pending prefill on the replica (0 once released).
     pub prefill_blocks: u32,
+    callout: Option<Box<str>>,
+}
+
+/// A decision to record.
+#[derive(Debug, Clone)]
+pub struct NewDecision {
+    /// The chosen replica.
+    pub replica: Arc<Replica>,
+    /// Tokens predicted cached there.
+    pub predicted_tokens: u64,
+    /// Uncached prompt blocks (pending prefill).
+    pub prefill_blocks: u32,
+    /// Estimated prefill time of those blocks.
+    pub prefill_time: Duration,
+    /// Estimated decode time (see [`InflightConfig::decode_time`]).
+    pub decode_time: Duration,
+    /// The filter's id for this route call (to abandon it before the answer reached it).
+    pub callout: Option<String>,
+}
+
+/// The outcome of [`LoadTracker::routed`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Routed {
+    /// The decision's id.
+    pub id: DecisionId,
+    /// False when its callout was abandoned before it arrived: nothing was counted.
+    pub counted: bool,
+}
+
+/// Counters of how decisions ended other than by completion.
+#[derive(Debug, Default)]
+pub struct LoadStats {
+    /// Released at their deadline.
+    pub expired: AtomicU64,
+    /// Dropped because `max_pending` were remembered.
+    pub evicted: AtomicU64,
+    /// Released by an abandon (by callout id).
+    pub abandoned: AtomicU64,
+    /// Abandons that arrived before their route (that route was not counted).
+    pub abandoned_before_route: AtomicU64,
 }
 
 /// The pending-request table.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct LoadTracker {
+    cfg: InflightConfig,
+    nonce: u32,
     inner: Mutex<Inner>,
+    /// How decisions ended other than by completion.
+    pub stats: LoadStats,
+}
+
+impl Default for LoadTracker {
+    fn default() -> Self {
+        Self::new(InflightConfig::default())
+    }
 }
 
 #[derive(Debug, Default)]
 struct Inner {
-    pending: HashMap<String, Pending>,
-    order: VecDeque<(Instant, String)>,
-    /// (estimated prefill end, routed at, request id), earliest first.
-    prefill_done: BinaryHeap<Reverse<(Instant, Instant, String)>>,
+    next: u64,
+    pending: HashMap<u64, Pending>,
+    /// (deadline, seq), earliest first; entries of ended decisions are skipped (and compacted).
+    deadlines: BinaryHeap<Reverse<(Instant, u64)>>,
+    /// (estimated prefill end, seq), earliest first.
+    prefill_done: BinaryHeap<Reverse<(Instant, u64)>>,
     /// Per replica (by name): when the prefill already routed there is estimated to end.
     busy_until: HashMap<String, Instant>,
+    /// Callout id -> decision.
+    callouts: HashMap<Box<str>, u64>,
+    /// Callouts abandoned before their route arrived, with when.
+    abandoned: HashMap<Box<str>, Instant>,
+    abandoned_order: VecDeque<(Instant, Box<str>)>,
 }
 
 impl LoadTracker {
     /// An empty table.
-    pub fn new() -> Self {
-        Self::default()
+    pub fn new(cfg: InflightConfig) -> Self {
+        use std::hash::BuildHasher;
+        let nonce = std::collections::hash_map::RandomState::new()
+            .hash_one((std::process::id(), Instant::now())) as u32;
+        Self {
+            cfg,
+            nonce,
+            inner: Mutex::new(Inner::default()),
+            stats: LoadStats::default(),
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &InflightConfig {
+        &self.cfg
+    }
+
+    /// Parses a `decision_id`; `None` when malformed or made by another indexer process.
+    pub fn parse_id(&self, text: &str) -> Option<DecisionId> {
+        let (nonce, seq) = text.split_once('-')?;
+        let nonce = u32::from_str_radix(nonce, 16).ok()?;
+        let seq = u64::from_str_radix(seq, 16).ok()?;
+        (nonce == self.nonce).then_some(DecisionId { nonce, seq })
     }
 
     /// Records a routing decision: the replica's in-flight count goes up, and its pending prefill
     /// by `prefill_blocks` for `prefill_time` (queued after the prefill already pending there).
-    pub fn routed(
-        &self,
-        request_id: String,
-        replica: Arc<Replica>,
-        predicted_tokens: u64,
-        prefill_blocks: u32,
-        prefill_time: Duration,
-    ) {
+    pub fn routed(&self, d: NewDecision) -> Routed {
         let now = Instant::now();
+        let mut inner = lock(&self.inner);
+        inner.expire(now, &self.cfg, &self.stats);
+        let seq = inner.next;
+        inner.next += 1;
+        let id = DecisionId {
+            nonce: self.nonce,
+            seq,
+        };
+        let callout = d
+            .callout
+            .filter(|c| !c.is_empty() && c.len() <= MAX_CALLOUT_ID_BYTES)
+            .map(String::into_boxed_str);
+        if let Some(c) = &callout {
+            if inner.abandoned.remove(c).is_some() {
+                self.stats
+                    .abandoned_before_route
+                    .fetch_add(1, Ordering::Relaxed);
+                return Routed { id, counted: false };
+            }
+        }
+        let replica = d.replica;
         replica.in_flight.fetch_add(1, Ordering::Relaxed);
         replica
             .pending_prefill_blocks
-            .fetch_add(i64::from(prefill_blocks), Ordering::Relaxed);
-        let mut inner = lock(&self.inner);
-        inner.expire(now);
+            .fetch_add(i64::from(d.prefill_blocks), Ordering::Relaxed);
         let start = inner
             .busy_until
             .get(&replica.name)
             .copied()
             .filter(|t| *t > now)
             .unwrap_or(now);
-        let done = (start + prefill_time).min(now + MAX_PREFILL_ESTIMATE);
+        let done = (start + d.prefill_time).min(now + MAX_PREFILL_ESTIMATE);
         inner.busy_until.insert(replica.name.clone(), done);
-        inner
-            .prefill_done
-            .push(Reverse((done, now, request_id.clone())));
-        if let Some(old) = inner.pending.insert(
-            request_id.clone(),
+        if d.prefill_blocks > 0 {
+            inner.prefill_done.push(Reverse((done, seq)));
+        }
+        let estimate = done.saturating_duration_since(now) + d.decode_time;
+        let deadline = now + estimate.clamp(self.cfg.floor(), self.cfg.cap());
+        inner.deadlines.push(Reverse((deadline, seq)));
+        if let Some(c) = &callout {
+            // A reused callout id (never from one filter VM) keeps only the newest handle; the
+            // older decision still ends by its id or its deadline.
+            inner.callouts.insert(c.clone(), seq);
+        }
+        inner.pending.insert(
+            seq,
             Pending {
                 replica,
-                predicted_tokens,
+                predicted_tokens: d.predicted_tokens,
                 at: now,
-                prefill_blocks,
+                deadline,
+                prefill_blocks: d.prefill_blocks,
+                callout,
             },
-        ) {
-            // The same id routed twice (a retry): release the first one.
-            release(&old);
+        );
+        while inner.pending.len() > self.cfg.max_pending {
+            if !inner.pop_earliest() {
+                break;
+            }
+            self.stats.evicted.fetch_add(1, Ordering::Relaxed);
         }
-        inner.order.push_back((now, request_id));
+        Routed { id, counted: true }
     }
 
-    /// Releases the pending prefill of requests whose prefill is estimated done by now.
+    /// Releases what is due by `now`: pending prefill estimated done, decisions past their
+    /// deadline, old early abandons.
     pub fn expire(&self, now: Instant) {
-        lock(&self.inner).expire(now);
+        lock(&self.inner).expire(now, &self.cfg, &self.stats);
     }
 
     /// Records a completion; returns the decision it belonged to, or `None` for an unknown id.
-    pub fn completed(&self, request_id: &str) -> Option<Pending> {
+    pub fn completed(&self, id: DecisionId) -> Option<Pending> {
         let mut inner = lock(&self.inner);
-        inner.expire(Instant::now());
-        let p = inner.pending.remove(request_id)?;
-        release(&p);
-        Some(p)
+        inner.expire(Instant::now(), &self.cfg, &self.stats);
+        inner.remove(id.seq)
     }
 
-    /// Requests currently remembered.
+    /// Records that the filter's route call `callout` was abandoned before its answer reached the
+    /// request. Returns the released decision, or `None` when it has not arrived (yet): then the
+    /// route, when it comes, is not counted.
+    pub fn abandon_callout(&self, callout: &str) -> Option<Pending> {
+        if callout.is_empty() || callout.len() > MAX_CALLOUT_ID_BYTES {
+            return None;
+        }
+        let now = Instant::now();
+        let mut inner = lock(&self.inner);
+        inner.expire(now, &self.cfg, &self.stats);
+        if let Some(seq) = inner.callouts.get(callout).copied() {
+            let p = inner.remove(seq);
+            if p.is_some() {
+                self.stats.abandoned.fetch_add(1, Ordering::Relaxed);
+            }
+            return p;
+        }
+        if inner.abandoned.contains_key(callout) {
+            return None;
+        }
+        while inner.abandoned.len() >= self.cfg.max_pending {
+            let Some((at, c)) = inner.abandoned_order.pop_front() else {
+                break;
+            };
+            if inner.abandoned.get(&c) == Some(&at) {
+                inner.abandoned.remove(&c);
+            }
+        }
+        let c: Box<str> = callout.into();
+        inner.abandoned.insert(c.clone(), now);
+        inner.abandoned_order.push_back((now, c));
+        None
+    }
+
+    /// Decisions currently remembered.
     pub fn len(&self) -> usize {
         lock(&self.inner).pending.len()
     }
@@ -153,37 +400,69 @@ fn release_prefill(replica: &Replica, blocks: u32) {
 }
 
 impl Inner {
-    fn expire(&mut self, now: Instant) {
-        while let Some(Reverse((done, at, _))) = self.prefill_done.peek() {
-            if *done > now && self.prefill_done.len() <= MAX_PENDING {
+    /// Removes and releases one decision.
+    fn remove(&mut self, seq: u64) -> Option<Pending> {
+        let p = self.pending.remove(&seq)?;
+        if let Some(c) = &p.callout {
+            if self.callouts.get(c) == Some(&seq) {
+                self.callouts.remove(c);
+            }
+        }
+        release(&p);
+        Some(p)
+    }
+
+    /// Ends the live decision with the earliest deadline; false when none is left.
+    fn pop_earliest(&mut self) -> bool {
+        while let Some(Reverse((_, seq))) = self.deadlines.pop() {
+            if self.remove(seq).is_some() {
+                return true;
+            }
+        }
+        false
+    }
+
+    fn expire(&mut self, now: Instant, cfg: &InflightConfig, stats: &LoadStats) {
+        while let Some(Reverse((done, seq))) = self.prefill_done.peek().copied() {
+            if done > now {
                 break;
             }
-            let at = *at;
-            let Some(Reverse((_, _, id))) = self.prefill_done.pop() else {
-                break;
-            };
-            if let Some(p) = self.pending.get_mut(&id).filter(|p| p.at == at) {
+            self.prefill_done.pop();
+            if let Some(p) = self.pending.get_mut(&seq) {
                 release_prefill(&p.replica, p.prefill_blocks);
                 p.prefill_blocks = 0;
             }
         }
         self.busy_until.retain(|_, t| *t > now);
-        self.expire_pending(now);
-    }
-
-    fn expire_pending(&mut self, now: Instant) {
-        while let Some((at, id)) = self.order.front() {
-            let too_old = now.duration_since(*at) > PENDING_TTL;
-            let too_many = self.order.len() > MAX_PENDING;
-            if !too_old && !too_many {
+        while let Some(Reverse((deadline, seq))) = self.deadlines.peek().copied() {
+            if deadline > now {
                 break;
             }
-            let (at, id) = (*at, id.clone());
-            self.order.pop_front();
-            // Only drop the entry if it is the one this queue slot recorded (ids can be re-routed).
-            if self.pending.get(&id).is_some_and(|p| p.at == at) {
-                if let Some(p) = self.pending.remove(&id) {
-                    release(&p);
+            self.deadlines.pop();
+            if self.remove(seq).is_some() {
+                stats.expired.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        // Heap entries of decisions that already ended: compact once they outnumber the live ones.
+        let live = self.pending.len();
+        if self.deadlines.len() > 2 * live + 1024 {
+            let pending = &self.pending;
+            self.deadlines
+                .retain(|Reverse((_, s))| pending.contains_key(s));
+        }
+        if self.prefill_done.len() > 2 * live + 1024 {
+            let pending = &self.pending;
+            self.prefill_done
+                .retain(|Reverse((_, s))| pending.get(s).is_some_and(|p| p.prefill_blocks > 0));
+        }
+        let keep = cfg.floor();
+        while let Some((at, _)) = self.abandoned_order.front() {
+            if now.saturating_duration_since(*at) < keep {
+                break;
+            }
+            if let Some((at, c)) = self.abandoned_order.pop_front() {
+                if self.abandoned.get(&c) == Some(&at) {
+                    self.abandoned.remove(&c);
                 }
             }
         }
@@ -208,42 +487,162 @@ mod tests {
         r.pending_prefill_blocks.load(Ordering::Relaxed)
     }
 
+    fn in_flight(r: &Replica) -> i64 {
+        r.in_flight.load(Ordering::Relaxed)
+    }
+
+    fn decision(r: &Arc<Replica>, blocks: u32, prefill: Duration) -> NewDecision {
+        NewDecision {
+            replica: r.clone(),
+            predicted_tokens: 0,
+            prefill_blocks: blocks,
+            prefill_time: prefill,
+            decode_time: Duration::ZERO,
+            callout: None,
+        }
+    }
+
     #[test]
     fn pending_prefill_is_released_when_estimated_done_or_completed() {
         let fleet = Fleet::new();
         let r = replica(&fleet, "r0");
-        let t = LoadTracker::new();
-        t.routed("a".into(), r.clone(), 0, 100, Duration::from_millis(40));
-        t.routed("b".into(), r.clone(), 0, 30, Duration::from_millis(40));
+        let t = LoadTracker::default();
+        let a = t.routed(decision(&r, 100, Duration::from_millis(40))).id;
+        let b = t.routed(decision(&r, 30, Duration::from_millis(40))).id;
         assert_eq!(pending(&r), 130);
-        assert_eq!(r.in_flight.load(Ordering::Relaxed), 2);
+        assert_eq!(in_flight(&r), 2);
         // "b" queues behind "a": estimated done at ~80 ms, "a" at ~40 ms.
         t.expire(Instant::now() + Duration::from_millis(60));
         assert_eq!(pending(&r), 30, "a's prefill is done, b's is still queued");
-        assert_eq!(
-            r.in_flight.load(Ordering::Relaxed),
-            2,
-            "both still in flight"
-        );
+        assert_eq!(in_flight(&r), 2, "both still in flight");
         // Completing "b" before its estimate releases its prefill and its in-flight count once.
-        assert!(t.completed("b").is_some());
+        assert!(t.completed(b).is_some());
         assert_eq!(pending(&r), 0);
         t.expire(Instant::now() + Duration::from_millis(200));
         assert_eq!(pending(&r), 0, "never released twice");
-        assert!(t.completed("a").is_some());
-        assert_eq!(r.in_flight.load(Ordering::Relaxed), 0);
+        assert!(t.completed(a).is_some());
+        assert!(t.completed(a).is_none(), "a completion counts once");
+        assert_eq!(in_flight(&r), 0);
     }
 
     #[test]
-    fn a_retried_request_id_does_not_leak_pending_prefill() {
+    fn every_decision_has_its_own_id() {
+        // Two requests that a client gave the same x-request-id: two decisions, two releases.
         let fleet = Fleet::new();
-        let r0 = replica(&fleet, "r0");
-        let r1 = replica(&fleet, "r1");
-        let t = LoadTracker::new();
-        t.routed("x".into(), r0.clone(), 0, 50, Duration::from_secs(30));
-        t.routed("x".into(), r1.clone(), 0, 20, Duration::from_secs(30));
-        assert_eq!((pending(&r0), pending(&r1)), (0, 20));
-        t.expire(Instant::now() + Duration::from_secs(31));
-        assert_eq!((pending(&r0), pending(&r1)), (0, 0));
+        let (r0, r1) = (replica(&fleet, "r0"), replica(&fleet, "r1"));
+        let t = LoadTracker::default();
+        let a = t.routed(decision(&r0, 50, Duration::from_secs(30))).id;
+        let b = t.routed(decision(&r1, 20, Duration::from_secs(30))).id;
+        assert_ne!(a, b);
+        assert_eq!((in_flight(&r0), in_flight(&r1)), (1, 1));
+        assert_eq!((pending(&r0), pending(&r1)), (50, 20));
+        assert!(t.completed(a).is_some());
+        assert_eq!((in_flight(&r0), in_flight(&r1)), (0, 1), "b still counts");
+        assert_eq!(t.parse_id(&b.to_string()), Some(b));
+        assert_eq!(t.parse_id("0-1"), None, "another process's id");
+        assert_eq!(t.parse_id("garbage"), None);
+        assert_eq!(LoadTracker::default().parse_id(&b.to_string()), None);
+    }
+
+    #[test]
+    fn deadlines_follow_the_request_between_floor_and_cap() {
+        let cfg = InflightConfig {
+            expiry_floor_ms: 1_000,
+            expiry_cap_ms: 10_000,
+            decode_tokens_per_s: 100.0,
+            ..Default::default()
+        };
+        assert_eq!(cfg.decode_time(Some(300)), Duration::from_secs(3));
+        assert_eq!(
+            cfg.decode_time(None),
+            Duration::from_secs(10),
+            "2048 tokens, capped"
+        );
+        let fleet = Fleet::new();
+        let r = replica(&fleet, "r0");
+        let t = LoadTracker::new(cfg.clone());
+        let short = NewDecision {
+            decode_time: cfg.decode_time(Some(10)),
+            ..decision(&r, 0, Duration::ZERO)
+        };
+        let mid = NewDecision {
+            decode_time: cfg.decode_time(Some(300)),
+            ..decision(&r, 0, Duration::ZERO)
+        };
+        let long = NewDecision {
+            decode_time: cfg.decode_time(Some(1_000_000)),
+            ..decision(&r, 0, Duration::ZERO)
+        };
+        for d in [short, mid, long] {
+            assert!(t.routed(d).counted);
+        }
+        let now = Instant::now();
+        assert_eq!(in_flight(&r), 3);
+        t.expire(now + Duration::from_millis(1_100));
+        assert_eq!(in_flight(&r), 2, "0.1 s of decode: the 1 s floor");
+        t.expire(now + Duration::from_millis(3_100));
+        assert_eq!(in_flight(&r), 1, "3 s of decode");
+        t.expire(now + Duration::from_millis(9_000));
+        assert_eq!(in_flight(&r), 1, "10000 s of decode: not yet");
+        t.expire(now + Duration::from_millis(10_100));
+        assert_eq!(in_flight(&r), 0, "the 10 s cap");
+        assert_eq!(t.stats.expired.load(Ordering::Relaxed), 3);
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn abandoned_callouts_release_before_or_after_their_route() {
+        let fleet = Fleet::new();
+        let r = replica(&fleet, "r0");
+        let t = LoadTracker::default();
+        let with = |c: &str| NewDecision {
+            callout: Some(c.into()),
+            ..decision(&r, 10, Duration::from_secs(5))
+        };
+        assert!(t.routed(with("c1")).counted);
+        assert_eq!(in_flight(&r), 1);
+        assert!(t.abandon_callout("c1").is_some());
+        assert_eq!((in_flight(&r), pending(&r)), (0, 0));
+        // The abandon overtook its route: the route is not counted.
+        assert!(t.abandon_callout("c2").is_none());
+        assert!(!t.routed(with("c2")).counted);
+        assert_eq!(in_flight(&r), 0);
+        // ... only once.
+        assert!(t.routed(with("c2")).counted);
+        assert_eq!(in_flight(&r), 1);
+        assert_eq!(t.stats.abandoned_before_route.load(Ordering::Relaxed), 1);
+        assert_eq!(t.stats.abandoned.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn the_table_is_bounded() {
+        let cfg = InflightConfig {
+            max_pending: 3,
+            ..Default::default()
+        };
+        let fleet = Fleet::new();
+        let r = replica(&fleet, "r0");
+        let t = LoadTracker::new(cfg);
+        let ids: Vec<DecisionId> = (0..5)
+            .map(|_| t.routed(decision(&r, 1, Duration::from_secs(1))).id)
+            .collect();
+        assert_eq!(t.len(), 3);
+        assert_eq!(in_flight(&r), 3);
+        assert_eq!(pending(&r), 3);
+        assert!(
+            t.completed(ids[0]).is_none(),
+            "the earliest deadline went first"
+        );
+        for i in 0..10 {
+            let _ = t.abandon_callout(&format!("x{i}"));
+            let _ = t.abandon_callout("again");
+        }
+        let inner = lock(&t.inner);
+        assert!(inner.abandoned.len() <= 3 && inner.abandoned_order.len() <= 3);
+        drop(inner);
+        for id in &ids[2..] {
+            assert!(t.completed(*id).is_some());
+        }
+        assert_eq!((in_flight(&r), pending(&r)), (0, 0));
     }
 }

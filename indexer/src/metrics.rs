@@ -318,8 +318,38 @@ pub fn render(state: &AppState) -> String {
         ),
         (
             "completions_unknown_total",
-            "Completions for an unknown (expired or never routed) request id.",
+            "Completions for an unknown (ended, expired or never routed) decision id.",
             &m.completions_unknown,
+        ),
+        (
+            "completions_abandoned_total",
+            "Completions reporting an abandoned request (client left, stream reset).",
+            &m.completions_abandoned,
+        ),
+        (
+            "completions_missing_id_total",
+            "Completions refused (400) for lacking decision_id (filters older than the indexer).",
+            &m.completions_missing_id,
+        ),
+        (
+            "decisions_expired_total",
+            "Decisions released at their deadline without a completion.",
+            &state.load.stats.expired,
+        ),
+        (
+            "decisions_evicted_total",
+            "Decisions dropped because [inflight] max_pending were remembered.",
+            &state.load.stats.evicted,
+        ),
+        (
+            "decisions_abandoned_total",
+            "Decisions released by an abandon (callout_id) before their answer reached the request.",
+            &state.load.stats.abandoned,
+        ),
+        (
+            "decisions_abandoned_before_route_total",
+            "Abandons that arrived before their route call (that route was not counted).",
+            &state.load.stats.abandoned_before_route,
         ),
         (
             "predicted_hit_tokens_total",

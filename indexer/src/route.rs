@@ -13,6 +13,7 @@ use kvroute_core::scoring::{
 };
 use serde::{Deserialize, Serialize};
 
+use crate::load::NewDecision;
 use crate::membership::{lock, Replica};
 use crate::policies::Policy;
 use crate::state::{AppState, ModelRuntime};
@@ -44,9 +45,16 @@ pub struct RouteRequest {
     /// `cache_salt` of the request (with `token_ids`).
     #[serde(default)]
     pub cache_salt: Option<String>,
-    /// Caller's request id (generated when absent); pass it to `/v1/complete`.
+    /// Caller's request id, echoed in the answer and logs only (never a key: see `decision_id`).
     #[serde(default)]
     pub request_id: Option<String>,
+    /// The caller's id for this route call, to abandon it with `/v1/complete` when the answer
+    /// cannot be used (the client left first); at most 128 bytes.
+    #[serde(default)]
+    pub callout_id: Option<String>,
+    /// The request's output budget (`max_tokens`), for the in-flight deadline.
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
     /// Session key for `--policy session`.
     #[serde(default)]
     pub session: Option<String>,
@@ -77,7 +85,9 @@ pub struct RouteResponse {
     /// Why (`prefix_hit`, `load`, `load_over_prefix`, `overload_broken_affinity`, `round_robin`,
     /// `random`, `session`, ...).
     pub reason: String,
-    /// Request id to report completion with.
+    /// The decision's id, made by the indexer: report the completion with it.
+    pub decision_id: String,
+    /// The caller's `request_id` (the decision id when none was given).
     pub request_id: String,
     /// Policy used.
     pub policy: String,
@@ -278,6 +288,16 @@ pub fn route(
     req: &RouteRequest,
     header_session: Option<&str>,
 ) -> Result<RouteResponse, RouteError> {
+    if req
+        .callout_id
+        .as_ref()
+        .is_some_and(|c| c.len() > crate::load::MAX_CALLOUT_ID_BYTES)
+    {
+        return Err(RouteError::BadRequest(format!(
+            "callout_id longer than {} bytes",
+            crate::load::MAX_CALLOUT_ID_BYTES
+        )));
+    }
     let keys = request_router_keys(state, req)?;
     let replicas = state.fleet.of_model(&keys.model.name);
     if replicas.is_empty() {
@@ -387,20 +407,22 @@ pub fn route(
         storage: u64::from(m.storage) * bs,
         predicted: u64::from(m.predicted) * bs,
     };
+    let predicted_tokens = matched_tokens.gpu + matched_tokens.cpu + matched_tokens.storage;
+    let uncached_blocks = prompt_blocks.saturating_sub(m.total());
+    let routed = state.load.routed(NewDecision {
+        replica: chosen.clone(),
+        predicted_tokens,
+        prefill_blocks: uncached_blocks,
+        prefill_time: prefill_estimate(cfg, uncached_blocks, keys.block_size),
+        decode_time: state.load.config().decode_time(req.max_tokens),
+        callout: req.callout_id.clone(),
+    });
+    let decision_id = routed.id.to_string();
     let request_id = req
         .request_id
         .clone()
         .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| format!("kvr-{:016x}", seed));
-    let predicted_tokens = matched_tokens.gpu + matched_tokens.cpu + matched_tokens.storage;
-    let uncached_blocks = prompt_blocks.saturating_sub(m.total());
-    state.load.routed(
-        request_id.clone(),
-        chosen.clone(),
-        predicted_tokens,
-        uncached_blocks,
-        prefill_estimate(cfg, uncached_blocks, keys.block_size),
-    );
+        .unwrap_or_else(|| decision_id.clone());
     state.metrics.routed.fetch_add(1, Ordering::Relaxed);
     state.metrics.count_decision(&reason);
     tracing::debug!(
@@ -417,6 +439,8 @@ pub fn route(
         mean_load = decision.mean_load,
         runner_up = ?decision.runner_up,
         tied = decision.tied,
+        %decision_id,
+        counted = routed.counted,
         "route decision"
     );
     Ok(RouteResponse {
@@ -424,6 +448,7 @@ pub fn route(
         replica: chosen.name.clone(),
         matched_tokens,
         reason,
+        decision_id,
         request_id,
         policy: state.policy.as_str().to_string(),
         prompt_blocks,

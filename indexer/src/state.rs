@@ -63,8 +63,12 @@ pub struct Metrics {
     pub hit_over_predicted: AtomicU64,
     /// `/v1/complete` calls.
     pub completions: AtomicU64,
-    /// `/v1/complete` calls for an unknown request id.
+    /// `/v1/complete` calls for an unknown (ended, expired or foreign) decision id.
     pub completions_unknown: AtomicU64,
+    /// `/v1/complete` calls reporting an abandoned request (by decision or callout id).
+    pub completions_abandoned: AtomicU64,
+    /// `/v1/complete` calls refused for lacking `decision_id` (filters older than the indexer).
+    pub completions_missing_id: AtomicU64,
     /// Hash self-checks run.
     pub hash_checks: AtomicU64,
     /// Hash self-check mismatches.
@@ -151,6 +155,7 @@ impl AppState {
             ..Default::default()
         });
         let policy_state = PolicyState::new(&config.policies);
+        let load = LoadTracker::new(config.inflight.clone());
         let admin_token = config.admin_token();
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(5))
@@ -160,7 +165,7 @@ impl AppState {
             models,
             fleet: Fleet::new(),
             index: Mutex::new(index),
-            load: LoadTracker::new(),
+            load,
             policy,
             policy_state,
             metrics: Metrics::default(),

@@ -89,7 +89,7 @@ async fn prefix_hit_wins_and_errors_are_clear() {
     // Router keys computed by the caller give the same answer (after the first request ended:
     // with it in flight, credit decay may rightly prefer the idle replica).
     c.post(format!("{base}/v1/complete"))
-        .json(&json!({"request_id": "req-1"}))
+        .json(&json!({"decision_id": r["decision_id"]}))
         .send()
         .await
         .unwrap();
@@ -144,7 +144,7 @@ async fn complete_releases_in_flight_and_compares_hits() {
     assert_eq!(r1.in_flight.load(std::sync::atomic::Ordering::Relaxed), 1);
     let resp = c
         .post(format!("{base}/v1/complete"))
-        .json(&json!({"request_id": "a", "endpoint": r["endpoint"], "cached_tokens": 8}))
+        .json(&json!({"decision_id": r["decision_id"], "request_id": "a", "endpoint": r["endpoint"], "cached_tokens": 8}))
         .send()
         .await
         .unwrap();
@@ -152,11 +152,19 @@ async fn complete_releases_in_flight_and_compares_hits() {
     assert_eq!(r1.in_flight.load(std::sync::atomic::Ordering::Relaxed), 0);
     let resp = c
         .post(format!("{base}/v1/complete"))
-        .json(&json!({"request_id": "never-routed", "cached_tokens": null}))
+        .json(&json!({"decision_id": "0-1", "cached_tokens": null}))
         .send()
         .await
         .unwrap();
     assert_eq!(resp.status(), 204);
+    // A completion without decision_id (a filter older than the indexer) is refused and counted.
+    let resp = c
+        .post(format!("{base}/v1/complete"))
+        .json(&json!({"request_id": "a", "cached_tokens": 8}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
     let metrics = c
         .get(format!("{base}/metrics"))
         .send()
@@ -171,6 +179,7 @@ async fn complete_releases_in_flight_and_compares_hits() {
     );
     assert!(metrics.contains("kvroute_indexer_reported_hit_tokens_total 8"));
     assert!(metrics.contains("kvroute_indexer_completions_unknown_total 1"));
+    assert!(metrics.contains("kvroute_indexer_completions_missing_id_total 1"));
     assert!(
         metrics.contains("kvroute_indexer_decisions_total{reason=\"prefix_hit\",policy=\"kv\"} 1")
     );
