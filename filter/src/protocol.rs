@@ -527,7 +527,7 @@ mod tests {
         );
         let with_max = RouteRequest {
             max_tokens: Some(64),
-            ..r
+            ..with_session
         };
         let s = serde_json::to_string(&with_max).unwrap();
         assert!(s.contains(r#""max_tokens":64"#), "{s}");
