@@ -503,6 +503,25 @@ impl Config {
         if self.events.replay_read_timeout_ms == 0 {
             return Err(invalid("events.replay_read_timeout_ms", "must be > 0"));
         }
+        if self.events.replay_max_bytes == 0 {
+            return Err(invalid("events.replay_max_bytes", "must be > 0"));
+        }
+        if self.events.max_message_bytes < 64 * 1024 {
+            return Err(invalid(
+                "events.max_message_bytes",
+                "must be at least 65536 (64 KiB)",
+            ));
+        }
+        self.events.bind_address.parse::<IpAddr>().map_err(|_| {
+            invalid(
+                "events.bind_address",
+                format!("{:?} is not an IP address", self.events.bind_address),
+            )
+        })?;
+        for (i, p) in self.events.allowed_peers.iter().enumerate() {
+            p.parse::<IpNet>()
+                .map_err(|m| invalid(format!("events.allowed_peers[{i}]"), m))?;
+        }
         if let Some(var) = &self.admin_token_env {
             if std::env::var(var).map(|v| v.is_empty()).unwrap_or(true) {
                 return Err(invalid(
