@@ -110,6 +110,12 @@ pub struct FilterConfig {
     pub max_body_bytes: usize,
     /// What to do with a larger body.
     pub oversized_body: OversizedBody,
+    /// Largest body the engines accept (bytes; vLLM behind a body limit, kvroute-sim's
+    /// `--max-body-bytes`, Envoy's `per_connection_buffer_limit_bytes`: 16 MiB in
+    /// `envoy/envoy.yaml`). A larger body gets 413 from the filter, whatever `oversized_body`
+    /// says: forwarded, the engine would refuse it too, and refusing mid-upload makes Envoy see a
+    /// reset and answer 503. At least `max_body_bytes`.
+    pub upstream_max_body_bytes: usize,
     /// Add `"vllm_xargs": {"kv_cache_report_mode": "full"}` to routed bodies.
     pub inject_kv_cache_report_mode: bool,
     /// Add `x-kvroute-*` headers (replica, reason, matched tokens, fail-open reason) to the
@@ -154,6 +160,7 @@ impl Default for FilterConfig {
             routed_paths: vec!["/v1/completions".into(), "/v1/chat/completions".into()],
             max_body_bytes: DEFAULT_MAX_PROMPT_TOKENS * MAX_PROMPT_BYTES_PER_TOKEN * 2,
             oversized_body: OversizedBody::FailOpen,
+            upstream_max_body_bytes: 16 * 1024 * 1024,
             inject_kv_cache_report_mode: false,
             debug_headers: false,
             report_completion: true,
@@ -248,6 +255,17 @@ impl FilterConfig {
                 format!(
                     "must be in 1024..={MAX_BODY_LIMIT}, got {}",
                     self.max_body_bytes
+                ),
+            ));
+        }
+        if self.upstream_max_body_bytes < self.max_body_bytes
+            || self.upstream_max_body_bytes > MAX_BODY_LIMIT
+        {
+            return Err(invalid(
+                "upstream_max_body_bytes",
+                format!(
+                    "must be in max_body_bytes ({})..={MAX_BODY_LIMIT}, got {}",
+                    self.max_body_bytes, self.upstream_max_body_bytes
                 ),
             ));
         }
@@ -405,6 +423,9 @@ mod tests {
         assert!(e.to_string().contains("tokenizer_retry"), "{e}");
         let e = FilterConfig::parse(br#"{"models":{"m":{"max_prompt_tokens":0}}}"#).unwrap_err();
         assert!(e.to_string().contains("models.m.max_prompt_tokens"), "{e}");
+        let e = FilterConfig::parse(br#"{"max_body_bytes":8192,"upstream_max_body_bytes":4096}"#)
+            .unwrap_err();
+        assert!(e.to_string().contains("upstream_max_body_bytes"), "{e}");
         let e = FilterConfig::parse(br#"{"max_model_name_bytes":0}"#).unwrap_err();
         assert!(e.to_string().contains("max_model_name_bytes"), "{e}");
     }

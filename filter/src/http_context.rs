@@ -45,6 +45,11 @@ enum Phase {
     Passthrough,
     /// Collecting the body.
     Buffering,
+    /// Over `max_body_bytes` with no declared length (failing open), or declared over
+    /// `upstream_max_body_bytes`: Envoy holds the body, unread, until its end, so that one over
+    /// `upstream_max_body_bytes` gets 413 here rather than being streamed into an engine that
+    /// resets it mid-upload (Envoy then answers 503).
+    Oversized,
     /// Waiting for `/v1/route`.
     AwaitingRoute { token: u32, started_ms: u64 },
     /// A local reply was sent.
@@ -161,6 +166,16 @@ impl KvRouteHttp {
             self.request_id,
             reason.as_str()
         );
+    }
+
+    /// 413 for a body the engines would refuse (over `upstream_max_body_bytes`).
+    fn too_large_for_engines(&mut self, shared: &Shared) -> Action {
+        shared.metrics.inc(Counter::RejectedTooLarge);
+        self.reject(
+            413,
+            "kvroute_body_too_large",
+            "request body exceeds the engines' limit",
+        )
     }
 
     fn oversized(&mut self, shared: &Shared) -> Action {
@@ -514,6 +529,12 @@ impl HttpContext for KvRouteHttp {
             .ok()
             .flatten()
             .and_then(|v| v.trim().parse::<usize>().ok());
+        if declared.is_some_and(|n| n > shared.cfg.upstream_max_body_bytes) {
+            // Answered once that much arrived: a reply before the upload ends is lost in the
+            // reset of the connection when most of the body is still unread.
+            self.phase = Phase::Oversized;
+            return Action::Pause;
+        }
         if declared.is_some_and(|n| n > shared.cfg.max_body_bytes) {
             return self.oversized(&shared);
         }
@@ -523,15 +544,29 @@ impl HttpContext for KvRouteHttp {
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         match self.phase {
-            Phase::Buffering => {}
+            Phase::Buffering | Phase::Oversized => {}
             Phase::Rejected | Phase::AwaitingRoute { .. } => return Action::Pause,
             Phase::Passthrough => return Action::Continue,
         }
         let Some(shared) = self.shared.clone() else {
             return Action::Continue;
         };
+        if body_size > shared.cfg.upstream_max_body_bytes {
+            return self.too_large_for_engines(&shared);
+        }
+        if matches!(self.phase, Phase::Oversized) {
+            return if end_of_stream {
+                self.oversized(&shared)
+            } else {
+                Action::Pause
+            };
+        }
         if body_size > shared.cfg.max_body_bytes {
-            return self.oversized(&shared);
+            if shared.cfg.oversized_body == OversizedBody::Reject || end_of_stream {
+                return self.oversized(&shared);
+            }
+            self.phase = Phase::Oversized;
+            return Action::Pause;
         }
         if !end_of_stream {
             return Action::Pause;
@@ -555,12 +590,14 @@ impl HttpContext for KvRouteHttp {
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
         // A body that ends with trailers: route it now with what was buffered.
-        if !matches!(self.phase, Phase::Buffering) {
-            return Action::Continue;
-        }
         let Some(shared) = self.shared.clone() else {
             return Action::Continue;
         };
+        match self.phase {
+            Phase::Buffering => {}
+            Phase::Oversized => return self.oversized(&shared),
+            _ => return Action::Continue,
+        }
         let raw = match host::get_buffer(Buffer::RequestBody, 0, shared.cfg.max_body_bytes) {
             Ok(b) => b,
             Err(_) => {
