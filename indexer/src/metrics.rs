@@ -147,6 +147,30 @@ pub fn render(state: &AppState) -> String {
 
     // Per-replica gauges.
     let stale_after = state.stale_after();
+    let entries_by_stream: std::collections::HashMap<u32, u64> = lock(&state.index)
+        .replicas()
+        .into_iter()
+        .collect();
+    let full = format!("{p}_replica_index_entries");
+    header(
+        &mut out,
+        &full,
+        "gauge",
+        "Blocks the index holds for the replica (all its ranks): what its engines cache.",
+    );
+    for r in &replicas {
+        let entries: u64 = r
+            .index_ids()
+            .iter()
+            .filter_map(|id| entries_by_stream.get(id))
+            .sum();
+        let _ = writeln!(
+            out,
+            "{full}{{replica=\"{}\",model=\"{}\"}} {entries}",
+            escape(&r.name),
+            escape(&r.model)
+        );
+    }
     let full = format!("{p}_replica_in_flight");
     header(
         &mut out,
