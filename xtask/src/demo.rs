@@ -265,7 +265,12 @@ fn stop_script(pids: &[(u32, String)], ports: &crate::stack::Ports) -> String {
         r#"#!/bin/sh
 # Written by `cargo xtask demo --keep`: stops the kept stack.
 kill -TERM -- {groups} 2>/dev/null
-sleep 1
+for i in 1 2 3 4 5 6 7 8 9 10; do
+  alive=0
+  for g in {groups}; do kill -0 -- "$g" 2>/dev/null && alive=1; done
+  [ "$alive" = 0 ] && break
+  sleep 1
+done
 for port in {ports}; do
   hex=$(printf ':%04X' "$port")
   for inode in $(awk -v p="$hex" '$4 == "0A" && substr($2, length($2) - 4) == p {{ print $10 }}' /proc/net/tcp /proc/net/tcp6 2>/dev/null); do
