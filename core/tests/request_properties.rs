@@ -21,7 +21,7 @@ use kvroute_core::request::{
 };
 use kvroute_core::router_key::request_keys;
 use proptest::prelude::*;
-use proptest::test_runner::Config as ProptestConfig;
+use proptest::test_runner::{Config as ProptestConfig, FileFailurePersistence};
 use serde_json::{json, Map, Value};
 
 /// Planted in every generated prompt string; no error's Display may contain it.
@@ -74,6 +74,10 @@ fn config(default_cases: u32) -> ProptestConfig {
         .unwrap_or(default_cases);
     ProptestConfig {
         cases,
+        // `<test file>.proptest-regressions` next to the test file, committed: replayed first.
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource(
+            "proptest-regressions",
+        ))),
         // The tokenizer is the expensive part; shrinking a failure should still be quick.
         max_shrink_iters: 2048,
         ..ProptestConfig::default()

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 
 use kvroute_filter::config::{ConfigError, FilterConfig};
 use proptest::prelude::*;
-use proptest::test_runner::Config as ProptestConfig;
+use proptest::test_runner::{Config as ProptestConfig, FileFailurePersistence};
 use serde_json::{json, Map, Value};
 
 fn config(default_cases: u32) -> ProptestConfig {
@@ -24,6 +24,10 @@ fn config(default_cases: u32) -> ProptestConfig {
         .unwrap_or(default_cases);
     ProptestConfig {
         cases,
+        // `<test file>.proptest-regressions` next to the test file, committed: replayed first.
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource(
+            "proptest-regressions",
+        ))),
         ..ProptestConfig::default()
     }
 }

@@ -12,7 +12,7 @@ use std::sync::LazyLock;
 
 use kvroute_indexer::config::{Config, ConfigError};
 use proptest::prelude::*;
-use proptest::test_runner::Config as ProptestConfig;
+use proptest::test_runner::{Config as ProptestConfig, FileFailurePersistence};
 
 fn config(default_cases: u32) -> ProptestConfig {
     let cases = std::env::var("PROPTEST_CASES")
@@ -21,6 +21,10 @@ fn config(default_cases: u32) -> ProptestConfig {
         .unwrap_or(default_cases);
     ProptestConfig {
         cases,
+        // `<test file>.proptest-regressions` next to the test file, committed: replayed first.
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource(
+            "proptest-regressions",
+        ))),
         ..ProptestConfig::default()
     }
 }
