@@ -323,7 +323,10 @@ async fn indexer_binds_for_an_engine_that_connects_out() {
     .await;
     let s = streams_of(&d, spec.name);
     // Bound on events.bind_address (loopback by default), not on every interface.
-    assert_eq!(s[0]["endpoint"], format!("tcp://127.0.0.1:{}", spec.pub_port));
+    assert_eq!(
+        s[0]["endpoint"],
+        format!("tcp://127.0.0.1:{}", spec.pub_port)
+    );
     assert_eq!(
         s[0]["replay"],
         format!("tcp://127.0.0.1:{}", spec.replay_port)
