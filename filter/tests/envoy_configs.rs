@@ -286,3 +286,60 @@ fn the_istio_envoyfilter_carries_valid_envoy_config() {
     )
     .expect("the WasmPlugin's pluginConfig is valid");
 }
+
+/// The engines' NetworkPolicy admits their HTTP, event and replay ports from the gateway pods
+/// that the EnvoyFilter selects, and from nobody else (an empty `from` would admit everyone).
+#[test]
+fn the_engine_network_policy_admits_only_the_gateway() {
+    let docs = yaml_docs(&workspace().join("envoy/istio/envoyfilter-kvroute.yaml"));
+    let filter = docs
+        .iter()
+        .find(|d| d["kind"] == "EnvoyFilter")
+        .expect("an EnvoyFilter");
+    let gateway_labels = &filter["spec"]["workloadSelector"]["labels"];
+    let gateway_ns = &filter["metadata"]["namespace"];
+    let vs = docs
+        .iter()
+        .find(|d| d["kind"] == "VirtualService")
+        .expect("a VirtualService");
+    let engines_ns = vs["spec"]["http"][0]["route"][0]["destination"]["host"]
+        .as_str()
+        .and_then(|h| h.split('.').nth(1))
+        .expect("the engines' Service host name.namespace.svc...");
+    let policy = yaml_docs(&workspace().join("envoy/istio/networkpolicy-vllm.yaml")).remove(0);
+    assert_eq!(policy["kind"], "NetworkPolicy");
+    assert_eq!(policy["metadata"]["namespace"], engines_ns);
+    assert!(policy["spec"]["policyTypes"]
+        .as_array()
+        .is_some_and(|t| t.iter().any(|x| x == "Ingress")));
+    let rules = policy["spec"]["ingress"].as_array().expect("ingress rules");
+    let mut ports = Vec::new();
+    for rule in rules {
+        let from = rule["from"].as_array().expect("every rule names its peers");
+        assert!(!from.is_empty(), "an empty `from` admits everyone: {rule}");
+        for peer in from {
+            assert_eq!(
+                &peer["podSelector"]["matchLabels"], gateway_labels,
+                "{peer}"
+            );
+            assert_eq!(
+                &peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"],
+                gateway_ns,
+                "{peer}"
+            );
+        }
+        ports.extend(
+            rule["ports"]
+                .as_array()
+                .expect("ports")
+                .iter()
+                .filter_map(|p| p["port"].as_u64()),
+        );
+    }
+    for port in [8000, 5557, 5558] {
+        assert!(
+            ports.contains(&port),
+            "port {port} not restricted: {ports:?}"
+        );
+    }
+}
