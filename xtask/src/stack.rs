@@ -527,7 +527,12 @@ fn parse_listening(table: &str) -> Vec<(std::net::IpAddr, u16)> {
             let (addr, port) = cols.get(1)?.split_once(':')?;
             let port = u16::from_str_radix(port, 16).ok()?;
             let ip = match addr.len() {
-                8 => std::net::IpAddr::from(u32::from_str_radix(addr, 16).ok()?.swap_bytes().to_be_bytes()),
+                8 => std::net::IpAddr::from(
+                    u32::from_str_radix(addr, 16)
+                        .ok()?
+                        .swap_bytes()
+                        .to_be_bytes(),
+                ),
                 32 => {
                     // Four 32-bit words, each in host (little-endian) byte order.
                     let mut bytes = [0u8; 16];
@@ -536,7 +541,8 @@ fn parse_listening(table: &str) -> Vec<(std::net::IpAddr, u16)> {
                         chunk.copy_from_slice(&word.swap_bytes().to_be_bytes());
                     }
                     let v6 = std::net::Ipv6Addr::from(bytes);
-                    v6.to_ipv4_mapped().map_or(std::net::IpAddr::V6(v6), std::net::IpAddr::V4)
+                    v6.to_ipv4_mapped()
+                        .map_or(std::net::IpAddr::V6(v6), std::net::IpAddr::V4)
                 }
                 _ => return None,
             };
