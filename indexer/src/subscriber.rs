@@ -427,6 +427,16 @@ impl StreamCtx {
         e
     }
 
+    /// Logs a failed replay at warn, except an oversized message ([`Self::note_error`] already
+    /// warned once for that peer).
+    fn log_replay_failure(&self, e: &StreamError) {
+        if matches!(e, StreamError::MessageTooLarge(_)) {
+            tracing::debug!(replica = %self.replica.name, rank = self.stream.rank, error = %e, "replay failed");
+        } else {
+            tracing::warn!(replica = %self.replica.name, rank = self.stream.rank, error = %e, "replay failed");
+        }
+    }
+
     fn topic(&self) -> String {
         self.replica
             .config
@@ -468,7 +478,7 @@ impl StreamCtx {
                             .stats
                             .replay_failures
                             .fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(replica = %self.replica.name, rank = self.stream.rank, error = %e, "replay failed");
+                        self.log_replay_failure(&e);
                         None
                     }
                 }
@@ -568,7 +578,7 @@ impl StreamCtx {
                         .stats
                         .replay_failures
                         .fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(replica = %self.replica.name, rank = self.stream.rank, error = %e, "replay failed");
+                    self.log_replay_failure(e);
                 }
                 r.ok()
             }
