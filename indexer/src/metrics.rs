@@ -147,10 +147,8 @@ pub fn render(state: &AppState) -> String {
 
     // Per-replica gauges.
     let stale_after = state.stale_after();
-    let entries_by_stream: std::collections::HashMap<u32, u64> = lock(&state.index)
-        .replicas()
-        .into_iter()
-        .collect();
+    let entries_by_stream: std::collections::HashMap<u32, u64> =
+        lock(&state.index).replicas().into_iter().collect();
     let full = format!("{p}_replica_index_entries");
     header(
         &mut out,
