@@ -105,8 +105,10 @@ pub struct FilterConfig {
     pub routed_paths: Vec<String>,
     /// Largest request body the filter buffers and routes (bytes). Must stay below Envoy's
     /// buffer limit (`per_connection_buffer_limit_bytes`) or Envoy answers 413 itself. The
-    /// default, 4 MiB, holds the longest prompt of the default token cap: 131072 tokens x 16
-    /// bytes per token (`MAX_PROMPT_BYTES_PER_TOKEN`) x 2 for JSON escapes.
+    /// default, 2 MiB, is the default token cap times `MAX_PROMPT_BYTES_PER_TOKEN` (131072 x 16):
+    /// a prompt that fits 131072 tokens is at most ~0.9 MB of real text (6.6 bytes per token at
+    /// worst), ~1.2 MB JSON-escaped (`\uXXXX` doubles CJK); a larger body fails open without
+    /// being parsed. Raise it with `max_prompt_tokens` for longer contexts (tokens x 16).
     pub max_body_bytes: usize,
     /// What to do with a larger body.
     pub oversized_body: OversizedBody,
@@ -158,7 +160,7 @@ impl Default for FilterConfig {
             complete_timeout_ms: 1_000,
             tokenizer_timeout_ms: 30_000,
             routed_paths: vec!["/v1/completions".into(), "/v1/chat/completions".into()],
-            max_body_bytes: DEFAULT_MAX_PROMPT_TOKENS * MAX_PROMPT_BYTES_PER_TOKEN * 2,
+            max_body_bytes: DEFAULT_MAX_PROMPT_TOKENS * MAX_PROMPT_BYTES_PER_TOKEN,
             oversized_body: OversizedBody::FailOpen,
             upstream_max_body_bytes: 16 * 1024 * 1024,
             inject_kv_cache_report_mode: false,
@@ -368,7 +370,7 @@ mod tests {
 
     #[test]
     fn the_default_body_limit_holds_the_default_prompt_cap() {
-        assert_eq!(FilterConfig::default().max_body_bytes, 4 * 1024 * 1024);
+        assert_eq!(FilterConfig::default().max_body_bytes, 2 * 1024 * 1024);
     }
 
     #[test]

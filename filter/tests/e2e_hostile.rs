@@ -77,9 +77,11 @@ fn stack(name: &str, cfg: Value) -> Stack {
 
 #[test]
 fn the_digit_bomb_fails_open_without_crashing_the_vm() {
+    // The default max_body_bytes (2 MiB) refuses the bomb from its content-length; the issue's
+    // 4 MiB lets it reach the tokenizer, whose cap must hold.
     let s = stack(
         "hostile-digits",
-        json!({"debug_headers": true, "models": {"qwen3": {}}}),
+        json!({"debug_headers": true, "max_body_bytes": 4 << 20, "models": {"qwen3": {}}}),
     );
     s.envoy.wait_tokenizers(1);
     let r = send(&s.envoy, &chat_body("qwen3", "hello"));
@@ -89,7 +91,7 @@ fn the_digit_bomb_fails_open_without_crashing_the_vm() {
     let rss_warm = s.envoy.proc.rss_bytes();
     println!("wasm stats after warm-up: {:?}", vm_stats(&s.envoy));
 
-    // The request: under max_body_bytes (4 MiB), 3.9 M tokens for Qwen3.
+    // The request: under the max_body_bytes (4 MiB), 3.9 M tokens for Qwen3.
     let bomb = chat_body("qwen3", &"7".repeat(3_900_000));
     assert!(bomb.len() < 4 * 1024 * 1024);
     let mut rss = Vec::new();
@@ -255,23 +257,46 @@ fn a_huge_model_name_is_neither_looked_up_nor_logged() {
 }
 
 /// Head-of-line blocking: small requests from another client while 8 clients send the digit
-/// bomb at once, against a single worker. Prints p50/p99 of the small requests' latency with and
-/// without the bombs (no assertion on time). `cargo test --release -p kvroute-filter --test
-/// e2e_hostile -- --ignored --nocapture head_of_line`
+/// bomb in a loop, against a single worker; plain Envoy, the filter with its defaults, and the
+/// filter with the 4 MiB `max_body_bytes`. Prints p50/p99 of the small requests' latency
+/// (no assertion on time). `cargo test -p kvroute-filter --test e2e_hostile -- --ignored
+/// --nocapture head_of_line`
 #[test]
 #[ignore]
 fn head_of_line_blocking_under_bombs() {
-    let s = stack(
-        "hostile-hol",
-        json!({"debug_headers": true, "models": {"qwen3": {}}}),
-    );
-    s.envoy.wait_tokenizers(1);
+    for (label, with_filter, cfg) in [
+        ("plain envoy", false, json!({})),
+        (
+            "filter, defaults",
+            true,
+            json!({"debug_headers": true, "models": {"qwen3": {}}}),
+        ),
+        (
+            "filter, max_body_bytes 4 MiB",
+            true,
+            json!({"debug_headers": true, "max_body_bytes": 4 << 20, "models": {"qwen3": {}}}),
+        ),
+    ] {
+        head_of_line(label, with_filter, cfg);
+    }
+}
+
+fn head_of_line(label: &str, with_filter: bool, cfg: Value) {
+    let dir = scratch("hostile-hol");
+    let replica = ok_replica();
+    let indexer = FakeIndexer::start("qwen3", RouteMode::To(replica.addr()), TokenizerMode::Serve);
+    let mut opts = EnvoyOptions::new(indexer.server.port, vec![replica.addr()], cfg);
+    opts.with_filter = with_filter;
+    let envoy = Envoy::start("hostile-hol", &opts, &dir);
+    if with_filter {
+        envoy.wait_tokenizers(1);
+    }
     let small = chat_body("qwen3", "What is KV-cache aware routing? Answer briefly.");
     let measure = |n: usize| -> Vec<f64> {
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
             let t = Instant::now();
-            let r = send(&s.envoy, &small);
+            let r = send(&envoy, &small);
             assert_eq!(r.status, 200);
             v.push(t.elapsed().as_secs_f64() * 1000.0);
             thread::sleep(Duration::from_millis(20));
@@ -283,7 +308,7 @@ fn head_of_line_blocking_under_bombs() {
         v[((v.len() - 1) as f64 * p).round() as usize]
     };
     let mut quiet = measure(100);
-    let port = s.envoy.port;
+    let port = envoy.port;
     let bomb = Arc::new(chat_body("qwen3", &"7".repeat(3_900_000)));
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let attackers: Vec<_> = (0..8)
@@ -307,26 +332,22 @@ fn head_of_line_blocking_under_bombs() {
         })
         .collect();
     thread::sleep(Duration::from_millis(500));
-    let mut loaded = measure(100);
+    let mut loaded = measure(40);
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let statuses: Vec<u16> = attackers
         .into_iter()
         .flat_map(|a| a.join().unwrap_or_default())
         .collect();
+    let mut counts = std::collections::BTreeMap::new();
+    for st in &statuses {
+        *counts.entry(*st).or_insert(0) += 1;
+    }
     let (q50, q99) = (pct(&mut quiet, 0.5), pct(&mut quiet, 0.99));
     let (l50, l99) = (pct(&mut loaded, 0.5), pct(&mut loaded, 0.99));
     println!(
-        "small requests: quiet p50 {q50:.1} ms p99 {q99:.1} ms; under 8 concurrent bombs p50 {l50:.1} ms p99 {l99:.1} ms (added p99 {:.1} ms, max {:.1} ms); {} bombs sent, statuses {:?}",
-        l99 - q99,
+        "{label}: small requests quiet p50 {q50:.1} ms p99 {q99:.1} ms; under 8 looping bombs p50 {l50:.1} ms p99 {l99:.1} ms (max {:.1} ms); bombs answered {counts:?}; fail-open {:?}",
         loaded.last().copied().unwrap_or(0.0),
-        statuses.len(),
-        {
-            let mut c = std::collections::BTreeMap::new();
-            for st in &statuses {
-                *c.entry(*st).or_insert(0) += 1;
-            }
-            c
-        }
+        (envoy.kv("fail_open.too_large"), envoy.kv("fail_open.prompt_too_long"), envoy.kv("fail_open.indexer_timeout"))
     );
 }
 

@@ -207,9 +207,16 @@ async fn tokenizer_handler(
         (Ok(t), Ok(c)) => (t, c),
         (Err(e), _) | (_, Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
     };
+    let max_model_len = state
+        .config
+        .models
+        .iter()
+        .find(|c| c.name == model)
+        .and_then(|c| c.max_model_len);
     Json(json!({
         "model": model,
         "block_size": m.block_size(),
+        "max_model_len": max_model_len,
         "tokenizer_json": tok,
         "tokenizer_config_json": cfg,
     }))

@@ -395,6 +395,10 @@ pub struct ModelConfig {
     /// Tokens per KV block; learned from the first BlockStored when not given.
     #[serde(default)]
     pub block_size: Option<u32>,
+    /// The engines' context length (`--max-model-len`), announced to the filter with the
+    /// tokenizer: it tokenises no longer prompts (they fail open as `prompt_too_long`).
+    #[serde(default)]
+    pub max_model_len: Option<u32>,
     /// The engines' prefix-cache hash settings, for the online hash self-check.
     #[serde(default)]
     pub hash: Option<HashSection>,
