@@ -506,9 +506,15 @@ fn check(endpoint: Endpoint, bytes: &[u8], block_size: usize, cap: usize) {
         Err(RequestError::PromptTooLong { limit }) => {
             assert_eq!(limit, cap);
             // Refused from its size alone when the text has more than cap x 16 bytes (runs of
-            // one character can: documented); otherwise only when it has more tokens than cap.
+            // one character can: documented), for chat also when the messages' strings have
+            // (checked before rendering, even for text the template drops); otherwise only when
+            // it has more tokens than cap.
             let text_bytes = match endpoint {
-                Endpoint::ChatCompletions => CACHED.render_chat(&body).expect("rendered").len(),
+                Endpoint::ChatCompletions => CACHED
+                    .render_chat(&body)
+                    .expect("rendered")
+                    .len()
+                    .max(body.get("messages").map_or(0, string_bytes)),
                 Endpoint::Completions => bytes.len(),
             };
             assert!(
@@ -539,6 +545,16 @@ fn check(endpoint: Endpoint, bytes: &[u8], block_size: usize, cap: usize) {
             let prefix = request_keys(&ids[..half], block_size, &extras, ExtraKeyStyle::Tagged);
             assert_eq!(&all[..prefix.len()], prefix.as_slice());
         }
+    }
+}
+
+/// Total bytes of the strings in a JSON value (keys excluded).
+fn string_bytes(v: &Value) -> usize {
+    match v {
+        Value::String(s) => s.len(),
+        Value::Array(a) => a.iter().map(string_bytes).sum(),
+        Value::Object(o) => o.values().map(string_bytes).sum(),
+        _ => 0,
     }
 }
 
