@@ -240,14 +240,6 @@ impl ModelTokenizer {
     ) -> Result<PromptTokens, RequestError> {
         match endpoint {
             Endpoint::ChatCompletions => {
-                // Before rendering (which copies the text a few times): the messages' text alone
-                // cannot fit. A template drops little (earlier turns' reasoning, for Qwen3).
-                if let Some(limit) = cap {
-                    let bytes = body.get("messages").map_or(0, string_bytes);
-                    if bytes > limit.saturating_mul(MAX_PROMPT_BYTES_PER_TOKEN) {
-                        return Err(RequestError::PromptTooLong { limit });
-                    }
-                }
                 let (text, add_special_tokens) = self.render_chat_inner(body)?;
                 Ok(PromptTokens::Single(self.encode_text_inner(
                     &text,
@@ -577,16 +569,6 @@ impl ModelTokenizer {
             .post_process(enc, None, true)
             .map_err(tokenizer_error)?;
         Ok(enc.get_ids().to_vec())
-    }
-}
-
-/// Total bytes of the strings in a JSON value (keys excluded).
-fn string_bytes(v: &Value) -> usize {
-    match v {
-        Value::String(s) => s.len(),
-        Value::Array(a) => a.iter().map(string_bytes).fold(0, usize::saturating_add),
-        Value::Object(o) => o.values().map(string_bytes).fold(0, usize::saturating_add),
-        _ => 0,
     }
 }
 
