@@ -154,6 +154,30 @@ fn the_digit_bomb_fails_open_without_crashing_the_vm() {
         fallback + 20,
         "all via the fallback"
     );
+    // Under the size bound (1.5 MB < 131072 x 16) but 1.5 M tokens: stopped while tokenising,
+    // within the documented VM size.
+    let counted = chat_body("qwen3", &"7".repeat(1_500_000));
+    for i in 0..5 {
+        let r = send(&s.envoy, &counted);
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(
+            r.header("x-kvroute-fail-open"),
+            Some("prompt_too_long"),
+            "1.5 MB of digits, {i}"
+        );
+    }
+    thread::sleep(Duration::from_millis(500)); // a tick publishes the gauge
+    println!(
+        "after 5 x 1.5 MB of digits: VM memory gauge {} MiB, envoy RSS {} MiB",
+        mib(s.envoy.kv("vm_memory_bytes")),
+        mib(s.envoy.proc.rss_bytes())
+    );
+    assert!(
+        s.envoy.kv("vm_memory_bytes") <= 256 << 20,
+        "VM linear memory {} MiB",
+        mib(s.envoy.kv("vm_memory_bytes"))
+    );
+    assert_eq!(s.envoy.stat("wasm.kvroute.vm_reload"), 0, "VM reloads");
     // Still routing.
     let r = send(&s.envoy, &chat_body("qwen3", "hello again"));
     assert_eq!(r.status, 200);
@@ -222,6 +246,10 @@ fn bogus_model_names_do_not_lock_out_a_real_model() {
 #[test]
 fn a_huge_model_name_is_neither_looked_up_nor_logged() {
     let s = stack("hostile-name", json!({"debug_headers": true}));
+    // With the default max_body_bytes (2 MiB) the digit bomb fails open from its length, unparsed.
+    let r = send(&s.envoy, &chat_body("qwen3", &"7".repeat(3_900_000)));
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-kvroute-fail-open"), Some("too_large"));
     let name = "n".repeat(100_000);
     let mut reasons = Vec::new();
     for _ in 0..3 {
