@@ -149,10 +149,19 @@ impl AppState {
         let session_header = headers.get("x-session-id").and_then(|v| v.to_str().ok());
         let chat = endpoint == Endpoint::ChatCompletions;
         let params = openai::gen_params(&body, chat, self.default_max_tokens, session_header)?;
+        // vLLM tokenises the whole prompt before it refuses one over max_model_len; the
+        // simulator stops counting at the limit (same answer, bounded memory: a 3.9 M-digit
+        // prompt would otherwise take ~1.3 GB here).
         let tokens = self
             .tokenizer
-            .tokenize_request(endpoint, &body)
-            .map_err(request_error)?;
+            .tokenize_request_capped(endpoint, &body, self.max_model_len)
+            .map_err(|e| match e {
+                RequestError::PromptTooLong { limit } => ApiError::bad_request(format!(
+                    "This model's maximum context length is {limit} tokens. However, your \
+                     request has more input tokens. Please reduce the length of the input."
+                )),
+                other => request_error(other),
+            })?;
         let prompts: Vec<Vec<u32>> = tokens.prompts().into_iter().map(<[u32]>::to_vec).collect();
         for p in &prompts {
             if p.is_empty() {

@@ -391,3 +391,35 @@ async fn streamed_deltas_add_up_to_the_whole_text() {
     assert!(whole.chars().count() > 100, "{whole:?}");
     assert_eq!(deltas, whole.trim_end_matches('\u{FFFD}'));
 }
+
+/// Peak resident memory of a process, MiB (`VmHWM`).
+fn peak_rss_mib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|kb| kb.parse::<f64>().ok())
+        .expect("VmHWM")
+        / 1024.0
+}
+
+#[tokio::test]
+async fn a_prompt_over_the_context_is_refused_without_tokenising_all_of_it() {
+    let s = Sim::start(&["--time-scale", "20", "--max-model-len", "4096"]);
+    let c = reqwest::Client::new();
+    // 3.9 M digits: each its own Qwen3 token. Tokenised whole this took ~1.3 GB.
+    let bomb = json!({"model": "qwen3", "max_tokens": 1,
+                      "messages": [{"role": "user", "content": "7".repeat(3_900_000)}]});
+    let (st, v) = post(&c, &s.url("/v1/chat/completions"), &bomb).await;
+    assert_eq!(st, 400, "{v}");
+    assert!(
+        v.to_string()
+            .contains("maximum context length is 4096 tokens"),
+        "{v}"
+    );
+    let peak = peak_rss_mib(s.child.id());
+    assert!(peak < 600.0, "the simulator peaked at {peak:.0} MiB");
+    let ok = json!({"model": "qwen3", "prompt": "hello", "max_tokens": 2});
+    assert_eq!(post(&c, &s.url("/v1/completions"), &ok).await.0, 200);
+}
