@@ -326,13 +326,21 @@ fn huge_prompts(ctx: &mut Ctx) -> Result<Report> {
 /// set at the filter's prompt cap (docs/filter.md, memory sizing), with room to spare.
 const HUGE_PROMPT_RSS_GROWTH_MIB: f64 = 256.0;
 
-/// Clients that leave before their answer leave no phantom in-flight requests behind.
+/// Clients that leave before their answer leave no phantom in-flight requests behind: some
+/// while the answer streams, some while the filter still waits for the indexer (frozen for it).
 fn client_aborts(ctx: &mut Ctx) -> Result<Report> {
     let mut r = Report::new("client_aborts");
     let addr = ctx.stack.kvroute_addr();
     let indexer = ctx.indexer();
+    let indexer_pid = *ctx
+        .stack
+        .pids("indexer")
+        .first()
+        .context("no indexer running")?;
     let count = ctx.scale(20, 200);
-    for n in 0..count {
+    let decided_before = decisions(&indexer);
+    // First half: leave once the answer has started.
+    let leave = |n: usize, wait_for_answer: bool| -> Result<()> {
         let body = chat_body(&ctx.model, 9, 10_000 + n as u64, 64);
         let mut stream = TcpStream::connect(&addr).context("connecting to Envoy")?;
         let head = format!(
@@ -342,31 +350,75 @@ fn client_aborts(ctx: &mut Ctx) -> Result<Report> {
         );
         stream.write_all(head.as_bytes())?;
         stream.write_all(body.as_bytes())?;
-        // Half leave at once, half once the answer has started.
-        if n % 2 == 1 {
+        if wait_for_answer {
             stream.set_read_timeout(Some(Duration::from_secs(10)))?;
             let mut first = [0u8; 1];
             let _ = stream.read(&mut first);
+        } else {
+            // Long enough for the filter to have sent its route call, well inside its
+            // 100 ms route timeout.
+            thread::sleep(Duration::from_millis(25));
         }
         let _ = stream.shutdown(Shutdown::Both);
+        Ok(())
+    };
+    let streamed = count / 2;
+    for n in 0..streamed {
+        leave(n, true)?;
     }
-    let limit = Duration::from_secs(if ctx.short { 30 } else { 60 });
+    // Second half, all at once, while the indexer is frozen: the route calls wait, the clients
+    // leave, then the indexer wakes (before the filter's route timeout) and answers calls whose
+    // requests are gone.
+    probe::signal_group(indexer_pid, libc::SIGSTOP)?;
+    let pending = count - streamed;
+    thread::scope(|s| {
+        for n in streamed..count {
+            let leave = &leave;
+            s.spawn(move || leave(n, false));
+        }
+        thread::sleep(Duration::from_millis(50));
+        let _ = probe::signal_group(indexer_pid, libc::SIGCONT);
+    });
+    let _ = probe::signal_group(indexer_pid, libc::SIGCONT);
+    thread::sleep(Duration::from_millis(500));
+    let decided = decisions(&indexer) - decided_before;
+    let limit = Duration::from_secs(if ctx.short { 20 } else { 60 });
     let settled = wait_for(limit, || {
         probe::indexer_in_flight(&indexer).is_ok_and(|v| v == 0.0)
     });
     let left = probe::indexer_in_flight(&indexer).unwrap_or(f64::NAN);
     r.figure(format!(
-        "{count} aborted requests (one shared x-request-id); in flight back to 0 after {}",
+        "{count} clients left ({streamed} while the answer streamed, {pending} while the route \
+         call was pending; one shared x-request-id); {decided} decisions made"
+    ));
+    r.figure(format!(
+        "in flight back to 0 after {}",
         settled.map_or(
             format!("more than {} s ({left} left)", limit.as_secs()),
             |d| { format!("{:.1} s", d.as_secs_f64()) }
         )
     ));
+    // Calls that outlived the route timeout never became decisions; at least one of those left
+    // while pending must have, or the pending case was not exercised.
+    r.check(
+        decided > streamed as f64,
+        format!(
+            "none of the {pending} requests left while pending reached a decision: the pending \
+             case was not exercised"
+        ),
+    );
     r.check(
         settled.is_some(),
         format!("{left} requests still counted in flight"),
     );
     Ok(r)
+}
+
+/// Routing decisions the indexer has made so far.
+fn decisions(indexer: &str) -> f64 {
+    probe::metrics_text(indexer)
+        .map(|t| crate::stats::metric_sum(&t, "kvroute_indexer_decisions"))
+        .unwrap_or(0.0)
 }
 
 /// Uploads that never finish are cut off, and do not hold memory.
