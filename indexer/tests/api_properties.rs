@@ -356,10 +356,23 @@ fn complete_body() -> impl Strategy<Value = Value> {
         )
 }
 
+/// Loopback ports this test holds open for the whole run: the only ones admin-added replicas
+/// name, so their HTTP discovery and event connections reach these listeners (which never
+/// answer) and their binds fail, instead of touching ports other tests on the machine use.
+static RESERVED: LazyLock<Vec<std::net::TcpListener>> = LazyLock::new(|| {
+    (0..4)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("reserve a port"))
+        .collect()
+});
+
+fn reserved_port() -> impl Strategy<Value = u16> {
+    (0usize..4).prop_map(|i| RESERVED[i].local_addr().expect("reserved").port())
+}
+
 /// A loopback-only address string (or something that is not an address at all).
 fn loopback_addr() -> impl Strategy<Value = String> {
     prop_oneof![
-        4 => (1u16..).prop_map(|p| format!("127.0.0.1:{p}")),
+        4 => reserved_port().prop_map(|p| format!("127.0.0.1:{p}")),
         1 => prop::sample::select(vec!["", "127.0.0.1", "127.0.0.1:", "not-an-address", ":80"])
             .prop_map(str::to_owned),
     ]
@@ -367,7 +380,7 @@ fn loopback_addr() -> impl Strategy<Value = String> {
 
 fn zmq_endpoint() -> impl Strategy<Value = String> {
     prop_oneof![
-        4 => (1u16..).prop_map(|p| format!("tcp://127.0.0.1:{p}")),
+        4 => reserved_port().prop_map(|p| format!("tcp://127.0.0.1:{p}")),
         1 => prop::sample::select(vec!["", "tcp://", "tcp://:1", "udp://127.0.0.1:1",
             "tcp://127.0.0.1:99999", "tcp://127.0.0.1"])
             .prop_map(str::to_owned),
