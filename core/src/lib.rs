@@ -7,7 +7,9 @@
 //! * [`events`]: the KV event stream's msgpack codec, every layout vLLM has shipped.
 //! * [`request`]: an OpenAI request body to the engine's token ids (chat template + tokenizer).
 //! * [`scoring`]: the replica choice from matched blocks and load.
+//! * [`api`]: the filter <-> indexer HTTP contract (route, complete, tokenizer bundle), versioned.
 
+pub mod api;
 pub mod events;
 pub mod hashing;
 pub mod request;

@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 
+use kvroute_core::hashing::ExtraKeyStyle;
 use kvroute_core::request::{
     TokenizerOptions, DEFAULT_MAX_PROMPT_TOKENS, MAX_PROMPT_BYTES_PER_TOKEN,
     MAX_SANE_MODEL_MAX_LENGTH,
@@ -35,17 +36,6 @@ pub enum TokenizerSource {
     VmConfig,
 }
 
-/// The engine's extra-key layout (vLLM >= 0.31 tags LoRA/salt/multimodal keys).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum KeyStyle {
-    /// vLLM >= 0.31.
-    #[default]
-    Tagged,
-    /// vLLM 0.15 ..= 0.30.
-    Plain,
-}
-
 /// Per-model settings. Everything is optional: what is missing is learned from the indexer.
 #[derive(Debug, Clone, PartialEq, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
@@ -53,7 +43,7 @@ pub struct ModelConfig {
     /// KV block size (tokens). Overrides what the indexer announces.
     pub block_size: Option<usize>,
     /// Engine extra-key style. Overrides what the indexer announces.
-    pub extra_key_style: Option<KeyStyle>,
+    pub extra_key_style: Option<ExtraKeyStyle>,
     /// Where the tokenizer comes from.
     pub tokenizer_source: TokenizerSource,
     /// LoRA adapter name -> path, as the engine was started with (`--lora-modules`).
@@ -388,7 +378,7 @@ mod tests {
         assert_eq!(cfg.oversized_body, OversizedBody::Reject);
         let m = &cfg.models["qwen3"];
         assert_eq!(m.block_size, Some(32));
-        assert_eq!(m.extra_key_style, Some(KeyStyle::Plain));
+        assert_eq!(m.extra_key_style, Some(ExtraKeyStyle::Plain));
         assert_eq!(m.tokenizer_source, TokenizerSource::VmConfig);
         assert_eq!(m.lora_paths["a"], "/p");
         let opts = m.tokenizer_options.as_ref().unwrap();

@@ -12,7 +12,7 @@ use kvroute_core::request::{
 use kvroute_core::router_key::request_keys;
 use serde_json::Value;
 
-use crate::config::{FilterConfig, KeyStyle, ModelConfig};
+use crate::config::{FilterConfig, ModelConfig};
 use crate::protocol::TokenizerBundle;
 
 /// The OpenAI endpoint a routed path serves: the standard paths, else by suffix so that
@@ -71,13 +71,6 @@ impl std::fmt::Debug for LoadedModel {
     }
 }
 
-fn key_style(s: KeyStyle) -> ExtraKeyStyle {
-    match s {
-        KeyStyle::Tagged => ExtraKeyStyle::Tagged,
-        KeyStyle::Plain => ExtraKeyStyle::Plain,
-    }
-}
-
 impl LoadedModel {
     /// Builds the tokenizer from a bundle; configuration overrides what the bundle announces.
     pub fn from_bundle(
@@ -97,13 +90,11 @@ impl LoadedModel {
             .and_then(|m| m.block_size)
             .or(bundle.block_size)
             .unwrap_or(cfg.default_block_size);
-        let style = match model_cfg.and_then(|m| m.extra_key_style) {
-            Some(s) => key_style(s),
-            None => match bundle.extra_key_style.as_deref() {
-                Some("plain") => ExtraKeyStyle::Plain,
-                _ => ExtraKeyStyle::Tagged,
-            },
-        };
+        // Configuration first, then what the indexer knows of the engines' vLLM version.
+        let style: ExtraKeyStyle = model_cfg
+            .and_then(|m| m.extra_key_style)
+            .or(bundle.extra_key_style)
+            .unwrap_or_default();
         let max_prompt_tokens = model_cfg
             .and_then(|m| m.max_prompt_tokens)
             .or(bundle.max_model_len)

@@ -29,6 +29,7 @@ use crate::protocol::{
     ResponseScanner, RouteRequest,
 };
 use crate::root_context::Shared;
+use kvroute_core::api::{CONTRACT_HEADER, CONTRACT_VERSION_STR};
 
 /// The header Envoy's ORIGINAL_DST cluster (`use_http_header: true`) routes by.
 pub const DST_HEADER: &str = "x-envoy-original-dst-host";
@@ -236,15 +237,16 @@ impl KvRouteHttp {
         }
         let callout = next_callout_id();
         let route = RouteRequest {
-            model: &model,
-            router_keys: prepared.router_keys,
-            num_tokens: prepared.num_tokens,
-            block_size: loaded.block_size,
-            request_id: &self.request_id,
-            callout_id: &callout,
+            model: model.clone(),
+            router_keys: Some(prepared.router_keys),
+            num_tokens: Some(prepared.num_tokens),
+            block_size: u32::try_from(loaded.block_size).ok(),
+            request_id: Some(self.request_id.clone()),
+            callout_id: Some(callout.clone()),
             max_tokens: max_tokens_of(&body),
-            lora: prepared.lora.as_deref(),
-            session: self.session.as_deref(),
+            lora: prepared.lora,
+            session: self.session.clone(),
+            ..RouteRequest::default()
         };
         let payload = serde_json::to_vec(&route).map_err(|_| FailOpen::HostcallError)?;
         let headers = vec![
@@ -252,6 +254,7 @@ impl KvRouteHttp {
             (":path", "/v1/route"),
             (":authority", shared.cfg.indexer_authority.as_str()),
             ("content-type", "application/json"),
+            (CONTRACT_HEADER, CONTRACT_VERSION_STR),
         ];
         let token = host::dispatch_http_call(
             &shared.cfg.indexer_cluster,
@@ -301,14 +304,38 @@ impl KvRouteHttp {
                     .as_deref(),
             )
         };
+        let contract = if num_headers == 0 {
+            None
+        } else {
+            host::get_header(Map::CallResponseHeaders, CONTRACT_HEADER)
+                .ok()
+                .flatten()
+        };
         let answer_body =
             host::get_buffer(Buffer::CallResponseBody, 0, body_size).unwrap_or_default();
-        let answer = parse_route_answer(status, &answer_body, elapsed, shared.cfg.route_timeout_ms)
-            .inspect_err(|_| {
-                if !route_may_be_counted(status) {
-                    self.unanswered_callout = None;
-                }
-            })?;
+        let answer = parse_route_answer(
+            status,
+            contract.as_deref(),
+            &answer_body,
+            elapsed,
+            shared.cfg.route_timeout_ms,
+        )
+        .inspect_err(|reason| {
+            if *reason == FailOpen::ContractMismatch {
+                hlog!(
+                    Error,
+                    "kvroute: the indexer speaks kvroute contract {:?}, this filter {}: \
+                     run a filter and an indexer of the same release; failing open",
+                    contract.as_deref().unwrap_or("(refused ours)"),
+                    kvroute_core::api::CONTRACT_VERSION
+                );
+            }
+        })
+        .inspect_err(|_| {
+            if !route_may_be_counted(status) {
+                self.unanswered_callout = None;
+            }
+        })?;
         // The indexer counted this request in flight: report its end whatever happens next.
         self.unanswered_callout = None;
         self.decision_id = answer.decision_id.clone();
@@ -406,6 +433,7 @@ impl KvRouteHttp {
             (":path", "/v1/complete"),
             (":authority", shared.cfg.indexer_authority.as_str()),
             ("content-type", "application/json"),
+            (CONTRACT_HEADER, CONTRACT_VERSION_STR),
         ];
         // The stream context dies right after this call, and Envoy cancels a dying context's
         // callouts: issue the report on the root context's behalf.

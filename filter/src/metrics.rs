@@ -205,6 +205,7 @@ fn fail_open_name(r: FailOpen) -> &'static str {
         FailOpen::TokenizerNotReady => "kvroute.fail_open.tokenizer_not_ready",
         FailOpen::TokenizeError => "kvroute.fail_open.tokenize_error",
         FailOpen::PromptTooLong => "kvroute.fail_open.prompt_too_long",
+        FailOpen::ContractMismatch => "kvroute.fail_open.contract_mismatch",
         FailOpen::HostcallError => "kvroute.fail_open.hostcall_error",
     }
 }

@@ -3,7 +3,8 @@
 
 use std::net::SocketAddr;
 
-use serde::{Deserialize, Serialize};
+use kvroute_core::api::{check_contract, ContractCheck, RouteAnswer as WireAnswer};
+use kvroute_core::hashing::ExtraKeyStyle;
 use serde_json::Value;
 
 /// Why a request was not routed (each is one `fail_open.<reason>` counter).
@@ -31,13 +32,15 @@ pub enum FailOpen {
     TokenizeError,
     /// The prompt is longer than the model's `max_prompt_tokens` (the engine refuses it too).
     PromptTooLong,
+    /// The indexer speaks another version of the filter-indexer contract.
+    ContractMismatch,
     /// A host call failed.
     HostcallError,
 }
 
 impl FailOpen {
     /// Every reason, for metric definition.
-    pub const ALL: [FailOpen; 12] = [
+    pub const ALL: [FailOpen; 13] = [
         FailOpen::IndexerUnavailable,
         FailOpen::IndexerTimeout,
         FailOpen::IndexerError,
@@ -49,6 +52,7 @@ impl FailOpen {
         FailOpen::TokenizerNotReady,
         FailOpen::TokenizeError,
         FailOpen::PromptTooLong,
+        FailOpen::ContractMismatch,
         FailOpen::HostcallError,
     ];
 
@@ -66,36 +70,13 @@ impl FailOpen {
             FailOpen::TokenizerNotReady => "tokenizer_not_ready",
             FailOpen::TokenizeError => "tokenize_error",
             FailOpen::PromptTooLong => "prompt_too_long",
+            FailOpen::ContractMismatch => "contract_mismatch",
             FailOpen::HostcallError => "hostcall_error",
         }
     }
 }
 
-/// `POST /v1/route` body.
-#[derive(Debug, Serialize)]
-pub struct RouteRequest<'a> {
-    /// Served model name.
-    pub model: &'a str,
-    /// Chained router keys of the prompt's full blocks.
-    pub router_keys: Vec<u64>,
-    /// Prompt length in tokens.
-    pub num_tokens: usize,
-    /// Block size the keys were computed with.
-    pub block_size: usize,
-    /// The client's (or Envoy's) request id: informational, never the decision key.
-    pub request_id: &'a str,
-    /// This filter's id for the route call, to abandon it (see [`abandon_body`]).
-    pub callout_id: &'a str,
-    /// The request's `max_tokens` / `max_completion_tokens`, for the indexer's in-flight deadline.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_tokens: Option<u64>,
-    /// LoRA adapter name, if the request targets one.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub lora: Option<&'a str>,
-    /// The client's session id (the configured `session_header`), for session affinity.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub session: Option<&'a str>,
-}
+pub use kvroute_core::api::RouteRequest;
 
 /// The parts of a `/v1/route` answer the filter uses.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -114,32 +95,15 @@ pub struct RouteAnswer {
 }
 
 /// Longest `decision_id` kept from a route answer.
-pub const MAX_DECISION_ID_BYTES: usize = 128;
-
-#[derive(Deserialize)]
-struct RawMatched {
-    #[serde(default)]
-    gpu: Option<u64>,
-}
-
-#[derive(Deserialize)]
-struct RawRouteAnswer {
-    endpoint: String,
-    #[serde(default)]
-    replica: Option<String>,
-    #[serde(default)]
-    reason: Option<String>,
-    #[serde(default)]
-    matched_tokens: Option<RawMatched>,
-    #[serde(default)]
-    decision_id: Option<String>,
-}
+pub const MAX_DECISION_ID_BYTES: usize = kvroute_core::api::MAX_ID_BYTES;
 
 /// Classifies a `/v1/route` callout outcome. `status` is the `:status` of the answer (`None` when
-/// Envoy delivered no headers, i.e. a reset or overflow), `elapsed_ms`/`timeout_ms` tell a
-/// timeout from another failure.
+/// Envoy delivered no headers, i.e. a reset or overflow), `contract` its
+/// [`kvroute_core::api::CONTRACT_HEADER`], `elapsed_ms`/`timeout_ms` tell a timeout from another
+/// failure.
 pub fn parse_route_answer(
     status: Option<u16>,
+    contract: Option<&str>,
     body: &[u8],
     elapsed_ms: u64,
     timeout_ms: u64,
@@ -149,28 +113,32 @@ pub fn parse_route_answer(
         None => return Err(FailOpen::IndexerUnavailable),
         Some(s) => s,
     };
+    if matches!(check_contract(contract), ContractCheck::Other(_)) {
+        return Err(FailOpen::ContractMismatch);
+    }
     match status {
         200 => {}
         404 => return Err(FailOpen::UnknownModel),
+        // The indexer refuses another contract version before routing.
+        409 => return Err(FailOpen::ContractMismatch),
         // Envoy's own reply when the callout's deadline passed.
         504 => return Err(FailOpen::IndexerTimeout),
         502 | 503 => return Err(FailOpen::IndexerUnavailable),
         _ => return Err(FailOpen::IndexerError),
     }
-    let raw: RawRouteAnswer = serde_json::from_slice(body).map_err(|_| FailOpen::BadAnswer)?;
+    let raw: WireAnswer = serde_json::from_slice(body).map_err(|_| FailOpen::BadAnswer)?;
     let endpoint = raw.endpoint.trim();
     // ORIGINAL_DST needs a literal IP:port; anything else would make Envoy answer 503.
     if endpoint.parse::<SocketAddr>().is_err() {
         return Err(FailOpen::BadAnswer);
     }
+    let some = |s: String| Some(s).filter(|s| !s.is_empty());
     Ok(RouteAnswer {
         endpoint: endpoint.to_string(),
-        replica: raw.replica,
-        reason: raw.reason,
-        matched_gpu_tokens: raw.matched_tokens.and_then(|m| m.gpu),
-        decision_id: raw
-            .decision_id
-            .filter(|d| !d.is_empty() && d.len() <= MAX_DECISION_ID_BYTES),
+        replica: some(raw.replica),
+        reason: some(raw.reason),
+        matched_gpu_tokens: Some(raw.matched_tokens.gpu),
+        decision_id: some(raw.decision_id).filter(|d| d.len() <= MAX_DECISION_ID_BYTES),
     })
 }
 
@@ -189,8 +157,8 @@ pub struct TokenizerBundle {
     pub tokenizer_config_json: Vec<u8>,
     /// Block size the engine runs with, if announced.
     pub block_size: Option<usize>,
-    /// Extra-key style (`tagged`/`plain`), if announced.
-    pub extra_key_style: Option<String>,
+    /// How the engines hash LoRA / cache_salt extra keys, if announced.
+    pub extra_key_style: Option<ExtraKeyStyle>,
     /// The engines' context length (vLLM's `max_model_len`), if announced.
     pub max_model_len: Option<usize>,
 }
@@ -222,10 +190,13 @@ pub fn parse_tokenizer_bundle(v: &Value) -> Result<TokenizerBundle, String> {
         .and_then(Value::as_u64)
         .and_then(|b| usize::try_from(b).ok())
         .filter(|b| (1..=4096).contains(b));
-    let extra_key_style = obj
-        .get("extra_key_style")
-        .and_then(Value::as_str)
-        .map(str::to_string);
+    let extra_key_style = match obj.get("extra_key_style") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            serde_json::from_value::<ExtraKeyStyle>(v.clone())
+                .map_err(|_| format!("tokenizer answer has an unknown extra_key_style {v}"))?,
+        ),
+    };
     let max_model_len = obj
         .get("max_model_len")
         .and_then(Value::as_u64)
@@ -438,57 +409,90 @@ mod tests {
     #[test]
     fn route_answers_are_classified() {
         let ok = br#"{"endpoint":"127.0.0.1:8001","replica":"r0","matched_tokens":{"gpu":48,"cpu":0,"storage":0},"reason":"prefix_hit"}"#;
-        let a = parse_route_answer(Some(200), ok, 3, 100).unwrap();
+        let a = parse_route_answer(Some(200), None, ok, 3, 100).unwrap();
         assert_eq!(a.endpoint, "127.0.0.1:8001");
         assert_eq!(a.decision_id, None, "an indexer without decision ids");
         let with_id = br#"{"endpoint":"127.0.0.1:8001","decision_id":"1a2b-7"}"#;
-        let a2 = parse_route_answer(Some(200), with_id, 3, 100).unwrap();
+        let a2 = parse_route_answer(Some(200), None, with_id, 3, 100).unwrap();
         assert_eq!(a2.decision_id.as_deref(), Some("1a2b-7"));
         let long = format!(
             r#"{{"endpoint":"127.0.0.1:8001","decision_id":"{}"}}"#,
             "x".repeat(129)
         );
-        let a3 = parse_route_answer(Some(200), long.as_bytes(), 3, 100).unwrap();
+        let a3 = parse_route_answer(Some(200), None, long.as_bytes(), 3, 100).unwrap();
         assert_eq!(a3.decision_id, None, "an absurd id is not echoed");
         assert_eq!(a.replica.as_deref(), Some("r0"));
         assert_eq!(a.matched_gpu_tokens, Some(48));
         assert_eq!(
-            parse_route_answer(Some(404), b"", 1, 100),
+            parse_route_answer(Some(404), None, b"", 1, 100),
             Err(FailOpen::UnknownModel)
         );
         assert_eq!(
-            parse_route_answer(Some(503), b"no healthy upstream", 1, 100),
+            parse_route_answer(Some(503), None, b"no healthy upstream", 1, 100),
             Err(FailOpen::IndexerUnavailable)
         );
         assert_eq!(
-            parse_route_answer(Some(504), b"", 100, 100),
+            parse_route_answer(Some(504), None, b"", 100, 100),
             Err(FailOpen::IndexerTimeout)
         );
         assert_eq!(
-            parse_route_answer(None, b"", 100, 100),
+            parse_route_answer(None, None, b"", 100, 100),
             Err(FailOpen::IndexerTimeout)
         );
         assert_eq!(
-            parse_route_answer(None, b"", 2, 100),
+            parse_route_answer(None, None, b"", 2, 100),
             Err(FailOpen::IndexerUnavailable)
         );
         assert_eq!(
-            parse_route_answer(Some(500), b"", 2, 100),
+            parse_route_answer(Some(500), None, b"", 2, 100),
             Err(FailOpen::IndexerError)
         );
         assert_eq!(
-            parse_route_answer(Some(200), b"garbage", 2, 100),
+            parse_route_answer(Some(200), None, b"garbage", 2, 100),
             Err(FailOpen::BadAnswer)
         );
         assert_eq!(
-            parse_route_answer(Some(200), br#"{"endpoint":"replica-0:8001"}"#, 2, 100),
+            parse_route_answer(Some(200), None, br#"{"endpoint":"replica-0:8001"}"#, 2, 100),
             Err(FailOpen::BadAnswer)
         );
         assert_eq!(
-            parse_route_answer(Some(200), br#"{"endpoint":42}"#, 2, 100),
+            parse_route_answer(Some(200), None, br#"{"endpoint":42}"#, 2, 100),
             Err(FailOpen::BadAnswer)
         );
-        assert!(parse_route_answer(Some(200), br#"{"endpoint":"[::1]:9000"}"#, 2, 100).is_ok());
+        assert!(
+            parse_route_answer(Some(200), None, br#"{"endpoint":"[::1]:9000"}"#, 2, 100).is_ok()
+        );
+    }
+
+    #[test]
+    fn another_contract_version_fails_open_loudly() {
+        let ok = br#"{"endpoint":"10.0.0.1:8000","decision_id":"d1"}"#;
+        assert!(parse_route_answer(Some(200), Some("1"), ok, 3, 100).is_ok());
+        assert!(parse_route_answer(Some(200), None, ok, 3, 100).is_ok());
+        assert_eq!(
+            parse_route_answer(Some(200), Some("2"), ok, 3, 100),
+            Err(FailOpen::ContractMismatch)
+        );
+        assert_eq!(
+            parse_route_answer(Some(409), Some("2"), b"{}", 3, 100),
+            Err(FailOpen::ContractMismatch)
+        );
+        assert_eq!(
+            parse_route_answer(Some(409), None, b"{}", 3, 100),
+            Err(FailOpen::ContractMismatch)
+        );
+    }
+
+    #[test]
+    fn an_unknown_key_style_in_a_bundle_is_an_error() {
+        let b =
+            parse_tokenizer_bundle(&json!({"tokenizer_json": "{}", "extra_key_style": "plain"}))
+                .unwrap();
+        assert_eq!(b.extra_key_style, Some(ExtraKeyStyle::Plain));
+        assert!(
+            parse_tokenizer_bundle(&json!({"tokenizer_json": "{}", "extra_key_style": "odd"}))
+                .is_err()
+        );
     }
 
     #[test]
@@ -501,15 +505,13 @@ mod tests {
     #[test]
     fn route_request_serialises_u64_keys_exactly() {
         let r = RouteRequest {
-            model: "m",
-            router_keys: vec![u64::MAX, 1],
-            num_tokens: 33,
-            block_size: 16,
-            request_id: "id",
-            callout_id: "c1-2",
-            max_tokens: None,
-            lora: None,
-            session: None,
+            model: "m".into(),
+            router_keys: Some(vec![u64::MAX, 1]),
+            num_tokens: Some(33),
+            block_size: Some(16),
+            request_id: Some("id".into()),
+            callout_id: Some("c1-2".into()),
+            ..RouteRequest::default()
         };
         let s = serde_json::to_string(&r).unwrap();
         assert_eq!(
@@ -517,7 +519,7 @@ mod tests {
             r#"{"model":"m","router_keys":[18446744073709551615,1],"num_tokens":33,"block_size":16,"request_id":"id","callout_id":"c1-2"}"#
         );
         let with_session = RouteRequest {
-            session: Some("user-42"),
+            session: Some("user-42".into()),
             ..r
         };
         let s = serde_json::to_string(&with_session).unwrap();

@@ -77,6 +77,10 @@ impl KvRouteRoot {
                 (":path", path.as_str()),
                 (":authority", shared.cfg.indexer_authority.as_str()),
                 ("accept", "application/json"),
+                (
+                    kvroute_core::api::CONTRACT_HEADER,
+                    kvroute_core::api::CONTRACT_VERSION_STR,
+                ),
             ];
             match host::dispatch_http_call(
                 &shared.cfg.indexer_cluster,
@@ -159,7 +163,25 @@ impl KvRouteRoot {
                     .as_deref(),
             )
         };
+        let contract = if num_headers == 0 {
+            None
+        } else {
+            host::get_header(Map::CallResponseHeaders, kvroute_core::api::CONTRACT_HEADER)
+                .ok()
+                .flatten()
+        };
+        let other_contract = matches!(
+            kvroute_core::api::check_contract(contract.as_deref()),
+            kvroute_core::api::ContractCheck::Other(_)
+        );
         let outcome: Result<TokenizerBundle, String> = match status {
+            // Another release of the indexer: loud, and retried (an upgrade may be under way).
+            Some(409) | Some(200) if other_contract || status == Some(409) => Err(format!(
+                "the indexer speaks kvroute contract {:?}, this filter {}: run a filter and an \
+                 indexer of the same release",
+                contract.as_deref().unwrap_or("(refused ours)"),
+                kvroute_core::api::CONTRACT_VERSION
+            )),
             Some(200) => host::get_buffer(Buffer::CallResponseBody, 0, body_size)
                 .map_err(|e| format!("cannot read the answer: {e}"))
                 .and_then(|b| {

@@ -10,8 +10,12 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
-use serde::Deserialize;
 use serde_json::{json, Value};
+
+use kvroute_core::api::{
+    check_contract, CompleteReport, ContractCheck, TokenizerBundle, CONTRACT_HEADER,
+    CONTRACT_VERSION,
+};
 
 use crate::config::ReplicaConfig;
 use crate::membership::lock;
@@ -40,7 +44,38 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/admin/replicas/{name}/drain", post(admin_drain))
         .route("/admin/replicas/{name}/undrain", post(admin_undrain))
         .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn(contract_version))
         .with_state(state)
+}
+
+/// Every answer carries this indexer's [`CONTRACT_VERSION`]; a request that announces another
+/// version is refused with 409 before any handler runs, naming both versions.
+async fn contract_version(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let announced = request
+        .headers()
+        .get(CONTRACT_HEADER)
+        .map(|v| v.to_str().unwrap_or("?").to_string());
+    let mut response = match check_contract(announced.as_deref()) {
+        ContractCheck::Same | ContractCheck::Unversioned => next.run(request).await,
+        ContractCheck::Other(_) => {
+            let shown: String = announced.unwrap_or_default().chars().take(16).collect();
+            error(
+                StatusCode::CONFLICT,
+                format!(
+                    "the caller speaks kvroute contract {shown:?}, this indexer speaks \
+                     {CONTRACT_VERSION}: run a filter and an indexer of the same release"
+                ),
+            )
+        }
+    };
+    response.headers_mut().insert(
+        CONTRACT_HEADER,
+        axum::http::HeaderValue::from(CONTRACT_VERSION),
+    );
+    response
 }
 
 /// A JSON error response `{"error": message}`.
@@ -91,31 +126,8 @@ async fn route_handler(
     }
 }
 
-/// Body of `POST /v1/complete`: a decision's end, by `decision_id` (from the route answer), or
-/// the abandonment of a route call whose answer never reached the request, by `callout_id`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct CompleteRequest {
-    #[serde(default)]
-    decision_id: Option<String>,
-    #[serde(default)]
-    callout_id: Option<String>,
-    /// The request ended before its response did (client left, stream reset).
-    #[serde(default)]
-    abandoned: bool,
-    /// Informational (older filters sent only this; it is never a key).
-    #[serde(default)]
-    #[allow(dead_code)]
-    request_id: Option<String>,
-    #[serde(default)]
-    #[allow(dead_code)]
-    endpoint: Option<String>,
-    #[serde(default)]
-    cached_tokens: Option<u64>,
-}
-
 async fn complete_handler(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
-    let req: CompleteRequest = match parse_json(&body) {
+    let req: CompleteReport = match parse_json(&body) {
         Ok(r) => r,
         Err(resp) => return resp.into_response(),
     };
@@ -213,13 +225,14 @@ async fn tokenizer_handler(
         .iter()
         .find(|c| c.name == model)
         .and_then(|c| c.max_model_len);
-    Json(json!({
-        "model": model,
-        "block_size": m.block_size(),
-        "max_model_len": max_model_len,
-        "tokenizer_json": tok,
-        "tokenizer_config_json": cfg,
-    }))
+    Json(TokenizerBundle {
+        model,
+        block_size: m.block_size(),
+        max_model_len,
+        extra_key_style: Some(m.style),
+        tokenizer_json: tok,
+        tokenizer_config_json: cfg,
+    })
     .into_response()
 }
 

@@ -11,7 +11,6 @@ use kvroute_core::scoring::{
     choose, choose_least_loaded, choose_random, choose_round_robin, Candidate, Decision, Load,
     MatchedBlocks, ScoringConfig,
 };
-use serde::{Deserialize, Serialize};
 
 use crate::load::NewDecision;
 use crate::membership::{lock, Replica};
@@ -21,81 +20,7 @@ use crate::state::{AppState, ModelRuntime};
 /// Block size assumed while neither the config nor an event has told it.
 pub const FALLBACK_BLOCK_SIZE: u32 = 16;
 
-/// Body of `POST /v1/route`.
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct RouteRequest {
-    /// Served model name.
-    pub model: String,
-    /// The prompt's token ids (the indexer computes the router keys).
-    #[serde(default)]
-    pub token_ids: Option<Vec<u32>>,
-    /// Router keys computed by the caller (one per full block).
-    #[serde(default)]
-    pub router_keys: Option<Vec<u64>>,
-    /// Prompt length in tokens (with `router_keys`; default keys * block_size).
-    #[serde(default)]
-    pub num_tokens: Option<usize>,
-    /// Block size the caller used for `router_keys` (checked against the model's).
-    #[serde(default)]
-    pub block_size: Option<u32>,
-    /// LoRA adapter name (with `token_ids`).
-    #[serde(default)]
-    pub lora: Option<String>,
-    /// `cache_salt` of the request (with `token_ids`).
-    #[serde(default)]
-    pub cache_salt: Option<String>,
-    /// Caller's request id, echoed in the answer and logs only (never a key: see `decision_id`).
-    #[serde(default)]
-    pub request_id: Option<String>,
-    /// The caller's id for this route call, to abandon it with `/v1/complete` when the answer
-    /// cannot be used (the client left first); at most 128 bytes.
-    #[serde(default)]
-    pub callout_id: Option<String>,
-    /// The request's output budget (`max_tokens`), for the in-flight deadline.
-    #[serde(default)]
-    pub max_tokens: Option<u64>,
-    /// Session key for `--policy session`.
-    #[serde(default)]
-    pub session: Option<String>,
-}
-
-/// Matched tokens per medium.
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct MatchedTokens {
-    /// On GPU.
-    pub gpu: u64,
-    /// In host memory.
-    pub cpu: u64,
-    /// On storage.
-    pub storage: u64,
-    /// Only predicted (a sibling request was just routed there).
-    pub predicted: u64,
-}
-
-/// Answer of `POST /v1/route`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct RouteResponse {
-    /// `IP:port` to send the request to.
-    pub endpoint: String,
-    /// Replica name.
-    pub replica: String,
-    /// Tokens of the prompt the chosen replica holds.
-    pub matched_tokens: MatchedTokens,
-    /// Why (`prefix_hit`, `load`, `load_over_prefix`, `overload_broken_affinity`, `round_robin`,
-    /// `random`, `session`, ...).
-    pub reason: String,
-    /// The decision's id, made by the indexer: report the completion with it.
-    pub decision_id: String,
-    /// The caller's `request_id` (the decision id when none was given).
-    pub request_id: String,
-    /// Policy used.
-    pub policy: String,
-    /// Prompt blocks considered (usable hit blocks).
-    pub prompt_blocks: u32,
-    /// Cost of the chosen replica (kv policies).
-    pub cost: f64,
-}
+pub use kvroute_core::api::{MatchedTokens, RouteAnswer as RouteResponse, RouteRequest};
 
 /// Why a route request failed.
 #[derive(Debug, thiserror::Error)]

@@ -375,3 +375,112 @@ async fn tokenizer_files_are_served() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// An indexer and a model with a tokenizer directory, LoRA adapter `adapter` and the given
+/// `[models.hash]` table.
+async fn indexer_with_model(hash: &str) -> String {
+    let dir = std::env::temp_dir().join(format!(
+        "kvroute-contract-{}-{}",
+        std::process::id(),
+        hash.len()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), "{\"model\": {}}").unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), "{}").unwrap();
+    let cfg = format!(
+        "scrape_interval_ms = 0\n[[models]]\nname = \"m\"\nmodel_dir = \"{}\"\nblock_size = 4\n\
+         [models.hash]\n{hash}\n[models.loras]\nadapter = \"/loras/adapter\"\n",
+        dir.display()
+    );
+    serve_http(start_indexer(&cfg, Policy::Kv)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_filter_keys_lora_requests_as_the_indexer_does_for_old_engines() {
+    use kvroute_core::api::TokenizerBundle;
+    use kvroute_core::hashing::{ExtraKeyStyle, LoraRef, RequestExtras};
+    let c = reqwest::Client::new();
+    let tokens: Vec<u32> = (1..=17).collect();
+    for (hash, style) in [
+        (
+            "algo = \"sha256\"\nengine_version = \"0.25.0\"",
+            ExtraKeyStyle::Plain,
+        ),
+        ("algo = \"sha256\"", ExtraKeyStyle::Tagged),
+    ] {
+        let base = indexer_with_model(hash).await;
+        let resp = c
+            .get(format!("{base}/v1/models/m/tokenizer"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            resp.headers()
+                .get(kvroute_core::api::CONTRACT_HEADER)
+                .and_then(|v| v.to_str().ok()),
+            Some(kvroute_core::api::CONTRACT_VERSION_STR)
+        );
+        let bundle: TokenizerBundle = resp.json().await.unwrap();
+        assert_eq!(bundle.extra_key_style, Some(style), "{hash}");
+        // What the filter computes: the bundle's style (tagged when it announces none).
+        let extras = RequestExtras {
+            lora: Some(LoraRef {
+                name: "adapter".into(),
+                path: "/loras/adapter".into(),
+            }),
+            ..RequestExtras::default()
+        };
+        let filter_keys: Vec<u64> = kvroute_core::router_key::request_keys(
+            &tokens,
+            4,
+            &extras,
+            bundle.extra_key_style.unwrap_or_default(),
+        )
+        .iter()
+        .map(|k| k.0)
+        .collect();
+        // What the indexer computes for the same request.
+        let v: Value = c
+            .post(format!("{base}/debug/lookup"))
+            .json(&json!({"model": "m", "token_ids": tokens, "lora": "adapter"}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let indexer_keys: Vec<u64> = serde_json::from_value(v["router_keys"].clone()).unwrap();
+        assert_eq!(filter_keys, indexer_keys, "{hash}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_contract_version_is_refused_by_name() {
+    let base = indexer_with_model("algo = \"sha256\"").await;
+    let c = reqwest::Client::new();
+    let resp = c
+        .post(format!("{base}/v1/route"))
+        .header(kvroute_core::api::CONTRACT_HEADER, "999")
+        .json(&json!({"model": "m", "token_ids": [1, 2, 3, 4, 5]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 409);
+    let text = resp.text().await.unwrap();
+    assert!(
+        text.contains("\\\"999\\\"") && text.contains("speaks 1"),
+        "{text}"
+    );
+    // The same request in this version is not refused for its version.
+    let resp = c
+        .post(format!("{base}/v1/route"))
+        .header(
+            kvroute_core::api::CONTRACT_HEADER,
+            kvroute_core::api::CONTRACT_VERSION_STR,
+        )
+        .json(&json!({"model": "m", "token_ids": [1, 2, 3, 4, 5]}))
+        .send()
+        .await
+        .unwrap();
+    assert_ne!(resp.status(), 409);
+}

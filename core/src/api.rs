@@ -1,0 +1,239 @@
+//! The filter <-> indexer HTTP contract, written once: the bodies of `POST /v1/route` and its
+//! answer, `POST /v1/complete`, and `GET /v1/models/{model}/tokenizer`. The filter serialises
+//! requests and parses answers with these types, the indexer does the opposite, and tests and the
+//! benchmark use them too, so the two sides cannot drift apart.
+//!
+//! Versioning: both sides send [`CONTRACT_HEADER`] with their [`CONTRACT_VERSION`] on every
+//! request and answer. A side that receives another version refuses the exchange (the indexer
+//! answers 409, the filter fails open with `contract_mismatch`), and both say which versions met.
+//! Readers ignore nothing silently: the indexer denies unknown request fields.
+
+use serde::{Deserialize, Serialize};
+
+use crate::hashing::ExtraKeyStyle;
+
+/// Version of this contract. Raise it with any change an older peer would misread.
+pub const CONTRACT_VERSION: u32 = 1;
+
+/// [`CONTRACT_VERSION`] as a header value.
+pub const CONTRACT_VERSION_STR: &str = "1";
+
+/// The header that carries [`CONTRACT_VERSION`], on requests and answers.
+pub const CONTRACT_HEADER: &str = "x-kvroute-contract";
+
+/// Longest `callout_id` and `decision_id` either side accepts, in bytes.
+pub const MAX_ID_BYTES: usize = 128;
+
+/// What a received [`CONTRACT_HEADER`] value means for this side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContractCheck {
+    /// The same version.
+    Same,
+    /// No header: a peer from before versioning (or a hand-written client).
+    Unversioned,
+    /// Another version (the peer's, `None` when the value is not a number).
+    Other(Option<u32>),
+}
+
+/// Classifies a received [`CONTRACT_HEADER`] value.
+pub fn check_contract(value: Option<&str>) -> ContractCheck {
+    match value {
+        None => ContractCheck::Unversioned,
+        Some(v) => match v.trim().parse::<u32>() {
+            Ok(n) if n == CONTRACT_VERSION => ContractCheck::Same,
+            Ok(n) => ContractCheck::Other(Some(n)),
+            Err(_) => ContractCheck::Other(None),
+        },
+    }
+}
+
+/// Body of `POST /v1/route`. A caller sends either the prompt's `token_ids` (the indexer computes
+/// the router keys) or the `router_keys` it computed itself (the filter does).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteRequest {
+    /// Served model name.
+    pub model: String,
+    /// The prompt's token ids.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+    /// Router keys of the prompt's full blocks, computed by the caller.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router_keys: Option<Vec<u64>>,
+    /// Prompt length in tokens (with `router_keys`; default keys x block size).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_tokens: Option<usize>,
+    /// Block size the caller used for `router_keys` (checked against the model's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
+    /// LoRA adapter name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<String>,
+    /// `cache_salt` of the request (with `token_ids`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_salt: Option<String>,
+    /// The caller's request id: echoed and logged, never a key (see `decision_id`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
+    /// The caller's id for this call, to abandon it through `/v1/complete` when its answer cannot
+    /// be used (at most [`MAX_ID_BYTES`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub callout_id: Option<String>,
+    /// The request's output budget (`max_tokens`), for the in-flight deadline.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u64>,
+    /// Session key for the session policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+}
+
+/// Prompt tokens the chosen replica holds, per medium.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MatchedTokens {
+    /// On GPU.
+    #[serde(default)]
+    pub gpu: u64,
+    /// In host memory.
+    #[serde(default)]
+    pub cpu: u64,
+    /// On storage.
+    #[serde(default)]
+    pub storage: u64,
+    /// Only predicted (a sibling request was just routed there).
+    #[serde(default)]
+    pub predicted: u64,
+}
+
+/// Answer of `POST /v1/route`. Readers take missing fields other than `endpoint` as empty.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RouteAnswer {
+    /// `IP:port` to send the request to.
+    pub endpoint: String,
+    /// Replica name.
+    #[serde(default)]
+    pub replica: String,
+    /// Tokens of the prompt the chosen replica holds.
+    #[serde(default)]
+    pub matched_tokens: MatchedTokens,
+    /// Why (`prefix_hit`, `load`, `session`, ...).
+    #[serde(default)]
+    pub reason: String,
+    /// The decision's id, made by the indexer: report the completion with it.
+    #[serde(default)]
+    pub decision_id: String,
+    /// The caller's `request_id` (the decision id when none was given).
+    #[serde(default)]
+    pub request_id: String,
+    /// Policy used.
+    #[serde(default)]
+    pub policy: String,
+    /// Prompt blocks considered (usable hit blocks).
+    #[serde(default)]
+    pub prompt_blocks: u32,
+    /// Cost of the chosen replica (kv policies).
+    #[serde(default)]
+    pub cost: f64,
+}
+
+/// Body of `POST /v1/complete`: how a routed request ended (by `decision_id`), or the abandonment
+/// of a route call whose answer never reached its request (by `callout_id`, `abandoned: true`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompleteReport {
+    /// The route answer's `decision_id`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decision_id: Option<String>,
+    /// The route request's `callout_id` (abandonments).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub callout_id: Option<String>,
+    /// The request ended before its response did (client left, stream reset).
+    #[serde(default)]
+    pub abandoned: bool,
+    /// Informational.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
+    /// Informational: where the request went.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    /// The engine's `usage.prompt_tokens_details.cached_tokens`, when the response carried it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_tokens: Option<u64>,
+}
+
+/// Answer of `GET /v1/models/{model}/tokenizer`: what the filter needs to tokenise and key
+/// requests exactly as the model's engines do.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenizerBundle {
+    /// Served model name.
+    #[serde(default)]
+    pub model: String,
+    /// The engines' `--block-size`, when known.
+    #[serde(default)]
+    pub block_size: Option<u32>,
+    /// The engines' `--max-model-len`, when configured (the filter's prompt cap).
+    #[serde(default)]
+    pub max_model_len: Option<u32>,
+    /// How the engines hash LoRA / cache_salt extra keys (from their vLLM version).
+    #[serde(default)]
+    pub extra_key_style: Option<ExtraKeyStyle>,
+    /// `tokenizer.json`, as text.
+    pub tokenizer_json: String,
+    /// `tokenizer_config.json`, as text.
+    pub tokenizer_config_json: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn contract_versions_are_told_apart() {
+        assert_eq!(CONTRACT_VERSION_STR, CONTRACT_VERSION.to_string());
+        assert_eq!(
+            check_contract(Some(&CONTRACT_VERSION.to_string())),
+            ContractCheck::Same
+        );
+        assert_eq!(check_contract(None), ContractCheck::Unversioned);
+        assert_eq!(check_contract(Some("999")), ContractCheck::Other(Some(999)));
+        assert_eq!(check_contract(Some("v1")), ContractCheck::Other(None));
+    }
+
+    #[test]
+    fn route_requests_round_trip_and_unknown_fields_are_refused() {
+        let req = RouteRequest {
+            model: "m".into(),
+            router_keys: Some(vec![1, u64::MAX]),
+            num_tokens: Some(33),
+            callout_id: Some("c1".into()),
+            ..RouteRequest::default()
+        };
+        let text = serde_json::to_string(&req).expect("serialise");
+        assert!(!text.contains("token_ids"), "{text}");
+        assert_eq!(
+            serde_json::from_str::<RouteRequest>(&text).expect("parse"),
+            req
+        );
+        assert!(serde_json::from_str::<RouteRequest>(r#"{"model":"m","tokens":[1]}"#).is_err());
+    }
+
+    #[test]
+    fn bundles_carry_the_key_style_by_name() {
+        let bundle = TokenizerBundle {
+            extra_key_style: Some(ExtraKeyStyle::Plain),
+            tokenizer_json: "{}".into(),
+            tokenizer_config_json: "{}".into(),
+            ..TokenizerBundle::default()
+        };
+        let v = serde_json::to_value(&bundle).expect("serialise");
+        assert_eq!(v["extra_key_style"], "plain");
+        let back: TokenizerBundle = serde_json::from_value(v).expect("parse");
+        assert_eq!(back.extra_key_style, Some(ExtraKeyStyle::Plain));
+    }
+
+    #[test]
+    fn answers_with_only_an_endpoint_parse() {
+        let a: RouteAnswer = serde_json::from_str(r#"{"endpoint":"127.0.0.1:1"}"#).expect("parse");
+        assert_eq!(a.endpoint, "127.0.0.1:1");
+        assert!(a.decision_id.is_empty());
+    }
+}
