@@ -538,8 +538,14 @@ fn part_text(index: usize, part: &Value) -> Result<Option<String>, RequestError>
     }
     Err(invalid_message(
         index,
-        format!("unsupported content part type \"{part_type}\""),
+        format!("unsupported content part type {}", shown_type(part_type)),
     ))
+}
+
+/// A client's part `type` for an error message: only its length (the value is the client's and
+/// error messages reach logs; prompts never do).
+fn shown_type(part_type: &str) -> String {
+    format!("(a {}-byte type name)", part_type.len())
 }
 
 /// Drops Claude Code's per-request attribution line from system text parts (vLLM does).
@@ -791,8 +797,17 @@ pub(crate) fn completion_prompt(
 
 #[cfg(test)]
 mod tests {
+
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn an_unknown_part_type_is_not_echoed() {
+        let secret = "PromptMarker42";
+        let shown = shown_type(secret);
+        assert!(!shown.contains(secret), "{shown}");
+        assert_eq!(shown, "(a 14-byte type name)");
+    }
 
     fn opts() -> TokenizerOptions {
         TokenizerOptions::default()
