@@ -12,6 +12,10 @@ use crate::cmd;
 use crate::paths::{cargo_bin, Layout};
 use crate::setup;
 
+/// proptest's seed variable, and the seed `cargo xtask test` uses when it is not set.
+const PROPTEST_SEED_VAR: &str = "PROPTEST_RNG_SEED";
+const PROPTEST_SEED: &str = "20261201";
+
 /// Options of `cargo xtask test`.
 #[derive(Debug, Clone, Default)]
 pub struct TestOptions {
@@ -61,6 +65,11 @@ pub fn run(layout: &Layout, opts: &TestOptions) -> Result<()> {
     for (index, mut step) in steps.into_iter().enumerate() {
         for (key, value) in layout.child_env() {
             step.command.env(key, value);
+        }
+        // Property tests explore the same cases on every run of this command, so a result is
+        // reproducible; set PROPTEST_RNG_SEED to explore others (docs/fuzzing.md).
+        if std::env::var_os(PROPTEST_SEED_VAR).is_none() {
+            step.command.env(PROPTEST_SEED_VAR, PROPTEST_SEED);
         }
         step.command.current_dir(&layout.root);
         println!(
