@@ -3,11 +3,13 @@
 //! [`scenarios::ALL`] in turn: attacks (spoofed destination, engine admin paths, huge prompts,
 //! aborted and stalled clients) and faults (indexer SIGSTOP and kill -9, a replica killed and
 //! restarted, a hung replica), each with its own pass criteria and figures, and last a check that
-//! the index equals what the engines really cache. The attacks on the event stream itself (frame
-//! bombs, garbage, replay bombs) and on the filter's registry run as integration tests of the
-//! indexer and the filter, which `cargo xtask test` runs.
+//! the index equals what the engines really cache. Then the attacks that need peers of their own
+//! (frame bombs and replay bombs on the event sockets, the route API fuzz, the filter's hostile
+//! requests and registry, spoofing, in-flight leaks, engine paths and slow clients) run as the
+//! integration tests they are.
 //!
-//! `--short` (what `cargo xtask test` runs) sends fewer requests and holds faults shorter.
+//! `--short` (what `cargo xtask test` runs) sends fewer requests, holds faults shorter and leaves
+//! the integration tests to the test step that ran just before it.
 
 mod probe;
 mod scenarios;
@@ -58,13 +60,18 @@ pub fn run(layout: &Layout, opts: &ChaosOptions) -> Result<()> {
         .iter()
         .filter(|(name, _)| opts.only.is_empty() || opts.only.iter().any(|o| name.contains(o)))
         .collect();
-    if selected.is_empty() {
+    let suites_selected = !opts.short
+        && ATTACK_SUITES
+            .iter()
+            .any(|(name, _, _)| opts.only.is_empty() || opts.only.iter().any(|o| name.contains(o)));
+    if selected.is_empty() && !suites_selected {
         bail!(
             "no scenario matches {:?}; the scenarios are: {}",
             opts.only,
             scenarios::ALL
                 .iter()
                 .map(|(n, _)| *n)
+                .chain(ATTACK_SUITES.iter().map(|(n, _, _)| *n))
                 .collect::<Vec<_>>()
                 .join(", ")
         );
@@ -93,10 +100,12 @@ pub fn run(layout: &Layout, opts: &ChaosOptions) -> Result<()> {
         work_dir.clone(),
         true,
     )?;
-    println!("xtask chaos: starting 3 replicas, the indexer and Envoy with the filter ...");
-    stack.start_replicas()?;
-    stack.start_indexer("kv")?;
-    stack.start_kvroute_envoy()?;
+    if !selected.is_empty() {
+        println!("xtask chaos: starting 3 replicas, the indexer and Envoy with the filter ...");
+        stack.start_replicas()?;
+        stack.start_indexer("kv")?;
+        stack.start_kvroute_envoy()?;
+    }
 
     let mut reports = Vec::new();
     let started = Instant::now();
@@ -133,6 +142,22 @@ pub fn run(layout: &Layout, opts: &ChaosOptions) -> Result<()> {
     }
     drop(stack);
 
+    // The attacks that need their own peers (hostile ZeroMQ publishers, fake indexers, an Envoy
+    // of their own) are integration tests; the full form runs them here too, the short one
+    // leaves them to `cargo xtask test`'s test step, which has just run them.
+    if !opts.short {
+        for (name, package, target) in ATTACK_SUITES {
+            if !opts.only.is_empty() && !opts.only.iter().any(|o| name.contains(o.as_str())) {
+                continue;
+            }
+            println!("xtask chaos: {name} (cargo test -p {package} --test {target}) ...");
+            reports.push(run_suite(layout, &work_dir, name, package, target));
+            if procs::interrupted() {
+                bail!("interrupted");
+            }
+        }
+    }
+
     print_table(&reports);
     let summary = json!({
         "short": opts.short,
@@ -159,6 +184,69 @@ pub fn run(layout: &Layout, opts: &ChaosOptions) -> Result<()> {
         bail!("chaos scenarios failed: {}", failed.join(", "));
     }
     Ok(())
+}
+
+/// Attacks run as integration tests: (scenario, package, test target).
+const ATTACK_SUITES: &[(&str, &str, &str)] = &[
+    ("event_socket_attacks", "kvroute-indexer", "hostile_peers"),
+    ("route_api_fuzz", "kvroute-indexer", "api_properties"),
+    ("filter_hostile_requests", "kvroute-filter", "e2e_hostile"),
+    ("filter_spoofing", "kvroute-filter", "e2e_security"),
+    ("inflight_leaks", "kvroute-filter", "e2e_inflight"),
+    (
+        "engine_paths_and_slow_clients",
+        "kvroute-filter",
+        "e2e_paths",
+    ),
+];
+
+/// Runs one integration test target as a scenario; its libtest counts are the figures.
+fn run_suite(
+    layout: &Layout,
+    work_dir: &std::path::Path,
+    name: &'static str,
+    package: &str,
+    target: &str,
+) -> scenarios::Report {
+    let log = work_dir.join("logs").join(format!("{name}.log"));
+    let mut cmd = std::process::Command::new(crate::paths::cargo_bin());
+    cmd.args(["test", "-p", package, "--test", target])
+        .current_dir(&layout.root);
+    for (key, value) in layout.child_env() {
+        cmd.env(key, value);
+    }
+    let mut report = scenarios::Report {
+        name,
+        figures: Vec::new(),
+        failures: Vec::new(),
+    };
+    match cmd.output() {
+        Ok(out) => {
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let _ = fs::write(&log, &text);
+            let results: Vec<&str> = text
+                .lines()
+                .filter_map(|l| l.trim().strip_prefix("test result: "))
+                .collect();
+            report.figure(format!(
+                "cargo test -p {package} --test {target}: {}",
+                results.join("; ")
+            ));
+            if !out.status.success() {
+                report.failures.push(format!(
+                    "the tests failed ({}; log {})",
+                    out.status,
+                    log.display()
+                ));
+            }
+        }
+        Err(e) => report.failures.push(format!("could not run cargo: {e}")),
+    }
+    report
 }
 
 fn print_table(reports: &[scenarios::Report]) {

@@ -35,7 +35,8 @@ impl Report {
         }
     }
 
-    fn figure(&mut self, text: impl Into<String>) {
+    /// Adds a figure.
+    pub fn figure(&mut self, text: impl Into<String>) {
         self.figures.push(text.into());
     }
 
