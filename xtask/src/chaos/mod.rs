@@ -193,11 +193,7 @@ const ATTACK_SUITES: &[(&str, &str, &str)] = &[
     ("filter_hostile_requests", "kvroute-filter", "e2e_hostile"),
     ("filter_spoofing", "kvroute-filter", "e2e_security"),
     ("inflight_leaks", "kvroute-filter", "e2e_inflight"),
-    (
-        "engine_paths_and_slow_clients",
-        "kvroute-filter",
-        "e2e_paths",
-    ),
+    ("paths_and_slow_clients", "kvroute-filter", "e2e_paths"),
 ];
 
 /// Runs one integration test target as a scenario; its libtest counts are the figures.
