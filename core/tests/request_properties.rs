@@ -20,6 +20,7 @@ use kvroute_core::request::{
     TokenizerOptions, MAX_PROMPT_BYTES_PER_TOKEN,
 };
 use kvroute_core::router_key::request_keys;
+use kvroute_testkit::mutate::{apply, byte_mutation};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, FileFailurePersistence};
 use serde_json::{json, Map, Value};
@@ -372,71 +373,26 @@ fn to_bytes(body: &Value) -> Vec<u8> {
     text.replace(SURROGATE, "\\ud800").into_bytes()
 }
 
-/// A byte-level edit of a body.
-#[derive(Debug, Clone)]
-enum Mutation {
-    Flip(usize, u8),
-    Insert(usize, Vec<u8>),
-    Delete(usize, usize),
-    Truncate(usize),
-    Duplicate(usize, usize),
-}
-
-fn mutation() -> impl Strategy<Value = Mutation> {
-    let token = prop_oneof![
-        prop::collection::vec(any::<u8>(), 1..4),
-        prop::sample::select(vec![
-            "{",
-            "}",
-            "[",
-            "]",
-            "\"",
-            ",",
-            ":",
-            "null",
-            "\\u",
-            "\\ud83d",
-            "\\udc00",
-            "1e999",
-            "-0",
-            "\"content\":",
-            "\"role\":\"user\"",
-            "[[[[[[[[",
-            "\u{ffff}",
-        ])
-        .prop_map(|s: &str| s.as_bytes().to_vec()),
-    ];
-    prop_oneof![
-        (any::<usize>(), any::<u8>()).prop_map(|(i, b)| Mutation::Flip(i, b)),
-        (any::<usize>(), token).prop_map(|(i, t)| Mutation::Insert(i, t)),
-        (any::<usize>(), 1usize..16).prop_map(|(i, n)| Mutation::Delete(i, n)),
-        any::<usize>().prop_map(Mutation::Truncate),
-        (any::<usize>(), 1usize..64).prop_map(|(i, n)| Mutation::Duplicate(i, n)),
-    ]
-}
-
-fn apply(bytes: &mut Vec<u8>, m: &Mutation) {
-    let len = bytes.len();
-    let at = |i: usize| if len == 0 { 0 } else { i % (len + 1) };
-    match m {
-        Mutation::Flip(i, b) if len > 0 => bytes[i % len] ^= b | 1,
-        Mutation::Flip(..) => {}
-        Mutation::Insert(i, t) => {
-            let i = at(*i);
-            bytes.splice(i..i, t.iter().copied());
-        }
-        Mutation::Delete(i, n) => {
-            let i = at(*i).min(len);
-            bytes.drain(i..(i + n).min(len));
-        }
-        Mutation::Truncate(i) => bytes.truncate(at(*i)),
-        Mutation::Duplicate(i, n) => {
-            let i = at(*i).min(len);
-            let chunk: Vec<u8> = bytes[i..(i + n).min(len)].to_vec();
-            bytes.splice(i..i, chunk);
-        }
-    }
-}
+/// Syntax pieces the byte edits insert (besides random bytes).
+const REQUEST_TOKENS: &[&str] = &[
+    "{",
+    "}",
+    "[",
+    "]",
+    "\"",
+    ",",
+    ":",
+    "null",
+    "\\u",
+    "\\ud83d",
+    "\\udc00",
+    "1e999",
+    "-0",
+    "\"content\":",
+    "\"role\":\"user\"",
+    "[[[[[[[[",
+    "\u{ffff}",
+];
 
 // ---------------------------------------------------------------------------------------------
 // The property
@@ -570,7 +526,7 @@ proptest! {
         chat in any::<bool>(),
         chat_body in chat_body(),
         completion_body in completion_body(),
-        edits in prop::collection::vec(mutation(), 1..6),
+        edits in prop::collection::vec(byte_mutation(REQUEST_TOKENS), 1..6),
         bs in block_size(),
         cap in cap(),
     ) {

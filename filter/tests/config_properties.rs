@@ -13,6 +13,7 @@
 use std::collections::BTreeMap;
 
 use kvroute_filter::config::{ConfigError, FilterConfig};
+use kvroute_testkit::mutate::{apply, byte_mutation};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, FileFailurePersistence};
 use serde_json::{json, Map, Value};
@@ -131,62 +132,25 @@ fn junk() -> impl Strategy<Value = Value> {
     })
 }
 
-#[derive(Debug, Clone)]
-enum Mutation {
-    Flip(usize, u8),
-    Insert(usize, Vec<u8>),
-    Delete(usize, usize),
-    Truncate(usize),
-}
-
-fn mutation() -> impl Strategy<Value = Mutation> {
-    let token = prop_oneof![
-        prop::collection::vec(any::<u8>(), 1..4),
-        prop::sample::select(vec![
-            "{",
-            "}",
-            "[",
-            "]",
-            "\"",
-            ",",
-            ":",
-            "null",
-            "0",
-            "-1",
-            "1e30",
-            "99999999999999999999",
-            "\"models\":{}",
-            "\"x\":1,",
-            "\\u0000",
-            "\\ud800",
-        ])
-        .prop_map(|s: &str| s.as_bytes().to_vec()),
-    ];
-    prop_oneof![
-        (any::<usize>(), any::<u8>()).prop_map(|(i, b)| Mutation::Flip(i, b)),
-        (any::<usize>(), token).prop_map(|(i, t)| Mutation::Insert(i, t)),
-        (any::<usize>(), 1usize..12).prop_map(|(i, n)| Mutation::Delete(i, n)),
-        any::<usize>().prop_map(Mutation::Truncate),
-    ]
-}
-
-fn apply(bytes: &mut Vec<u8>, m: &Mutation) {
-    let len = bytes.len();
-    let at = |i: usize| i % (len + 1);
-    match m {
-        Mutation::Flip(i, b) if len > 0 => bytes[i % len] ^= b | 1,
-        Mutation::Flip(..) => {}
-        Mutation::Insert(i, t) => {
-            let i = at(*i);
-            bytes.splice(i..i, t.iter().copied());
-        }
-        Mutation::Delete(i, n) => {
-            let i = at(*i);
-            bytes.drain(i..(i + n).min(len));
-        }
-        Mutation::Truncate(i) => bytes.truncate(at(*i)),
-    }
-}
+/// Syntax pieces the byte edits insert (besides random bytes).
+const CONFIG_TOKENS: &[&str] = &[
+    "{",
+    "}",
+    "[",
+    "]",
+    "\"",
+    ",",
+    ":",
+    "null",
+    "0",
+    "-1",
+    "1e30",
+    "99999999999999999999",
+    "\"models\":{}",
+    "\"x\":1,",
+    "\\u0000",
+    "\\ud800",
+];
 
 /// An in-range model entry: `(block_size, max_prompt_tokens, lora_paths)`.
 type ModelFields = (Option<usize>, Option<usize>, BTreeMap<String, String>);
@@ -320,7 +284,7 @@ proptest! {
     #[test]
     fn mutated_configs(
         which in 0usize..3,
-        edits in prop::collection::vec(mutation(), 1..5),
+        edits in prop::collection::vec(byte_mutation(CONFIG_TOKENS), 1..5),
     ) {
         let mut bytes = match which {
             0 => DOC_EXAMPLE.as_bytes().to_vec(),

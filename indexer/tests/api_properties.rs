@@ -25,6 +25,7 @@ use std::time::Duration;
 use common::*;
 use kvroute_indexer::policies::Policy;
 use kvroute_indexer::state::AppState;
+use kvroute_testkit::mutate::{apply, byte_mutation, ByteMutation};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, FileFailurePersistence, TestCaseError};
 use reqwest::Method;
@@ -421,60 +422,27 @@ fn admin_body() -> impl Strategy<Value = Value> {
         )
 }
 
-#[derive(Debug, Clone)]
-enum Mutation {
-    Flip(usize, u8),
-    Insert(usize, Vec<u8>),
-    Delete(usize, usize),
-    Truncate(usize),
-}
+/// Syntax pieces the byte edits insert (besides random bytes).
+const API_TOKENS: &[&str] = &[
+    "{",
+    "}",
+    "[",
+    "]",
+    "\"",
+    ",",
+    ":",
+    "null",
+    "-1",
+    "1e999",
+    "18446744073709551616",
+    "\\ud800",
+    "[[[[[[[[[[",
+    "\"model\":\"m\",",
+];
 
-fn mutation() -> impl Strategy<Value = Mutation> {
-    let token = prop_oneof![
-        prop::collection::vec(any::<u8>(), 1..4),
-        prop::sample::select(vec![
-            "{",
-            "}",
-            "[",
-            "]",
-            "\"",
-            ",",
-            ":",
-            "null",
-            "-1",
-            "1e999",
-            "18446744073709551616",
-            "\\ud800",
-            "[[[[[[[[[[",
-            "\"model\":\"m\",",
-        ])
-        .prop_map(|s: &str| s.as_bytes().to_vec()),
-    ];
-    prop_oneof![
-        (any::<usize>(), any::<u8>()).prop_map(|(i, b)| Mutation::Flip(i, b)),
-        (any::<usize>(), token).prop_map(|(i, t)| Mutation::Insert(i, t)),
-        (any::<usize>(), 1usize..12).prop_map(|(i, n)| Mutation::Delete(i, n)),
-        any::<usize>().prop_map(Mutation::Truncate),
-    ]
-}
-
-fn mutate(mut bytes: Vec<u8>, edits: &[Mutation]) -> Vec<u8> {
+fn mutate(mut bytes: Vec<u8>, edits: &[ByteMutation]) -> Vec<u8> {
     for m in edits {
-        let len = bytes.len();
-        let at = |i: usize| i % (len + 1);
-        match m {
-            Mutation::Flip(i, b) if len > 0 => bytes[i % len] ^= b | 1,
-            Mutation::Flip(..) => {}
-            Mutation::Insert(i, t) => {
-                let i = at(*i);
-                bytes.splice(i..i, t.iter().copied());
-            }
-            Mutation::Delete(i, n) => {
-                let i = at(*i);
-                bytes.drain(i..(i + n).min(len));
-            }
-            Mutation::Truncate(i) => bytes.truncate(at(*i)),
-        }
+        apply(&mut bytes, m);
     }
     bytes
 }
@@ -561,7 +529,7 @@ proptest! {
         which in 0usize..3,
         route in route_body(),
         complete in complete_body(),
-        edits in prop::collection::vec(mutation(), 1..6),
+        edits in prop::collection::vec(byte_mutation(API_TOKENS), 1..6),
     ) {
         let (path, body) = match which {
             0 => ("/v1/route", route),
@@ -601,7 +569,7 @@ proptest! {
 
     fn admin_requests(
         body in admin_body(),
-        edits in prop::collection::vec(mutation(), 0..4),
+        edits in prop::collection::vec(byte_mutation(API_TOKENS), 0..4),
         unauth in auth(),
         action in 0usize..5,
         name in prop_oneof!["fz[a-z0-9]{0,6}", segment()],

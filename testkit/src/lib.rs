@@ -1,0 +1,6 @@
+//! Test helpers shared by kvroute's crates (a dev-dependency only, never shipped).
+//!
+//! * [`mutate`]: byte-level edits of a valid input (JSON bodies, configuration files), the
+//!   proptest strategy that makes them and the function that applies them.
+
+pub mod mutate;
