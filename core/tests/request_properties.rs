@@ -22,7 +22,7 @@ use kvroute_core::request::{
 use kvroute_core::router_key::request_keys;
 use kvroute_testkit::mutate::{apply, byte_mutation};
 use proptest::prelude::*;
-use proptest::test_runner::{Config as ProptestConfig, FileFailurePersistence};
+use proptest::test_runner::Config as ProptestConfig;
 use serde_json::{json, Map, Value};
 
 /// Planted in every generated prompt string; no error's Display may contain it.
@@ -69,20 +69,7 @@ static UNCACHED: LazyLock<ModelTokenizer> = LazyLock::new(|| {
 });
 
 fn config(default_cases: u32) -> ProptestConfig {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default_cases);
-    ProptestConfig {
-        cases,
-        // `<test file>.proptest-regressions` next to the test file, committed: replayed first.
-        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource(
-            "proptest-regressions",
-        ))),
-        // The tokenizer is the expensive part; shrinking a failure should still be quick.
-        max_shrink_iters: 2048,
-        ..ProptestConfig::default()
-    }
+    kvroute_testkit::cases::config(default_cases, Some(2048))
 }
 
 // ---------------------------------------------------------------------------------------------

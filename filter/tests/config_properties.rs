@@ -15,22 +15,11 @@ use std::collections::BTreeMap;
 use kvroute_filter::config::{ConfigError, FilterConfig};
 use kvroute_testkit::mutate::{apply, byte_mutation};
 use proptest::prelude::*;
-use proptest::test_runner::{Config as ProptestConfig, FileFailurePersistence};
+use proptest::test_runner::Config as ProptestConfig;
 use serde_json::{json, Map, Value};
 
 fn config(default_cases: u32) -> ProptestConfig {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default_cases);
-    ProptestConfig {
-        cases,
-        // `<test file>.proptest-regressions` next to the test file, committed: replayed first.
-        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource(
-            "proptest-regressions",
-        ))),
-        ..ProptestConfig::default()
-    }
+    kvroute_testkit::cases::config(default_cases, None)
 }
 
 /// The example of docs/filter.md ("Configuration reference").

@@ -27,24 +27,12 @@ use kvroute_indexer::policies::Policy;
 use kvroute_indexer::state::AppState;
 use kvroute_testkit::mutate::{apply, byte_mutation, ByteMutation};
 use proptest::prelude::*;
-use proptest::test_runner::{Config as ProptestConfig, FileFailurePersistence, TestCaseError};
+use proptest::test_runner::{Config as ProptestConfig, TestCaseError};
 use reqwest::Method;
 use serde_json::{json, Map, Value};
 
 fn config(default_cases: u32) -> ProptestConfig {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default_cases);
-    ProptestConfig {
-        cases,
-        // `<test file>.proptest-regressions` next to the test file, committed: replayed first.
-        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource(
-            "proptest-regressions",
-        ))),
-        max_shrink_iters: 512,
-        ..ProptestConfig::default()
-    }
+    kvroute_testkit::cases::config(default_cases, Some(512))
 }
 
 /// The server under test, shared by every property (they run in parallel against it).

@@ -12,21 +12,10 @@ use std::sync::LazyLock;
 
 use kvroute_indexer::config::{Config, ConfigError};
 use proptest::prelude::*;
-use proptest::test_runner::{Config as ProptestConfig, FileFailurePersistence};
+use proptest::test_runner::Config as ProptestConfig;
 
 fn config(default_cases: u32) -> ProptestConfig {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default_cases);
-    ProptestConfig {
-        cases,
-        // `<test file>.proptest-regressions` next to the test file, committed: replayed first.
-        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource(
-            "proptest-regressions",
-        ))),
-        ..ProptestConfig::default()
-    }
+    kvroute_testkit::cases::config(default_cases, None)
 }
 
 /// The example file as shipped.
