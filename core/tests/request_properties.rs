@@ -113,25 +113,14 @@ fn key() -> impl Strategy<Value = String> {
     ]
 }
 
-/// Any JSON value, nested up to 5 deep.
+/// Any JSON value, nested up to 5 deep, with the request format's strings and keys.
 fn junk() -> impl Strategy<Value = Value> {
-    let leaf = prop_oneof![
-        Just(Value::Null),
-        any::<bool>().prop_map(Value::from),
-        any::<i64>().prop_map(Value::from),
-        any::<u64>().prop_map(Value::from),
-        any::<f64>().prop_map(|f| serde_json::Number::from_f64(f)
-            .map(Value::Number)
-            .unwrap_or(Value::Null)),
-        text().prop_map(Value::from),
-    ];
-    leaf.prop_recursive(5, 48, 6, |inner| {
-        prop_oneof![
-            prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
-            prop::collection::vec((key(), inner), 0..6)
-                .prop_map(|kv| Value::Object(kv.into_iter().collect())),
-        ]
-    })
+    let shape = kvroute_testkit::json::Shape {
+        depth: 5,
+        size: 48,
+        width: 6,
+    };
+    kvroute_testkit::json::value(text(), key(), shape)
 }
 
 /// A value that is usually the expected bool, sometimes junk.

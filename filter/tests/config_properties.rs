@@ -87,38 +87,22 @@ fn field_name() -> impl Strategy<Value = String> {
     ]
 }
 
+/// Any JSON value, with the configuration's own words among its strings and keys.
 fn junk() -> impl Strategy<Value = Value> {
-    let leaf = prop_oneof![
-        Just(Value::Null),
-        any::<bool>().prop_map(Value::from),
-        any::<i64>().prop_map(Value::from),
-        any::<u64>().prop_map(Value::from),
-        (0u64..5000).prop_map(Value::from),
-        any::<f64>().prop_map(|f| serde_json::Number::from_f64(f)
-            .map(Value::Number)
-            .unwrap_or(Value::Null)),
-        prop::sample::select(vec![
-            "",
-            "fail_open",
-            "reject",
-            "indexer",
-            "vm_config",
-            "tagged",
-            "plain",
-            "/v1/x",
-            "openai",
-            "auto",
+    let words = prop_oneof![
+        1 => prop::sample::select(vec![
+            "", "fail_open", "reject", "indexer", "vm_config", "tagged", "plain", "/v1/x",
+            "openai", "auto",
         ])
-        .prop_map(Value::from),
-        any::<String>().prop_map(Value::from),
+        .prop_map(str::to_owned),
+        1 => any::<String>(),
     ];
-    leaf.prop_recursive(4, 40, 6, |inner| {
-        prop_oneof![
-            prop::collection::vec(inner.clone(), 0..5).prop_map(Value::Array),
-            prop::collection::vec((field_name(), inner), 0..6)
-                .prop_map(|kv| Value::Object(kv.into_iter().collect())),
-        ]
-    })
+    let shape = kvroute_testkit::json::Shape {
+        depth: 4,
+        size: 40,
+        width: 6,
+    };
+    kvroute_testkit::json::value(words, field_name(), shape)
 }
 
 /// Syntax pieces the byte edits insert (besides random bytes).
