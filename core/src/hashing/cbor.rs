@@ -3,7 +3,7 @@
 //! bytes byte strings, str text strings, ints use the shortest head (negative ints as major type
 //! 1), None is `f6`. No maps, floats or tags occur, so nothing else of canonical ordering applies.
 
-use super::hasher::PreimageWriter;
+use super::preimage::PreimageWriter;
 
 const MAJOR_UINT: u8 = 0;
 const MAJOR_NEGINT: u8 = 1;

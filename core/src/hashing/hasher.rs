@@ -10,6 +10,7 @@ use xxhash_rust::xxh3::xxh3_128;
 use super::cbor::CborWriter;
 use super::extra_keys::{parse_version, ExtraKeyStyle, HashExtraKey, RequestExtras};
 use super::pickle::PickleWriter;
+use super::preimage::PreimageWriter;
 
 /// The seed vLLM >= 0.29 uses for sha256/sha256_cbor when `PYTHONHASHSEED` is unset.
 pub const DEFAULT_NONE_HASH_SEED: &str = "vllm-none-hash";
@@ -227,27 +228,6 @@ pub fn usable_hit_blocks(num_tokens: usize, block_size: usize) -> usize {
         (0, _) | (_, 0) => 0,
         (n, bs) => (n - 1) / bs,
     }
-}
-
-/// Receives the Python object `(parent, tokens, extra_keys)` as a stream of values; implemented
-/// by the pickle and CBOR writers.
-pub(crate) trait PreimageWriter {
-    /// Python `None`.
-    fn none(&mut self);
-    /// A non-negative int.
-    fn uint(&mut self, v: u64);
-    /// An int.
-    fn int(&mut self, v: i64);
-    /// A `bytes` object.
-    fn bytes(&mut self, b: &[u8]);
-    /// A `str`; `shared` when every occurrence of this value is the same Python object.
-    fn text(&mut self, s: &str, shared: bool);
-    /// Opens a tuple of `len` items.
-    fn tuple_begin(&mut self, len: usize);
-    /// Closes the tuple opened with the same `len`.
-    fn tuple_end(&mut self, len: usize);
-    /// Ends the top-level object.
-    fn finish(self);
 }
 
 /// Whether CPython hands out one shared object for this string value whatever produced it: the

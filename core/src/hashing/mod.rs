@@ -24,6 +24,7 @@ mod cbor;
 mod extra_keys;
 mod hasher;
 mod pickle;
+mod preimage;
 
 pub use extra_keys::{
     BlockExtraKeys, ExtraKeyStyle, HashExtraKey, LoraRef, MmFeature, RequestExtras,

@@ -17,7 +17,7 @@
 //!   object twice in vLLM's preimages: the code's literal tags (`"mm"` twice in one block) and
 //!   CPython's cached single-character / empty strings. Callers mark those as `shared`.
 
-use super::hasher::PreimageWriter;
+use super::preimage::PreimageWriter;
 
 const PROTO: u8 = 0x80;
 const FRAME: u8 = 0x95;
