@@ -143,6 +143,10 @@ pub struct Stack {
     generation: u32,
     /// Where the indexer keeps its snapshot (`[snapshot] path`); none when `None`.
     pub indexer_snapshot: Option<PathBuf>,
+    /// Extra arguments of single replicas (after the shared `sim_args`), by index.
+    replica_args: Vec<Vec<String>>,
+    /// Baseline Envoys health-check the replicas (a replica may be down: scale-out).
+    health_checks: bool,
 }
 
 impl Stack {
@@ -166,6 +170,8 @@ impl Stack {
             sup: Supervisor::new(die_with_parent),
             generation: 0,
             indexer_snapshot: None,
+            replica_args: Vec::new(),
+            health_checks: false,
         })
     }
 
@@ -196,14 +202,44 @@ impl Stack {
 
     /// Starts every replica (cold) and waits until each answers `/health`.
     pub fn start_replicas(&mut self) -> Result<()> {
+        self.start_replicas_except(&[])
+    }
+
+    /// Starts every replica but those in `later` (cold), and waits until each answers
+    /// `/health`; the others stay configured in the indexer and Envoy, down until
+    /// [`Stack::start_replica`].
+    pub fn start_replicas_except(&mut self, later: &[usize]) -> Result<()> {
         self.generation += 1;
-        for index in 0..self.ports.replicas.len() {
+        let now: Vec<usize> = (0..self.ports.replicas.len())
+            .filter(|i| !later.contains(i))
+            .collect();
+        for &index in &now {
             self.spawn_replica(index)?;
         }
-        for index in 0..self.ports.replicas.len() {
+        for &index in &now {
             self.wait_replica(index)?;
         }
         Ok(())
+    }
+
+    /// Gives replica `index` extra `kvroute-sim` arguments from its next start on (e.g.
+    /// `--speed 0.5`).
+    pub fn set_replica_args(&mut self, index: usize, args: Vec<String>) {
+        if self.replica_args.len() <= index {
+            self.replica_args.resize(index + 1, Vec::new());
+        }
+        self.replica_args[index] = args;
+    }
+
+    /// Makes the baseline Envoys health-check the replicas (`GET /health`), so a replica that is
+    /// down gets no traffic until it answers; Envoy's default otherwise (none).
+    pub fn set_health_checks(&mut self, on: bool) {
+        self.health_checks = on;
+    }
+
+    /// Whether baseline Envoys health-check the replicas.
+    pub fn health_checks(&self) -> bool {
+        self.health_checks
     }
 
     /// Starts replica `index` again (cold, on its ports) after it was stopped or died, and
@@ -240,6 +276,7 @@ impl Stack {
             .args(["--kv-events-config", &events.to_string()])
             .args(["--time-scale", &self.cfg.time_scale.to_string()])
             .args(&self.cfg.sim_args)
+            .args(self.replica_args.get(index).into_iter().flatten())
             .env("RUST_LOG", "warn");
         let name = format!("replica-r{index}");
         let log = self.log(&name);
@@ -367,7 +404,7 @@ impl Stack {
     /// (ROUND_ROBIN, LEAST_REQUEST, RANDOM).
     pub fn start_baseline_envoy(&mut self, lb_policy: &str) -> Result<()> {
         let (listen, admin) = self.ports.baseline;
-        let yaml = render(
+        let mut yaml = render(
             BASELINE_TEMPLATE,
             &[
                 ("LISTEN_PORT", listen.to_string()),
@@ -376,6 +413,9 @@ impl Stack {
                 ("LB_ENDPOINTS", self.lb_endpoints()),
             ],
         )?;
+        if self.health_checks {
+            yaml = with_health_checks(&yaml)?;
+        }
         self.start_envoy("envoy-baseline", &yaml, admin)
     }
 
@@ -572,6 +612,27 @@ fn kvroute_template_values(
     ])
 }
 
+/// The active health check of `envoy/envoy.yaml`'s fallback cluster (`GET /health` every 5 s, out
+/// after 3 failures, in after 1 success; a host is out until its first check passes).
+const HEALTH_CHECKS: &str = "    health_checks:
+    - timeout: 2s
+      interval: 5s
+      no_traffic_interval: 5s
+      unhealthy_threshold: 3
+      healthy_threshold: 1
+      http_health_check: { path: /health }
+";
+
+/// A rendered single-cluster Envoy config (the baseline and session templates) with
+/// [`HEALTH_CHECKS`] added to its cluster (after its `connect_timeout`).
+pub fn with_health_checks(yaml: &str) -> Result<String> {
+    let anchor = "    connect_timeout: 1s\n";
+    if yaml.matches(anchor).count() != 1 || yaml.contains("health_checks:") {
+        bail!("the Envoy config has no single cluster to add health checks to");
+    }
+    Ok(yaml.replacen(anchor, &format!("{anchor}{HEALTH_CHECKS}"), 1))
+}
+
 /// Replaces every `{{NAME}}` of `template`; fails if a non-comment line still holds a `{{...}}`.
 pub fn render(template: &str, values: &[(&str, String)]) -> Result<String> {
     let mut text = template.to_string();
@@ -678,6 +739,34 @@ mod tests {
         assert_eq!(out, "# 10 in a comment is fine\nport: 10\nlist: [1]\n");
         assert!(render("x: {{C}}\n", &[("A", "1".into())]).is_err());
         assert!(render("# only {{C}} in a comment\n", &[]).is_ok());
+    }
+
+    #[test]
+    fn health_checked_baseline_is_valid_for_the_real_envoy() {
+        let yaml = super::with_health_checks(&baseline_yaml()).expect("health checks");
+        assert!(yaml.contains("http_health_check: { path: /health }"));
+        assert!(super::with_health_checks(&yaml).is_err(), "only once");
+        let Some(envoy) = std::env::var_os("KVROUTE_ENVOY")
+            .map(PathBuf::from)
+            .filter(|p| p.is_file())
+        else {
+            return;
+        };
+        let dir = std::env::temp_dir().join(format!("xtask-envoy-hc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let config = dir.join("baseline-hc.yaml");
+        std::fs::write(&config, &yaml).expect("write config");
+        let out = Command::new(envoy)
+            .args(["--mode", "validate", "--disable-hot-restart", "-c"])
+            .arg(&config)
+            .output()
+            .expect("run envoy");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     #[test]

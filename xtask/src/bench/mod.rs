@@ -8,11 +8,16 @@
 //! 2 cores); `--full` sweeps fleets (4, 8, 16 replicas), KV capacity and every workload at a load
 //! ladder.
 
+mod agentic;
+mod fleet;
+mod ideal;
 mod peers;
 mod policies;
 mod replay;
 mod report;
+mod scaleout;
 mod summary;
+mod trace;
 mod workloads;
 
 use std::fs;
@@ -59,6 +64,8 @@ pub enum WorkloadKind {
     MultiTurn,
     /// Every prompt unique (the control).
     NoSharing,
+    /// Coding-agent sessions: contexts growing by tool output every turn (seeded generator).
+    Agentic,
 }
 
 /// Options of `cargo xtask bench`.
@@ -139,6 +146,44 @@ pub struct BenchOptions {
     /// Do not build; use the release binaries and .wasm already built.
     #[arg(long)]
     pub no_build: bool,
+    /// Trace replay, fleet speeds and scale-out (boxed: the options of every command share one
+    /// enum).
+    #[command(flatten)]
+    pub fleet: Box<FleetOptions>,
+}
+
+/// `cargo xtask bench routing` options for replaying a trace file, heterogeneous fleets and
+/// scale-out.
+#[derive(Debug, Clone, Args)]
+pub struct FleetOptions {
+    /// Replay a Mooncake-format JSONL trace (`timestamp` ms, `input_length`, `output_length`,
+    /// `hash_ids`, optional `session`, sent as `x-session-id`); its name in the report comes from
+    /// the file name. Without `--workloads`, only the trace runs.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Tokens per hash id of `--trace` (Mooncake's traces: 512).
+    #[arg(long, default_value_t = workloads::MOONCAKE_BLOCK_TOKENS)]
+    pub trace_block_tokens: u32,
+    /// Arrival compression of `--trace`: timestamps are divided by this (a session's requests
+    /// keep their order).
+    #[arg(long, default_value_t = 1.0)]
+    pub trace_rate: f64,
+    /// First record of `--trace` replayed (0-based).
+    #[arg(long, default_value_t = 0)]
+    pub trace_start: usize,
+    /// Records of `--trace` replayed (default: to the end).
+    #[arg(long)]
+    pub trace_count: Option<usize>,
+    /// Per-replica speed factors (`1,1,0.5,0.5`), one per replica of the fleet, passed to each
+    /// `kvroute-sim` as `--speed` (a step takes 1/speed as long); the report compares each
+    /// replica's share of requests and prefill work with its share of capacity.
+    #[arg(long, value_delimiter = ',', value_parser = fleet::parse_speed)]
+    pub replica_speeds: Vec<f64>,
+    /// Scale-out: the fleet's last replica starts cold once this fraction (0 < f < 1) of the
+    /// workload's arrival span has passed (configured in the indexer and Envoy from the start);
+    /// the report shows its share of requests after joining and the hit rate before and after.
+    #[arg(long)]
+    pub scale_out_at: Option<f64>,
 }
 
 /// Runs `cargo xtask bench ...`.
@@ -202,6 +247,8 @@ impl Plan {
         };
         let workloads = if !opts.workloads.is_empty() {
             opts.workloads.clone()
+        } else if opts.fleet.trace.is_some() {
+            Vec::new()
         } else if opts.full {
             WorkloadKind::value_variants().to_vec()
         } else {
@@ -238,6 +285,21 @@ impl Plan {
         }
         if !(opts.time_scale.is_finite() && opts.time_scale > 0.0) {
             bail!("--time-scale must be > 0");
+        }
+        fleet::check_speeds(&opts.fleet.replica_speeds, &plan.replicas)?;
+        if let Some(f) = opts.fleet.scale_out_at {
+            if !(f.is_finite() && f > 0.0 && f < 1.0) {
+                bail!("--scale-out-at must be between 0 and 1 (exclusive), got {f}");
+            }
+            if plan.replicas.iter().any(|&n| n < 2) {
+                bail!("--scale-out-at needs fleets of at least 2 replicas");
+            }
+        }
+        if !(opts.fleet.trace_rate.is_finite() && opts.fleet.trace_rate > 0.0) {
+            bail!("--trace-rate must be > 0");
+        }
+        if opts.fleet.trace_block_tokens == 0 || opts.fleet.trace_count == Some(0) {
+            bail!("--trace-block-tokens and --trace-count must be > 0");
         }
         Ok(plan)
     }
@@ -317,7 +379,45 @@ fn build_workloads(
             };
             vec![ns.at_rate(14.0 * fleet)?]
         }
+        WorkloadKind::Agentic => {
+            let sessions = ((48.0 * fleet).round() as usize).max(1);
+            vec![agentic::Agentic::coding_agents(sessions, opts.seed).build()?]
+        }
     })
+}
+
+/// Every workload of the run for a fleet of `replicas`: the named kinds, then `--trace`.
+fn all_workloads(
+    layout: &Layout,
+    opts: &BenchOptions,
+    plan: &Plan,
+    replicas: usize,
+) -> Result<Vec<Workload>> {
+    let mut out = Vec::new();
+    for &kind in &plan.workloads {
+        out.extend(build_workloads(layout, kind, opts, plan, replicas)?);
+    }
+    if let Some(path) = &opts.fleet.trace {
+        let taken: Vec<String> = WorkloadKind::value_variants()
+            .iter()
+            .filter_map(|k| Some(k.to_possible_value()?.get_name().to_string()))
+            .collect();
+        let taken: Vec<&str> = taken.iter().map(String::as_str).collect();
+        let name = trace::workload_name(path, &taken);
+        out.push(trace::load(
+            path,
+            &name,
+            trace::TraceOptions {
+                block_tokens: opts.fleet.trace_block_tokens,
+                rate: opts.fleet.trace_rate,
+                start: opts.fleet.trace_start,
+                count: opts.fleet.trace_count,
+                max_model_len: opts.max_model_len,
+                max_output_tokens: 2_000,
+            },
+        )?);
+    }
+    Ok(out)
 }
 
 fn routing(layout: &Layout, opts: &BenchOptions) -> Result<()> {
@@ -333,6 +433,12 @@ fn routing(layout: &Layout, opts: &BenchOptions) -> Result<()> {
     let out_dir = layout.target_dir.join("bench").join("routing");
     fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
 
+    if !opts.fleet.replica_speeds.is_empty() {
+        fleet::check_sim_has_speed(&Binaries::new(layout, "release").sim)?;
+    }
+    // The cost model of the ideal bound: the simulator's own defaults, then what a running
+    // replica reports.
+    let mut sim_latency = ideal::SimLatency::from_sim_help(&Binaries::new(layout, "release").sim)?;
     let mut results: Vec<WorkloadResults> = Vec::new();
     let mut peer_bench = peers::PeerBench::new(
         peers::select(&opts.peers)?,
@@ -375,10 +481,20 @@ fn routing(layout: &Layout, opts: &BenchOptions) -> Result<()> {
                 work_dir.clone(),
                 true,
             )?;
-            for &kind in &plan.workloads {
-                for workload in build_workloads(layout, kind, opts, &plan, replicas)? {
-                    let ceiling = policies::ceiling(&workload, 16).hit_rate();
-                    println!(
+            for index in 0..replicas {
+                stack.set_replica_args(index, fleet::sim_args(&opts.fleet.replica_speeds, index));
+            }
+            stack.set_health_checks(opts.fleet.scale_out_at.is_some());
+            for workload in all_workloads(layout, opts, &plan, replicas)? {
+                let hits = policies::ceiling_hits(&workload, 16);
+                let ceiling = policies::ceiling_of(&workload, &hits).hit_rate();
+                let uncached: Vec<u64> = workload
+                    .requests
+                    .iter()
+                    .zip(&hits)
+                    .map(|(r, h)| (r.num_tokens() as u64).saturating_sub(*h))
+                    .collect();
+                println!(
                         "\n==> bench: {} at {} on {replicas} replicas x {gpu_blocks} blocks: {} requests, {:.0} model s ({:.0} wall s at x{}), {:.1}M prompt tokens, ceiling {:.1} %",
                         workload.name,
                         workload.load_label(),
@@ -389,80 +505,85 @@ fn routing(layout: &Layout, opts: &BenchOptions) -> Result<()> {
                         workload.prompt_tokens() as f64 / 1e6,
                         ceiling * 100.0
                     );
-                    let slot = match results.iter().position(|w| w.name == workload.name) {
-                        Some(i) => i,
-                        None => {
-                            results.push(WorkloadResults {
-                                name: workload.name.clone(),
-                                description: workload.description.clone(),
-                                notes: Vec::new(),
-                                runs: Vec::new(),
-                            });
-                            results.len() - 1
+                let slot = match results.iter().position(|w| w.name == workload.name) {
+                    Some(i) => i,
+                    None => {
+                        results.push(WorkloadResults {
+                            name: workload.name.clone(),
+                            description: workload.description.clone(),
+                            notes: Vec::new(),
+                            runs: Vec::new(),
+                        });
+                        results.len() - 1
+                    }
+                };
+                for note in &workload.notes {
+                    if !results[slot].notes.contains(note) {
+                        results[slot].notes.push(note.clone());
+                    }
+                }
+                for &policy in &plan.policies {
+                    let ctx = RunContext {
+                        workload: workload.name.clone(),
+                        load: workload.load_label(),
+                        offered_rate: workload.offered_rate(),
+                        replicas,
+                        gpu_blocks,
+                        policy: policy.name().to_string(),
+                        ceiling,
+                        time_scale: opts.time_scale,
+                        slo_ms: opts.slo_ms,
+                    };
+                    let extras = RunExtras {
+                        hits: &hits,
+                        uncached: &uncached,
+                    };
+                    let summary = match run_policy(
+                        &layout.envoy_bin(),
+                        &mut stack,
+                        policy,
+                        &workload,
+                        &ctx,
+                        opts,
+                        &work_dir,
+                        &extras,
+                        &mut sim_latency,
+                    ) {
+                        Ok(s) => s,
+                        Err(e) if procs::interrupted() => return Err(e),
+                        Err(e) => {
+                            println!("    {policy}: FAILED: {e:#}");
+                            RunSummary::failed(&ctx, workload.requests.len(), format!("{e:#}"))
                         }
                     };
-                    for note in &workload.notes {
-                        if !results[slot].notes.contains(note) {
-                            results[slot].notes.push(note.clone());
-                        }
-                    }
-                    for &policy in &plan.policies {
-                        let ctx = RunContext {
-                            workload: workload.name.clone(),
-                            load: workload.load_label(),
-                            offered_rate: workload.offered_rate(),
-                            replicas,
-                            gpu_blocks,
-                            policy: policy.name().to_string(),
-                            ceiling,
-                            time_scale: opts.time_scale,
-                            slo_ms: opts.slo_ms,
-                        };
-                        let summary = match run_policy(
-                            &layout.envoy_bin(),
-                            &mut stack,
-                            policy,
-                            &workload,
-                            &ctx,
-                            opts,
-                            &work_dir,
-                        ) {
-                            Ok(s) => s,
-                            Err(e) if procs::interrupted() => return Err(e),
-                            Err(e) => {
-                                println!("    {policy}: FAILED: {e:#}");
-                                RunSummary::failed(&ctx, workload.requests.len(), format!("{e:#}"))
-                            }
-                        };
-                        print_line(&summary);
-                        results[slot].runs.push(summary);
-                        write_json(&out_dir.join("results.json"), &results)?;
-                    }
-                    if !peer_bench.is_empty() {
-                        let ours: Vec<RunSummary> = results[slot]
-                            .runs
-                            .iter()
-                            .filter(|r| {
-                                r.load == workload.load_label()
-                                    && r.replicas == replicas
-                                    && r.gpu_blocks == gpu_blocks
-                            })
-                            .cloned()
-                            .collect();
-                        let ctx = RunContext {
-                            workload: workload.name.clone(),
-                            load: workload.load_label(),
-                            offered_rate: workload.offered_rate(),
-                            replicas,
-                            gpu_blocks,
-                            policy: String::new(),
-                            ceiling,
-                            time_scale: opts.time_scale,
-                            slo_ms: opts.slo_ms,
-                        };
-                        peer_bench.set_fleet(gpu_blocks, &work_dir);
-                        peer_bench.run_workload(&mut stack, &workload, &ctx, &ours, print_line)?;
-                    }
+                    print_line(&summary);
+                    results[slot].runs.push(summary);
+                    write_json(&out_dir.join("results.json"), &results)?;
+                }
+                if !peer_bench.is_empty() {
+                    let ours: Vec<RunSummary> = results[slot]
+                        .runs
+                        .iter()
+                        .filter(|r| {
+                            r.load == workload.load_label()
+                                && r.replicas == replicas
+                                && r.gpu_blocks == gpu_blocks
+                        })
+                        .cloned()
+                        .collect();
+                    let ctx = RunContext {
+                        workload: workload.name.clone(),
+                        load: workload.load_label(),
+                        offered_rate: workload.offered_rate(),
+                        replicas,
+                        gpu_blocks,
+                        policy: String::new(),
+                        ceiling,
+                        time_scale: opts.time_scale,
+                        slo_ms: opts.slo_ms,
+                    };
+                    peer_bench.set_fleet(gpu_blocks, &work_dir);
+                    peer_bench.run_workload(&mut stack, &workload, &ctx, &ours, print_line)?;
                 }
             }
             stack.stop("");
@@ -559,6 +680,15 @@ fn build_release(layout: &Layout) -> Result<()> {
 
 const PREAMBLE: &str = "# Benchmarks\n\nProduced by `cargo xtask bench routing` (see below for the command of the numbers shown).\n";
 
+/// Per-workload inputs of [`run_policy`] computed once for every policy.
+struct RunExtras<'a> {
+    /// The ceiling's hit tokens of every request.
+    hits: &'a [u64],
+    /// Prompt tokens every request must compute at best (its tokens minus its ceiling hits).
+    uncached: &'a [u64],
+}
+
+#[allow(clippy::too_many_arguments)]
 fn run_policy(
     envoy: &Path,
     stack: &mut Stack,
@@ -567,20 +697,50 @@ fn run_policy(
     ctx: &RunContext,
     opts: &BenchOptions,
     work_dir: &Path,
+    extras: &RunExtras<'_>,
+    sim_latency: &mut ideal::SimLatency,
 ) -> Result<RunSummary> {
-    // Cold start: fresh replicas and a fresh router for every policy.
+    // Cold start: fresh replicas and a fresh router for every policy; with a scale-out, the
+    // last replica stays down until its time.
+    let replica_addrs = stack.replica_addrs();
+    let late = opts
+        .fleet
+        .scale_out_at
+        .map(|f| (replica_addrs.len() - 1, f * workload.span_s()));
     policy.stop(stack);
     stack.stop_replicas();
-    stack.start_replicas()?;
+    stack.start_replicas_except(
+        late.as_ref()
+            .map(|(i, _)| std::slice::from_ref(i))
+            .unwrap_or(&[]),
+    )?;
+    if !sim_latency.source.contains("admin") {
+        sim_latency.refresh_from(&replica_addrs[0]);
+    }
     let router = policy.start(stack, envoy, work_dir)?;
     // Prompts (event and replay sockets) and admin endpoints stay on loopback.
     stack.check_loopback_only()?;
+    if let Some((index, _)) = late {
+        if policy.uses_indexer() {
+            wait_marked_down(stack, index)?;
+        }
+    }
     let addr = router.addr.clone();
-    let replica_addrs = stack.replica_addrs();
-    let before = replica_addrs
-        .iter()
-        .map(|a| ReplicaCounters::scrape(a))
-        .collect::<Result<Vec<_>>>()?;
+    let up = |i: usize, joined: bool| late.is_none_or(|(l, _)| l != i || joined);
+    let scrape = |joined: bool| -> Result<Vec<ReplicaCounters>> {
+        replica_addrs
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                if up(i, joined) {
+                    ReplicaCounters::scrape(a)
+                } else {
+                    Ok(ReplicaCounters::default())
+                }
+            })
+            .collect()
+    };
+    let before = scrape(false)?;
     let cfg = ReplayConfig {
         addr,
         model: "qwen3".to_string(),
@@ -596,11 +756,34 @@ fn run_policy(
     router_groups.extend(&router.own_groups);
     let usage_before = peers::usage::sample(&router_groups);
     let started = Instant::now();
-    let (outcomes, wall) = thread::scope(|scope| {
+    let model_s = |at: Instant| at.duration_since(started).as_secs_f64() * opts.time_scale;
+    let mut samples: Vec<scaleout::Sample> = Vec::new();
+    let mut joined_s: Option<f64> = None;
+    let (outcomes, wall) = thread::scope(|scope| -> Result<_> {
         let runner = scope.spawn(|| replay::replay(&cfg, workload, &progress));
         let mut last = Instant::now();
+        let mut last_sample: Option<Instant> = None;
         while !runner.is_finished() {
             thread::sleep(Duration::from_millis(200));
+            if let Some((index, at_s)) = late {
+                if joined_s.is_none() && model_s(Instant::now()) >= at_s {
+                    stack.start_replica(index)?;
+                    joined_s = Some(model_s(Instant::now()));
+                    println!(
+                        "    {:<14} replica r{index} joined at {:.0} model s",
+                        policy.name(),
+                        joined_s.unwrap_or(0.0)
+                    );
+                }
+                if last_sample.is_none_or(|t| t.elapsed() >= Duration::from_millis(500)) {
+                    last_sample = Some(Instant::now());
+                    let now = scrape(joined_s.is_some())?;
+                    samples.push(scaleout::Sample {
+                        model_s: model_s(Instant::now()),
+                        counters: now.iter().zip(&before).map(|(a, b)| a.since(b)).collect(),
+                    });
+                }
+            }
             if last.elapsed() >= Duration::from_secs(15) {
                 eprintln!(
                     "    {:<14} {:>5}/{total} done, {} errors, {:.0} s",
@@ -612,23 +795,40 @@ fn run_policy(
                 last = Instant::now();
             }
         }
-        runner.join()
-    })
-    .map_err(|_| anyhow::anyhow!("the replay thread panicked"))??;
+        runner
+            .join()
+            .map_err(|_| anyhow::anyhow!("the replay thread panicked"))?
+    })?;
     let usage_after = peers::usage::sample(&router_groups);
     if procs::interrupted() {
         bail!("interrupted");
     }
     stack.check_alive()?;
-    let after = replica_addrs
-        .iter()
-        .map(|a| ReplicaCounters::scrape(a))
-        .collect::<Result<Vec<_>>>()?;
+    let after = scrape(joined_s.is_some())?;
     let deltas: Vec<ReplicaCounters> = after.iter().zip(&before).map(|(a, b)| a.since(b)).collect();
     let mut summary = RunSummary::new(ctx, &outcomes, wall, &deltas);
     // Nothing sampled (no process found) is reported as unknown, not as free.
     summary.router_cost = (usage_after.processes > 0)
         .then(|| peers::RouterCost::between(&usage_before, &usage_after, total));
+    if !opts.fleet.replica_speeds.is_empty() {
+        summary.replica_shares = Some(fleet::shares(&opts.fleet.replica_speeds, &deltas));
+    }
+    summary.ideal = ideal::bound(extras.uncached, sim_latency);
+    if let (Some((index, _)), Some(joined)) = (late, joined_s) {
+        samples.push(scaleout::Sample {
+            model_s: model_s(Instant::now()),
+            counters: deltas.clone(),
+        });
+        let (before_w, after_w) = split_ceiling(workload, extras.hits, joined * 1000.0);
+        summary.scale_out = Some(scaleout::analyse(
+            &samples, index, joined, before_w, after_w,
+        ));
+    } else if late.is_some() {
+        println!(
+            "    {:<14} the late replica never joined (the replay ended first)",
+            policy.name()
+        );
+    }
     let log = work_dir.join(format!(
         "requests-{}-{}-{}.jsonl",
         workload.name,
@@ -639,6 +839,47 @@ fn run_policy(
     drop(router);
     policy.stop(stack);
     Ok(summary)
+}
+
+/// The ceiling hit rates of the requests arriving before and from `at_ms`.
+fn split_ceiling(workload: &Workload, hits: &[u64], at_ms: f64) -> (f64, f64) {
+    let mut sums = [(0u64, 0u64); 2];
+    for (r, h) in workload.requests.iter().zip(hits) {
+        let side = &mut sums[usize::from(r.at_ms >= at_ms)];
+        side.0 += h;
+        side.1 += r.num_tokens() as u64;
+    }
+    let rate = |(h, q): (u64, u64)| if q > 0 { h as f64 / q as f64 } else { 0.0 };
+    (rate(sums[0]), rate(sums[1]))
+}
+
+/// Waits until the indexer counts replica `index` (not started yet) as unhealthy, so the replay
+/// starts with the fleet as a router would see it before a scale-out.
+fn wait_marked_down(stack: &Stack, index: usize) -> Result<()> {
+    let addr = format!("127.0.0.1:{}", stack.ports.indexer);
+    let name = format!("r{index}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (status, text) = crate::http::get(&addr, "/debug/replicas", Duration::from_secs(2))?;
+        let list: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        let down = status == 200
+            && list["replicas"].as_array().is_some_and(|l| {
+                l.iter().any(|r| {
+                    r.get("name").and_then(|n| n.as_str()) == Some(&name)
+                        && r.get("healthy").and_then(|h| h.as_bool()) == Some(false)
+                })
+            });
+        if down {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!("the indexer still counts the not-started replica {name} as healthy after 20 s");
+        }
+        if procs::interrupted() {
+            bail!("interrupted");
+        }
+        thread::sleep(Duration::from_millis(250));
+    }
 }
 
 fn print_line(s: &RunSummary) {
@@ -850,7 +1091,7 @@ mod tests {
         assert_eq!(quick.workloads.len(), 3);
         let full = Plan::from(&parse(&["routing", "--full"]).expect("parse")).expect("plan");
         assert_eq!(full.replicas, [4, 8, 16]);
-        assert_eq!(full.workloads.len(), 5);
+        assert_eq!(full.workloads.len(), 6);
         assert!(full.rates.len() > 1);
         let picked = parse(&[
             "routing",
@@ -865,5 +1106,78 @@ mod tests {
         assert_eq!(plan.workloads, [WorkloadKind::NoSharing]);
         assert!(parse(&["routing", "--policies", "bogus"]).is_err());
         assert!(Plan::from(&parse(&["routing", "--replicas", "0"]).expect("parse")).is_err());
+    }
+
+    fn parse(args: &[&str]) -> std::result::Result<BenchOptions, clap::Error> {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            opts: BenchOptions,
+        }
+        let mut all = vec!["bench", "routing"];
+        all.extend_from_slice(args);
+        <Cli as clap::Parser>::try_parse_from(all).map(|c| c.opts)
+    }
+
+    #[test]
+    fn trace_speed_and_scale_out_flags_are_validated() {
+        let plan = |args: &[&str]| Plan::from(&parse(args).expect("parse"));
+        // A trace alone runs only the trace; with --workloads, both.
+        let t = parse(&["--trace", "x/tool_agent.jsonl", "--trace-rate", "2"]).expect("parse");
+        assert_eq!(
+            (
+                t.fleet.trace_block_tokens,
+                t.fleet.trace_rate,
+                t.fleet.trace_start
+            ),
+            (512, 2.0, 0)
+        );
+        assert!(Plan::from(&t).expect("plan").workloads.is_empty());
+        let both = plan(&["--trace", "x.jsonl", "--workloads", "agentic"]).expect("plan");
+        assert_eq!(both.workloads, [WorkloadKind::Agentic]);
+        assert!(plan(&["--trace", "x.jsonl", "--trace-rate", "0"]).is_err());
+        assert!(plan(&["--trace", "x.jsonl", "--trace-count", "0"]).is_err());
+        // One speed per replica of every fleet.
+        let s = parse(&["--replica-speeds", "1,1,0.5,0.5"]).expect("parse");
+        assert_eq!(s.fleet.replica_speeds, [1.0, 1.0, 0.5, 0.5]);
+        assert!(Plan::from(&s).is_ok());
+        assert!(plan(&["--replica-speeds", "1,0.5"]).is_err());
+        assert!(plan(&["--replica-speeds", "1,1,1,1", "--replicas", "4,8"]).is_err());
+        assert!(parse(&["--replica-speeds", "1,0,1,1"]).is_err());
+        // Scale-out: a fraction strictly inside (0, 1), fleets of 2 or more.
+        assert!(plan(&["--scale-out-at", "0.5"]).is_ok());
+        for bad in ["0", "1", "1.5", "-0.2"] {
+            let arg = format!("--scale-out-at={bad}");
+            assert!(plan(&[arg.as_str()]).is_err(), "{bad}");
+        }
+        assert!(plan(&["--scale-out-at", "0.5", "--replicas", "1"]).is_err());
+    }
+
+    #[test]
+    fn ceilings_split_at_the_join() {
+        use workloads::{BenchRequest, Segment};
+        let a = Segment::new("a", 0, 64);
+        let req = |at_ms: f64, segments: Vec<Segment>| BenchRequest {
+            at_ms,
+            segments,
+            max_tokens: 1,
+            session: String::new(),
+        };
+        let w = Workload {
+            name: "t".into(),
+            rate: None,
+            description: String::new(),
+            requests: vec![
+                req(0.0, vec![a]),
+                req(10.0, vec![a, Segment::new("b", 0, 16)]),
+                req(20.0, vec![Segment::new("c", 0, 32)]),
+            ],
+            notes: Vec::new(),
+        };
+        let hits = policies::ceiling_hits(&w, 16);
+        assert_eq!(hits, [0, 64, 0]);
+        // Before 15 ms: 64 of 144 tokens; after: 0 of 32.
+        assert_eq!(split_ceiling(&w, &hits, 15.0), (64.0 / 144.0, 0.0));
+        assert_eq!(split_ceiling(&w, &hits, 0.0), (0.0, 64.0 / 176.0));
     }
 }

@@ -88,6 +88,11 @@ impl Policy {
         )
     }
 
+    /// Whether it routes through the filter and the indexer.
+    pub fn uses_indexer(self) -> bool {
+        self.indexer_policy().is_some()
+    }
+
     /// The indexer's `--policy` value, for policies that go through the filter.
     fn indexer_policy(self) -> Option<&'static str> {
         match self {
@@ -143,7 +148,7 @@ fn start_session_envoy(stack: &Stack, envoy: &Path, work_dir: &Path) -> Result<R
                 {"address": "127.0.0.1", "port_value": p.http}}}})
         })
         .collect();
-    let yaml = stack::render(
+    let mut yaml = stack::render(
         SESSION_TEMPLATE,
         &[
             ("LISTEN_PORT", listen.to_string()),
@@ -154,6 +159,9 @@ fn start_session_envoy(stack: &Stack, envoy: &Path, work_dir: &Path) -> Result<R
             ),
         ],
     )?;
+    if stack.health_checks() {
+        yaml = stack::with_health_checks(&yaml)?;
+    }
     let config = work_dir.join("envoy-session.yaml");
     fs::write(&config, yaml).with_context(|| format!("writing {}", config.display()))?;
     let mut cmd = Command::new(envoy);
@@ -225,14 +233,32 @@ impl Ceiling {
 }
 
 /// Computes [`Ceiling`] for `workload` in arrival order with `block_size`-token blocks.
+#[cfg(test)]
 pub fn ceiling(workload: &Workload, block_size: usize) -> Ceiling {
+    ceiling_of(workload, &ceiling_hits(workload, block_size))
+}
+
+/// [`Ceiling`] from the per-request hits of [`ceiling_hits`].
+pub fn ceiling_of(workload: &Workload, hits: &[u64]) -> Ceiling {
+    Ceiling {
+        queried: workload
+            .requests
+            .iter()
+            .map(|r| r.num_tokens() as u64)
+            .sum(),
+        hit: hits.iter().sum(),
+    }
+}
+
+/// The ceiling's hit tokens of every request (workload order): what an infinite cache that saw
+/// every earlier request would serve; the rest of each prompt must be computed.
+pub fn ceiling_hits(workload: &Workload, block_size: usize) -> Vec<u64> {
     let bs = block_size.max(1);
     let mut seen: HashSet<u64> = HashSet::new();
-    let (mut queried, mut hit) = (0u64, 0u64);
+    let mut out = Vec::with_capacity(workload.requests.len());
     for request in &workload.requests {
         let tokens = request.tokens();
         let n = tokens.len();
-        queried += n as u64;
         let usable = n.saturating_sub(1) / bs;
         let mut parent = 0x6b76_726f_7574_6521u64;
         let mut hits_here = 0usize;
@@ -246,9 +272,9 @@ pub fn ceiling(workload: &Workload, block_size: usize) -> Ceiling {
                 chain_intact = false;
             }
         }
-        hit += (hits_here * bs) as u64;
+        out.push((hits_here * bs) as u64);
     }
-    Ceiling { queried, hit }
+    out
 }
 
 /// A 64-bit chained key of a block (collisions are irrelevant at benchmark sizes).
@@ -307,23 +333,27 @@ mod tests {
         .expect("render");
         assert!(yaml.contains("lb_policy: RING_HASH"));
         assert!(yaml.contains("header_name: x-session-id"));
+        // A scale-out health-checks the replicas; that config must be valid too.
+        let checked = stack::with_health_checks(&yaml).expect("health checks");
         // The real Envoy accepts it, when setup installed one.
         if let Some(envoy) = std::env::var_os("KVROUTE_ENVOY").filter(|p| Path::new(p).is_file()) {
             let dir = std::env::temp_dir().join(format!("xtask-session-{}", std::process::id()));
             fs::create_dir_all(&dir).expect("dir");
-            let config = dir.join("s.yaml");
-            fs::write(&config, &yaml).expect("write");
-            let out = Command::new(envoy)
-                .args(["--mode", "validate", "--disable-hot-restart", "-c"])
-                .arg(&config)
-                .output()
-                .expect("envoy");
+            for (name, text) in [("s.yaml", &yaml), ("s-hc.yaml", &checked)] {
+                let config = dir.join(name);
+                fs::write(&config, text).expect("write");
+                let out = Command::new(&envoy)
+                    .args(["--mode", "validate", "--disable-hot-restart", "-c"])
+                    .arg(&config)
+                    .output()
+                    .expect("envoy");
+                assert!(
+                    out.status.success(),
+                    "{name}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
             let _ = fs::remove_dir_all(&dir);
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
         }
     }
 

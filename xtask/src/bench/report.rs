@@ -10,6 +10,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 
 use super::policies::Policy;
+use super::scaleout;
 use super::summary::RunSummary;
 
 /// Start of the generated section of `docs/benchmarks.md`.
@@ -144,6 +145,40 @@ pub fn check_goals(results: &[WorkloadResults]) -> Vec<GoalCheck> {
                     });
                 }
             }
+            if let Some(so) = &kv.scale_out {
+                checks.push(GoalCheck {
+                    goal: format!(
+                        "scale-out: the new replica serves >= {:.0} % of the mean per-replica request rate within {:.0} model s of joining",
+                        scaleout::SHARE_GOAL * 100.0,
+                        scaleout::WITHIN_S
+                    ),
+                    scope: scope.clone(),
+                    measured: match so.reached_goal_after_s {
+                        Some(s) => format!("reached after {s:.0} model s"),
+                        None => format!(
+                            "never reached ({} bins, best {:.0} %)",
+                            so.bins.len(),
+                            so.bins.iter().map(|b| b.share).fold(0.0, f64::max) * 100.0
+                        ),
+                    },
+                    met: Some(so.share_met()),
+                });
+                checks.push(GoalCheck {
+                    goal: format!(
+                        "scale-out: fleet hit rate after joining >= {:.0} % of its ceiling",
+                        scaleout::HIT_GOAL * 100.0
+                    ),
+                    scope: scope.clone(),
+                    measured: format!(
+                        "{} of ceiling {} after (before: {} of {})",
+                        pct(so.hit_after),
+                        pct(so.ceiling_after),
+                        pct(so.hit_before),
+                        pct(so.ceiling_before)
+                    ),
+                    met: Some(so.hit_met()),
+                });
+            }
             if w.name == "no-sharing" {
                 let best = runs
                     .iter()
@@ -214,6 +249,134 @@ fn highest_load_table(w: &WorkloadResults) -> Option<String> {
                 r.load, r.offered_rate
             )),
             best.map_or("-".to_string(), |r| format!("{:.2}", r.goodput_rps)),
+        );
+    }
+    Some(out)
+}
+
+/// `a / b` as `2.3x` (`-` without both).
+fn ratio(a: Option<f64>, b: f64) -> String {
+    match a {
+        Some(a) if b > 0.0 => format!("{:.2}x", a / b),
+        _ => "-".to_string(),
+    }
+}
+
+/// The ideal TTFT bound of a workload and every run's p90 and p99 against it.
+pub fn ideal_table(w: &WorkloadResults) -> Option<String> {
+    let ideal = w.runs.iter().find_map(|r| r.ideal.clone())?;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "Ideal bound (every request prefills only the tokens the ceiling leaves it, alone on an idle replica of speed 1; cost model from {}): TTFT p50 / p90 / p99 {} / {} / {} ms.\n",
+        ideal.source,
+        fmt_ms(Some(ideal.p50_ms)),
+        fmt_ms(Some(ideal.p90_ms)),
+        fmt_ms(Some(ideal.p99_ms))
+    );
+    let _ = writeln!(
+        out,
+        "| fleet | load | policy | TTFT p90 | p90 / ideal | TTFT p99 | p99 / ideal |"
+    );
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|");
+    for r in &w.runs {
+        let Some(i) = &r.ideal else { continue };
+        let _ = writeln!(
+            out,
+            "| {} x {} | {} | {} | {} | {} | {} | {} |",
+            r.replicas,
+            r.gpu_blocks,
+            r.load,
+            r.policy,
+            fmt_ms(r.ttft_p90_ms),
+            ratio(r.ttft_p90_ms, i.p90_ms),
+            fmt_ms(r.ttft_p99_ms),
+            ratio(r.ttft_p99_ms, i.p99_ms),
+        );
+    }
+    Some(out)
+}
+
+/// Per replica of a heterogeneous fleet: its share of requests and prefill work against its
+/// share of capacity.
+pub fn shares_table(w: &WorkloadResults) -> Option<String> {
+    if w.runs.iter().all(|r| r.replica_shares.is_none()) {
+        return None;
+    }
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "Replica speeds (`--replica-speeds`): each replica's share of the finished requests and of the prefill work (prompt tokens it computed: queried minus hit) against its share of the capacity (speed / total speed).\n"
+    );
+    let _ = writeln!(
+        out,
+        "| fleet | load | policy | replica | speed | capacity share | request share | prefill share |"
+    );
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|");
+    for r in &w.runs {
+        for (i, s) in r.replica_shares.iter().flatten().enumerate() {
+            let _ = writeln!(
+                out,
+                "| {} x {} | {} | {} | r{i} | {} | {} | {} | {} |",
+                r.replicas,
+                r.gpu_blocks,
+                r.load,
+                r.policy,
+                s.speed,
+                pct(s.capacity_share),
+                pct(s.request_share),
+                pct(s.prefill_share)
+            );
+        }
+    }
+    Some(out)
+}
+
+/// The late replica's uptake per run (`--scale-out-at`).
+pub fn scale_out_table(w: &WorkloadResults) -> Option<String> {
+    if w.runs.iter().all(|r| r.scale_out.is_none()) {
+        return None;
+    }
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "Scale-out (`--scale-out-at`): the last replica started cold part-way through; its share = the requests it finished per {:.0}-model-s bin after joining over the fleet's mean per replica (100 % = a full share). Hit rates from the replicas' counters before and after it joined, each with the ceiling of the requests that arrived in that part.\n",
+        scaleout::BIN_S
+    );
+    let _ = writeln!(
+        out,
+        "| fleet | load | policy | joined at (model s) | share per bin after joining | >= {:.0} % after | hit before / ceiling | hit after / ceiling |",
+        scaleout::SHARE_GOAL * 100.0
+    );
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|");
+    for r in &w.runs {
+        let Some(so) = &r.scale_out else { continue };
+        let shares: Vec<String> = so
+            .bins
+            .iter()
+            .take(12)
+            .map(|b| format!("{:.0}", b.share * 100.0))
+            .collect();
+        let _ = writeln!(
+            out,
+            "| {} x {} | {} | {} | {:.0} | {}{} | {} | {} / {} | {} / {} |",
+            r.replicas,
+            r.gpu_blocks,
+            r.load,
+            r.policy,
+            so.joined_s,
+            if shares.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{} %", shares.join(", "))
+            },
+            if so.bins.len() > 12 { ", ..." } else { "" },
+            so.reached_goal_after_s
+                .map_or("never".to_string(), |s| format!("{s:.0} s")),
+            pct(so.hit_before),
+            pct(so.ceiling_before),
+            pct(so.hit_after),
+            pct(so.ceiling_after),
         );
     }
     Some(out)
@@ -332,6 +495,13 @@ pub fn render_section(
         }
         out.push_str(&workload_table(w));
         out.push('\n');
+        for table in [ideal_table(w), shares_table(w), scale_out_table(w)]
+            .into_iter()
+            .flatten()
+        {
+            out.push_str(&table);
+            out.push('\n');
+        }
         if let Some(table) = highest_load_table(w) {
             out.push_str(&table);
             out.push('\n');
@@ -794,6 +964,10 @@ mod tests {
             max_send_lag_ms: 0.0,
             wall_s: 10.0,
             router_cost: None,
+            per_replica_computed: vec![300, 300, 200, 200],
+            replica_shares: None,
+            ideal: None,
+            scale_out: None,
         }
     }
 
@@ -845,6 +1019,75 @@ mod tests {
             .measured
             .contains("kv 200 ms, round robin 2000 ms"));
         assert_eq!(fmt_time(Some(48_940.0)), "48.9 s");
+    }
+
+    #[test]
+    fn ideal_shares_and_scale_out_tables_and_goals() {
+        let mut w = results().remove(0);
+        assert!(ideal_table(&w).is_none() && shares_table(&w).is_none());
+        let ideal = crate::bench::ideal::IdealBound {
+            p50_ms: 20.0,
+            p90_ms: 50.0,
+            p99_ms: 100.0,
+            source: "test".into(),
+        };
+        for r in &mut w.runs {
+            r.ideal = Some(ideal.clone());
+        }
+        w.runs[0].replica_shares = Some(crate::bench::fleet::shares(
+            &[1.0, 1.0, 0.5, 0.5],
+            &[super::super::summary::ReplicaCounters::default(); 4],
+        ));
+        w.runs[0].scale_out = Some(scaleout::ScaleOut {
+            replica: 3,
+            joined_s: 120.0,
+            bins: vec![
+                scaleout::ShareBin {
+                    from_s: 0.0,
+                    to_s: 10.0,
+                    new_requests: 1,
+                    mean_requests: 4.0,
+                    share: 0.25,
+                },
+                scaleout::ShareBin {
+                    from_s: 10.0,
+                    to_s: 20.0,
+                    new_requests: 4,
+                    mean_requests: 5.0,
+                    share: 0.8,
+                },
+            ],
+            reached_goal_after_s: Some(20.0),
+            hit_before: 0.5,
+            hit_after: 0.55,
+            ceiling_before: 0.6,
+            ceiling_after: 0.6,
+        });
+        // kv at 2 req/s: p90 100 ms and p99 200 ms against 50 / 100.
+        let table = ideal_table(&w).expect("ideal");
+        assert!(
+            table.contains("p50 / p90 / p99 20.0 / 50.0 / 100 ms"),
+            "{table}"
+        );
+        assert!(table.contains("| 4 x 1000 | 2 req/s | kv | 100 | 2.00x | 200 | 2.00x |"));
+        let shares = shares_table(&w).expect("shares");
+        assert!(
+            shares.contains("| r2 | 0.5 | 16.7 % | 0.0 % | 0.0 % |"),
+            "{shares}"
+        );
+        let so = scale_out_table(&w).expect("scale-out");
+        assert!(
+            so.contains("| 120 | 25, 80 % | 20 s | 50.0 % / 60.0 % | 55.0 % / 60.0 % |"),
+            "{so}"
+        );
+        let checks = check_goals(std::slice::from_ref(&w));
+        let scale: Vec<&GoalCheck> = checks
+            .iter()
+            .filter(|c| c.goal.starts_with("scale-out"))
+            .collect();
+        assert_eq!(scale.len(), 2);
+        assert_eq!(scale[0].met, Some(true), "20 s <= 60 s");
+        assert_eq!(scale[1].met, Some(false), "55 % < 97 % of 60 %");
     }
 
     #[test]

@@ -117,6 +117,15 @@ pub struct RunSummary {
     /// The router's CPU (Envoy + indexer, user + system) per 1,000 requests and peak memory,
     /// sampled from `/proc` around the replay; `None` when not sampled.
     pub router_cost: Option<super::peers::RouterCost>,
+    /// Prompt tokens each replica computed (queried minus hit): its prefill work.
+    pub per_replica_computed: Vec<u64>,
+    /// Each replica's share of requests and prefill work against its share of capacity, when
+    /// the fleet's speeds were given (`--replica-speeds`).
+    pub replica_shares: Option<Vec<super::fleet::ReplicaShare>>,
+    /// The workload's ideal TTFT bound (same for every policy).
+    pub ideal: Option<super::ideal::IdealBound>,
+    /// The late replica's uptake (`--scale-out-at`).
+    pub scale_out: Option<super::scaleout::ScaleOut>,
 }
 
 /// Inputs of [`RunSummary::new`] besides the outcomes.
@@ -217,6 +226,13 @@ impl RunSummary {
             max_send_lag_ms: outcomes.iter().map(|o| o.send_lag_ms).fold(0.0, f64::max),
             wall_s: wall.as_secs_f64(),
             router_cost: None,
+            per_replica_computed: replicas
+                .iter()
+                .map(|r| (r.queries - r.hits).max(0.0) as u64)
+                .collect(),
+            replica_shares: None,
+            ideal: None,
+            scale_out: None,
         }
     }
 
@@ -321,6 +337,7 @@ mod tests {
         assert!((s.slo_attainment - 1.0 / 3.0).abs() < 1e-12);
         assert_eq!(s.imbalance, 1.5);
         assert_eq!(s.per_replica_requests, [2, 0]);
+        assert_eq!(s.per_replica_computed, [100, 50]);
         assert_eq!(s.overhead_p50_wall_ms, Some(1.5));
     }
 }

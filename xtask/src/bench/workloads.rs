@@ -139,7 +139,8 @@ impl Workload {
         self.requests.iter().map(BenchRequest::num_tokens).sum()
     }
 
-    fn sort(&mut self) {
+    /// Sorts the requests by arrival (stable: equal arrivals keep their order).
+    pub fn sort(&mut self) {
         self.requests.sort_by(|a, b| a.at_ms.total_cmp(&b.at_ms));
     }
 }
@@ -198,8 +199,23 @@ pub struct MooncakeRecord {
     pub input_length: u32,
     /// Output tokens.
     pub output_length: u32,
-    /// One id per 512-token block (and everything before it).
+    /// One id per block (and everything before it): 512 tokens in Mooncake's traces.
     pub hash_ids: Vec<u64>,
+    /// The session (conversation, agent run) the record belongs to, if the trace says; a string
+    /// or a number. Sent as the session header.
+    #[serde(default)]
+    pub session: Option<serde_json::Value>,
+}
+
+impl MooncakeRecord {
+    /// The `session` field as a header value (`None` if absent, null or empty).
+    pub fn session_id(&self) -> Option<String> {
+        match self.session.as_ref()? {
+            serde_json::Value::String(s) if !s.trim().is_empty() => Some(s.trim().to_string()),
+            serde_json::Value::Number(n) => Some(n.to_string()),
+            _ => None,
+        }
+    }
 }
 
 /// Reads a trace file, checking its sha256.
@@ -255,27 +271,71 @@ pub fn mooncake(
     records: &[MooncakeRecord],
     window: MooncakeWindow,
 ) -> Result<Workload> {
+    let ns = format!("mooncake-{}", trace.name());
+    let source = RecordSource {
+        name: trace.name(),
+        file: trace.file(),
+        ns: &ns,
+        block_tokens: MOONCAKE_BLOCK_TOKENS,
+        sessions_from_trace: false,
+    };
+    records_workload(&source, records, window)
+}
+
+/// Where records come from and how they expand (shipped traces and `--trace` files).
+#[derive(Debug, Clone, Copy)]
+pub struct RecordSource<'a> {
+    /// Workload name.
+    pub name: &'a str,
+    /// File name, for the description and errors.
+    pub file: &'a str,
+    /// Seed namespace of the segments.
+    pub ns: &'a str,
+    /// Tokens per hash id.
+    pub block_tokens: u32,
+    /// Use each record's `session` field (else every record is its own session, `mc-<index>`).
+    pub sessions_from_trace: bool,
+}
+
+/// Builds a workload from a window of trace records (see [`mooncake`]). With sessions from the
+/// trace, a session's requests keep their file order: a record never arrives before an earlier
+/// record of its session.
+pub fn records_workload(
+    source: &RecordSource<'_>,
+    records: &[MooncakeRecord],
+    window: MooncakeWindow,
+) -> Result<Workload> {
     if !(window.rate_multiplier.is_finite() && window.rate_multiplier > 0.0) {
         bail!("the rate multiplier must be > 0");
+    }
+    if source.block_tokens == 0 {
+        bail!("tokens per hash id must be > 0");
     }
     let end = window.start.saturating_add(window.count).min(records.len());
     let picked = records.get(window.start..end).unwrap_or(&[]);
     if picked.is_empty() {
         bail!(
             "{} has {} records; window starting at {} is empty",
-            trace.file(),
+            source.file,
             records.len(),
             window.start
         );
     }
-    let t0 = picked[0].timestamp;
-    let ns = format!("mooncake-{}", trace.name());
+    // The clock starts at the window's earliest record (the first, in a sorted trace).
+    let t0 = picked
+        .iter()
+        .map(|r| r.timestamp)
+        .fold(f64::INFINITY, f64::min);
     let mut requests = Vec::with_capacity(picked.len());
     let (mut too_long, mut capped) = (0usize, 0usize);
+    let mut session_last: std::collections::HashMap<String, f64> = Default::default();
     for (offset, rec) in picked.iter().enumerate() {
         let index = window.start + offset;
         if rec.input_length == 0 {
-            bail!("{} record {index}: input_length 0", trace.file());
+            bail!("{} record {index}: input_length 0", source.file);
+        }
+        if !rec.timestamp.is_finite() {
+            bail!("{} record {index}: timestamp is not a number", source.file);
         }
         let max_tokens = rec.output_length.clamp(1, window.max_output_tokens.max(1));
         if max_tokens < rec.output_length {
@@ -285,11 +345,21 @@ pub fn mooncake(
             too_long += 1;
             continue;
         }
+        let mut at_ms = (rec.timestamp - t0) / window.rate_multiplier;
+        let session = match rec.session_id().filter(|_| source.sessions_from_trace) {
+            Some(id) => {
+                let last = session_last.entry(id.clone()).or_insert(at_ms);
+                at_ms = at_ms.max(*last);
+                *last = at_ms;
+                id
+            }
+            None => format!("mc-{index}"),
+        };
         requests.push(BenchRequest {
-            at_ms: (rec.timestamp - t0) / window.rate_multiplier,
-            segments: mooncake_segments(&ns, rec, index as u64),
+            at_ms,
+            segments: record_segments(source.ns, rec, index as u64, source.block_tokens),
             max_tokens,
-            session: format!("mc-{index}"),
+            session,
         });
     }
     let mut notes = Vec::new();
@@ -307,11 +377,11 @@ pub fn mooncake(
         ));
     }
     let mut w = Workload {
-        name: trace.name().to_string(),
+        name: source.name.to_string(),
         rate: None,
         description: format!(
             "Mooncake {} records {}..{} ({} requests), trace arrivals{}",
-            trace.file(),
+            source.file,
             window.start,
             end,
             requests.len(),
@@ -331,18 +401,23 @@ pub fn mooncake(
     Ok(w)
 }
 
-/// The segments of one Mooncake record: one per hash id (512 tokens, the last cut to
+/// The segments of one trace record: one per hash id (`block_tokens` tokens, the last cut to
 /// `input_length`); if `input_length` exceeds the blocks, a tail unique to the record.
-pub fn mooncake_segments(ns: &str, rec: &MooncakeRecord, index: u64) -> Vec<Segment> {
+pub fn record_segments(
+    ns: &str,
+    rec: &MooncakeRecord,
+    index: u64,
+    block_tokens: u32,
+) -> Vec<Segment> {
     let mut left = rec.input_length;
     let mut out = Vec::with_capacity(rec.hash_ids.len() + 1);
     for &id in &rec.hash_ids {
         if left == 0 {
             break;
         }
-        let len = left.min(MOONCAKE_BLOCK_TOKENS);
+        let len = left.min(block_tokens);
         // A cut block is not the block the id stands for: it never repeats, so seed it apart.
-        let seg = if len == MOONCAKE_BLOCK_TOKENS {
+        let seg = if len == block_tokens {
             Segment::new(ns, id, len)
         } else {
             Segment::new(&format!("{ns}-tail"), index, len)
@@ -659,8 +734,11 @@ mod tests {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/data/mooncake");
         let recs = read_mooncake(&dir, MooncakeTrace::Synthetic).expect("synthetic trace");
         assert_eq!(recs.len(), 3993);
+        assert!(recs.windows(2).all(|p| p[0].timestamp <= p[1].timestamp));
         let recs = read_mooncake(&dir, MooncakeTrace::Conversation).expect("conversation trace");
         assert_eq!(recs.len(), 12031);
+        // Sorted by time (the window's clock starts at its first record).
+        assert!(recs.windows(2).all(|p| p[0].timestamp <= p[1].timestamp));
         // Hash ids cover input_length in every record (the expansion relies on it).
         assert!(recs.iter().all(|r| {
             let blocks = r.hash_ids.len() as u32;
