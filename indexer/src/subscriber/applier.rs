@@ -1,0 +1,133 @@
+//! Carries the sequencer's index actions out for one stream: decodes a batch, learns the model's
+//! block size, runs the hash self-check, applies the events under the index lock and updates the
+//! stream's state with them; drops the stream's entries on a reset.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use kvroute_core::events::{decode_batch, KvEvent};
+
+use crate::membership::{lock, Replica, Stream};
+use crate::selfcheck;
+use crate::state::{AppState, ModelRuntime};
+
+fn now_unix() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// Applies one stream's batches to the shared index.
+pub struct Applier {
+    state: Arc<AppState>,
+    replica: Arc<Replica>,
+    stream: Arc<Stream>,
+    model: Arc<ModelRuntime>,
+}
+
+impl Applier {
+    /// The applier of `stream` (a rank of `replica`, serving `model`).
+    pub fn new(
+        state: Arc<AppState>,
+        replica: Arc<Replica>,
+        stream: Arc<Stream>,
+        model: Arc<ModelRuntime>,
+    ) -> Self {
+        Self {
+            state,
+            replica,
+            stream,
+            model,
+        }
+    }
+
+    /// Counts an undecodable message and logs it (the first 10, then at powers of two).
+    pub fn garbage(&self, what: &str) {
+        let n = self.stream.stats.garbage.fetch_add(1, Ordering::Relaxed);
+        if n < 10 || n.is_power_of_two() {
+            tracing::warn!(replica = %self.replica.name, rank = self.stream.rank, count = n + 1, "skipping undecodable event message: {what}");
+        }
+    }
+
+    /// Decodes batch `seq` (payload fingerprint `fp`) and applies it; the stream's seq advances
+    /// even when the payload is garbage (the engine will never resend it).
+    pub fn apply(&self, seq: u64, fp: u64, payload: &[u8]) {
+        let batch = match decode_batch(payload) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                self.garbage(&e.to_string());
+                None
+            }
+        };
+        if let Some(batch) = &batch {
+            for ev in &batch.events {
+                if let KvEvent::BlockStored(bs) = ev {
+                    if self.model.block_size().is_none() && bs.block_size > 0 {
+                        self.model
+                            .block_size
+                            .store(bs.block_size, Ordering::Relaxed);
+                        tracing::info!(model = %self.model.name, block_size = bs.block_size, "learned block size from events");
+                    }
+                    if bs.parent_block_hash.is_none() {
+                        selfcheck::maybe_check(
+                            &self.state,
+                            &self.replica,
+                            &self.stream,
+                            &self.model,
+                            bs,
+                        );
+                    }
+                }
+            }
+        }
+        let now = now_unix();
+        let mut idx = lock(&self.state.index);
+        if let Some(batch) = &batch {
+            for ev in &batch.events {
+                match idx.apply(self.stream.index_id, ev) {
+                    Ok(_) => {
+                        self.stream.stats.events.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        let n = self
+                            .stream
+                            .stats
+                            .rejected_events
+                            .fetch_add(1, Ordering::Relaxed);
+                        if n < 10 {
+                            tracing::debug!(replica = %self.replica.name, error = %e, "index rejected an event");
+                        }
+                    }
+                }
+            }
+            self.stream.stats.batches.fetch_add(1, Ordering::Relaxed);
+        }
+        // Updated under the index lock so a snapshot sees entries and seq together.
+        let mut s = lock(&self.stream.state);
+        s.last_seq = Some(seq);
+        s.last_fingerprint = Some(fp);
+        s.last_message = Some(std::time::Instant::now());
+        if let Some(batch) = &batch {
+            s.last_batch_ts = Some(batch.ts);
+            s.lag_seconds = Some((now - batch.ts).max(0.0));
+        }
+    }
+
+    /// Drops this stream's index entries and sequence state; counts and logs it when `counted`
+    /// (something was known).
+    pub fn reset(&self, counted: bool, why: &str) {
+        {
+            let mut idx = lock(&self.state.index);
+            idx.clear_replica(self.stream.index_id);
+            let mut s = lock(&self.stream.state);
+            s.last_seq = None;
+            s.last_fingerprint = None;
+        }
+        if counted {
+            self.stream.stats.resets.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(replica = %self.replica.name, rank = self.stream.rank, reason = why, "dropped this stream's index entries");
+        }
+    }
+}
