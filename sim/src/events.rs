@@ -8,12 +8,15 @@
 //!   (`[b"", seq, payload]` for array layouts, as vLLM <= 0.25), then `[b"", b"", ff*8, b""]`;
 //! * the engine never waits for it: batches go through a bounded queue (`max_queue_size`) and
 //!   are dropped and counted when it is full. ZeroMQ itself drops for slow subscribers.
+//!
+//! The frame layouts are [`kvroute_core::events::frames`]'s, shared with the indexer.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
+use kvroute_core::events::frames;
 use kvroute_core::events::{
     encode_batch, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium, WireBlockHash, WireLayout,
 };
@@ -237,8 +240,6 @@ struct RunCfg {
 /// How often a connect-mode publisher retries reaching its subscriber.
 const CONNECT_RETRY: std::time::Duration = std::time::Duration::from_millis(250);
 
-const END_SEQ: [u8; 8] = [0xff; 8];
-
 async fn run(
     mut publisher: zeromq::PubSocket,
     replay: Option<zeromq::RouterSocket>,
@@ -272,8 +273,8 @@ async fn run(
                     batch.data_parallel_rank = Some(cfg.rank);
                 }
                 let payload = Bytes::from(encode_batch(&batch, cfg.layout));
-                let frames = vec![cfg.topic.clone(), Bytes::copy_from_slice(&seq.to_be_bytes()), payload.clone()];
-                match ZmqMessage::try_from(frames) {
+                let live = frames::encode_live(cfg.topic.clone(), seq, payload.clone());
+                match ZmqMessage::try_from(live) {
                     Ok(m) => {
                         if let Err(e) = publisher.send(m).await {
                             tracing::warn!(error = %e, "kv events: publish failed");
@@ -323,34 +324,35 @@ async fn serve_replay(
     topic: &Bytes,
     legacy: bool,
 ) {
-    let frames = req.into_vec();
+    let parts = req.into_vec();
     // [identity, b"", start_seq]: anything else is ignored, as vLLM does.
-    if frames.len() != 3 || frames[2].len() != 8 {
-        tracing::warn!(frames = frames.len(), "kv events: invalid replay request");
-        return;
-    }
-    let id = frames[0].clone();
-    let mut start = [0u8; 8];
-    start.copy_from_slice(&frames[2]);
-    let start_seq = u64::from_be_bytes(start);
-    let empty = Bytes::new();
-    for (seq, payload) in buffer.iter().filter(|(s, _)| *s >= start_seq) {
-        let mut f = vec![id.clone(), empty.clone()];
-        if !legacy {
-            f.push(topic.clone());
+    let request = parts
+        .split_first()
+        .map(|(id, rest)| (id, frames::decode_replay_request(rest)));
+    let (id, start_seq) = match request {
+        Some((id, Ok(start))) => (id.clone(), start),
+        Some((_, Err(e))) => {
+            tracing::warn!(frames = parts.len(), error = %e, "kv events: invalid replay request");
+            return;
         }
-        f.push(Bytes::copy_from_slice(&seq.to_be_bytes()));
-        f.push(payload.clone());
+        None => {
+            tracing::warn!(frames = 0, "kv events: invalid replay request");
+            return;
+        }
+    };
+    for (seq, payload) in buffer.iter().filter(|(s, _)| *s >= start_seq) {
+        let mut f = vec![id.clone()];
+        f.extend(frames::encode_replay_reply(
+            (!legacy).then(|| topic.clone()),
+            *seq,
+            payload.clone(),
+        ));
         if !send_frames(send, f).await {
             return;
         }
     }
-    let mut end = vec![id, empty.clone()];
-    if !legacy {
-        end.push(empty.clone());
-    }
-    end.push(Bytes::copy_from_slice(&END_SEQ));
-    end.push(empty);
+    let mut end = vec![id];
+    end.extend(frames::encode_replay_end::<Bytes>(!legacy));
     send_frames(send, end).await;
 }
 
