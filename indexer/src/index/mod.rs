@@ -52,7 +52,9 @@
 //! [`KvIndex::lookup`] walks the request's keys in order and keeps, per replica, how far its
 //! contiguous prefix reaches and on which tier: first GPU blocks, then (sibling) predicted blocks,
 //! then CPU, then storage. Tiers only go down, as the engine serves them: vLLM takes its GPU hit
-//! first, then an offload connector loads the continuation from host memory or storage. The walk
+//! first, then an offload connector loads the continuation from host memory or storage. A GPU
+//! block after a predicted one counts as predicted: it is a hit only once the sibling computed
+//! the predicted blocks before it. The walk
 //! stops at the first block no replica continues, so it costs time proportional to the matched
 //! length (and the holders of those blocks), never to the request's length.
 //!
@@ -206,7 +208,8 @@ pub struct ReplicaMatch {
     pub replica: ReplicaId,
     /// Leading blocks in GPU memory.
     pub gpu: u32,
-    /// Following blocks only predicted (sibling burst), treated as GPU-to-be.
+    /// Following blocks only predicted (sibling burst), treated as GPU-to-be; GPU blocks after the
+    /// first predicted one count here too (served from GPU only once the predicted ones exist).
     pub predicted: u32,
     /// Following blocks in host memory.
     pub cpu: u32,
@@ -333,7 +336,7 @@ struct SlotInfo {
 struct Walk {
     /// Blocks matched so far; the replica continues at block `i` only if `reach == i`.
     reach: u32,
-    /// 0 GPU, 1 CPU, 2 storage.
+    /// 0 GPU, 1 predicted, 2 CPU, 3 storage.
     tier: u8,
     gpu: u32,
     predicted: u32,
@@ -1067,17 +1070,23 @@ impl KvIndex {
                             w.gpu += 1;
                             true
                         }
-                        0 if use_predicted && self.predicted.holds(key.0, slot_of(h), now_ms) => {
+                        // After a predicted block, a GPU block is GPU-to-be too.
+                        0 | 1
+                            if (w.tier == 1 && m & MEDIA_GPU != 0)
+                                || (use_predicted
+                                    && self.predicted.holds(key.0, slot_of(h), now_ms)) =>
+                        {
+                            w.tier = 1;
                             w.predicted += 1;
                             true
                         }
-                        0 | 1 if m & MEDIA_CPU != 0 => {
-                            w.tier = 1;
+                        0..=2 if m & MEDIA_CPU != 0 => {
+                            w.tier = 2;
                             w.cpu += 1;
                             true
                         }
                         _ if m & MEDIA_STORAGE != 0 => {
-                            w.tier = 2;
+                            w.tier = 3;
                             w.storage += 1;
                             true
                         }
@@ -1092,7 +1101,8 @@ impl KvIndex {
             if use_predicted {
                 for s in self.predicted.slots(key.0, now_ms) {
                     if let Some(w) = walk.get_mut(s as usize) {
-                        if w.reach == i && w.tier == 0 {
+                        if w.reach == i && w.tier <= 1 {
+                            w.tier = 1;
                             w.predicted += 1;
                             w.reach = i + 1;
                             alive += 1;
