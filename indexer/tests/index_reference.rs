@@ -15,9 +15,13 @@
 //! `holders` of every block, `key_of_engine_hash` of every engine hash and the block, entry and
 //! prediction counts must equal the reference's.
 //!
-//! Bounds: the sequences stay far below both bounds (`max_bytes` 1 GiB, `max_predicted` 262,144),
-//! so the reference does not model CLOCK eviction; every step asserts that nothing was evicted or
-//! dropped, so a case that reached a bound would fail rather than pass vacuously.
+//! Bounds: these sequences stay far below both bounds (`max_bytes` 1 GiB, `max_predicted`
+//! 262,144), so the reference does not model CLOCK eviction; every step asserts that nothing was
+//! evicted or dropped, so a case that reached a bound would fail rather than pass vacuously. A
+//! second property runs the events (no predictions) under a small budget (the index with one block
+//! stored, plus up to 2 KiB) and checks only what eviction documents: the index stays under the
+//! budget and only forgets (its holdings are the reference's or fewer, each replica's match no
+//! longer than the reference's).
 //!
 //! Cases: `PROPTEST_CASES` (default below), seed `PROPTEST_RNG_SEED`; failures are shrunk and
 //! kept in `index_reference.proptest-regressions`, replayed first.
@@ -28,7 +32,8 @@ use kvroute_core::events::{BlockRemoved, BlockStored, KvEvent, Medium, WireBlock
 use kvroute_core::hashing::{ExtraKeyStyle, RequestExtras};
 use kvroute_core::router_key::{request_keys, RouterKey};
 use kvroute_indexer::index::{
-    ApplyOutcome, IndexError, KvIndex, ReplicaMatch, MEDIA_CPU, MEDIA_GPU, MEDIA_STORAGE,
+    ApplyOutcome, IndexConfig, IndexError, KvIndex, ReplicaMatch, MEDIA_CPU, MEDIA_GPU,
+    MEDIA_STORAGE,
 };
 use proptest::prelude::*;
 
@@ -42,6 +47,8 @@ const REPLICAS: usize = 4;
 const SHARED: [usize; CONVS] = [BLOCKS, 3, 5, 0];
 /// Engine-hash salt of each replica: 0 and 1 hash alike, 2 and 3 each differently.
 const SALT: [u64; REPLICAS] = [0, 0, 0xA11A5, 0xB0B];
+/// Every replica hashing alike (the budget test: no aliases, which a full budget may drop).
+const UNIFORM: [u64; REPLICAS] = [0; REPLICAS];
 
 /// The conversation whose block `b` is the same block as `c`'s (shared prefixes).
 fn canonical(c: usize, b: usize) -> usize {
@@ -160,8 +167,8 @@ fn request() -> impl Strategy<Value = Request> {
         .prop_map(|(conv, prefix, tail)| Request { conv, prefix, tail })
 }
 
-fn op() -> impl Strategy<Value = Op> {
-    let store = (
+fn store_op() -> impl Strategy<Value = Op> {
+    (
         0..REPLICAS,
         0..CONVS,
         prop_oneof![2 => Just(0usize), 3 => 0..BLOCKS],
@@ -180,8 +187,11 @@ fn op() -> impl Strategy<Value = Op> {
                 other_group,
                 malformed: malformed && start == 0,
             },
-        );
-    let remove = (
+        )
+}
+
+fn remove_op() -> impl Strategy<Value = Op> {
+    (
         0..REPLICAS,
         0..CONVS,
         prop::collection::vec(0..BLOCKS, 1..4),
@@ -194,10 +204,24 @@ fn op() -> impl Strategy<Value = Op> {
             blocks,
             medium,
             other_group,
-        });
+        })
+}
+
+/// Events and replica clears (no predictions, no clock).
+fn event_op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        10 => store,
-        5 => remove,
+        10 => store_op(),
+        5 => remove_op(),
+        1 => (0..REPLICAS).prop_map(Op::AllBlocksCleared),
+        1 => (0..REPLICAS).prop_map(Op::ClearReplica),
+        1 => (0..REPLICAS).prop_map(Op::RemoveReplica),
+    ]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        10 => store_op(),
+        5 => remove_op(),
         1 => (0..REPLICAS).prop_map(Op::AllBlocksCleared),
         1 => (0..REPLICAS).prop_map(Op::ClearReplica),
         1 => (0..REPLICAS).prop_map(Op::RemoveReplica),
@@ -209,6 +233,8 @@ fn op() -> impl Strategy<Value = Op> {
 /// The clean-room model.
 #[derive(Debug, Default)]
 struct Reference {
+    /// Engine-hash salt of each replica.
+    salts: [u64; REPLICAS],
     /// (replica, block) -> medium bits the replica holds the block on (never 0).
     held: HashMap<(usize, RouterKey), u8>,
     /// Engine hash -> the live block it names: every hash reported for a block since the block
@@ -255,7 +281,7 @@ impl Reference {
             return Ok(out);
         }
         if start > 0 {
-            let parent = eh(conv, start - 1, SALT[r]);
+            let parent = eh(conv, start - 1, self.salts[r]);
             if !self.names.contains_key(&parent) {
                 return Err(IndexError::ParentUnknown {
                     replica: r as u32,
@@ -272,7 +298,7 @@ impl Reference {
                 *media |= bit(medium);
                 out.stored += 1;
             }
-            self.names.insert(eh(conv, b, SALT[r]), key);
+            self.names.insert(eh(conv, b, self.salts[r]), key);
             if self.predicted.remove(&(r, key)).is_some() {
                 out.predicted_replaced += 1;
             }
@@ -297,7 +323,7 @@ impl Reference {
             return out;
         }
         for &b in blocks {
-            let named = self.names.get(&eh(conv, b, SALT[r])).copied();
+            let named = self.names.get(&eh(conv, b, self.salts[r])).copied();
             let media = named.and_then(|k| self.held.get_mut(&(r, k)));
             match media {
                 Some(m) if *m & bit(medium) != 0 => {
@@ -401,7 +427,7 @@ impl Reference {
     }
 }
 
-fn stored_event(op: &Op) -> KvEvent {
+fn stored_event(op: &Op, salts: &[u64; REPLICAS]) -> KvEvent {
     let Op::Store {
         r,
         conv,
@@ -421,9 +447,9 @@ fn stored_event(op: &Op) -> KvEvent {
     }
     KvEvent::BlockStored(BlockStored {
         block_hashes: blocks
-            .map(|b| WireBlockHash::Int(eh(conv, b, SALT[r])))
+            .map(|b| WireBlockHash::Int(eh(conv, b, salts[r])))
             .collect(),
-        parent_block_hash: (start > 0).then(|| WireBlockHash::Int(eh(conv, start - 1, SALT[r]))),
+        parent_block_hash: (start > 0).then(|| WireBlockHash::Int(eh(conv, start - 1, salts[r]))),
         token_ids,
         block_size: BS as u32,
         medium,
@@ -432,7 +458,7 @@ fn stored_event(op: &Op) -> KvEvent {
     })
 }
 
-fn removed_event(op: &Op) -> KvEvent {
+fn removed_event(op: &Op, salts: &[u64; REPLICAS]) -> KvEvent {
     let Op::Remove {
         r,
         conv,
@@ -446,7 +472,7 @@ fn removed_event(op: &Op) -> KvEvent {
     KvEvent::BlockRemoved(BlockRemoved {
         block_hashes: blocks
             .iter()
-            .map(|&b| WireBlockHash::Int(eh(conv, b, SALT[r])))
+            .map(|&b| WireBlockHash::Int(eh(conv, b, salts[r])))
             .collect(),
         medium,
         group_idx: other_group.then_some(1),
@@ -459,7 +485,10 @@ fn check(ops: &[Op], requests: &[Request]) -> Result<(), TestCaseError> {
     let keys: Vec<Vec<RouterKey>> = (0..CONVS).map(conv_keys).collect();
     let request_keys: Vec<Vec<RouterKey>> = requests.iter().map(Request::keys).collect();
     let mut ix = KvIndex::default();
-    let mut re = Reference::default();
+    let mut re = Reference {
+        salts: SALT,
+        ..Reference::default()
+    };
     let mut now = 1_000u64;
     for (step, op) in ops.iter().enumerate() {
         match op {
@@ -468,18 +497,18 @@ fn check(ops: &[Op], requests: &[Request]) -> Result<(), TestCaseError> {
                 other_group: false,
                 ..
             } => {
-                let got = ix.apply(op_replica(op), &stored_event(op));
+                let got = ix.apply(op_replica(op), &stored_event(op, &SALT));
                 prop_assert!(
                     matches!(got, Err(IndexError::InvalidEvent { .. })),
                     "step {step} {op:?}: {got:?}"
                 );
             }
             Op::Store { .. } => {
-                let got = ix.apply(op_replica(op), &stored_event(op));
+                let got = ix.apply(op_replica(op), &stored_event(op, &SALT));
                 prop_assert_eq!(got, re.store(&keys, op), "step {} {:?}", step, op);
             }
             Op::Remove { .. } => {
-                let got = ix.apply(op_replica(op), &removed_event(op));
+                let got = ix.apply(op_replica(op), &removed_event(op, &SALT));
                 prop_assert_eq!(got, Ok(re.remove(op)), "step {} {:?}", step, op);
             }
             &Op::AllBlocksCleared(r) => {
@@ -595,6 +624,121 @@ fn compare(
     Ok(())
 }
 
+/// Registers every replica (so the replica tables, which the budget does not bound, are full-size
+/// before the budget is measured).
+fn register(ix: &mut KvIndex) {
+    for r in 0..REPLICAS {
+        ix.insert_predicted(r as u32, &[], 0, 0).expect("registers");
+    }
+}
+
+/// What the index allocates with every replica registered and one block stored, plus `slack`
+/// bytes: room for a few dozen blocks (the tables stop doubling), far fewer than the key space.
+fn small_budget(slack: usize) -> usize {
+    let mut ix = KvIndex::default();
+    register(&mut ix);
+    let one = Op::Store {
+        r: 0,
+        conv: 0,
+        start: 0,
+        len: 1,
+        medium: None,
+        other_group: false,
+        malformed: false,
+    };
+    ix.apply(0, &stored_event(&one, &UNIFORM)).expect("stores");
+    ix.stats().bytes_estimate as usize + slack
+}
+
+/// Under a budget the index evicts whole blocks (CLOCK, not modelled): it may only forget. After
+/// every step it stays under the budget, every holding it reports is one the reference has,
+/// every replica's match is no longer than the reference's, and its counters agree with itself.
+fn check_bounded(ops: &[Op], requests: &[Request], slack: usize) -> Result<u64, TestCaseError> {
+    let keys: Vec<Vec<RouterKey>> = (0..CONVS).map(conv_keys).collect();
+    let mut lookups: Vec<Vec<RouterKey>> = requests.iter().map(Request::keys).collect();
+    lookups.extend(keys.iter().cloned());
+    let max_bytes = small_budget(slack);
+    let mut ix = KvIndex::new(IndexConfig {
+        max_bytes,
+        ..IndexConfig::default()
+    });
+    register(&mut ix);
+    let mut re = Reference {
+        salts: UNIFORM,
+        ..Reference::default()
+    };
+    for (step, op) in ops.iter().enumerate() {
+        match op {
+            &Op::Store {
+                r,
+                malformed,
+                other_group,
+                ..
+            } => {
+                // Results differ once the index has evicted a parent: not compared.
+                let _ = ix.apply(r as u32, &stored_event(op, &UNIFORM));
+                if !malformed || other_group {
+                    let _ = re.store(&keys, op);
+                }
+            }
+            &Op::Remove { r, .. } => {
+                let _ = ix.apply(r as u32, &removed_event(op, &UNIFORM));
+                re.remove(op);
+            }
+            &Op::AllBlocksCleared(r) => {
+                let _ = ix.apply(r as u32, &KvEvent::AllBlocksCleared);
+                re.clear(r);
+            }
+            &Op::ClearReplica(r) => {
+                ix.clear_replica(r as u32);
+                re.clear(r);
+            }
+            &Op::RemoveReplica(r) => {
+                ix.remove_replica(r as u32);
+                re.clear(r);
+            }
+            Op::Predict { .. } | Op::Tick { .. } => unreachable!("event_op() makes neither"),
+        }
+        let s = ix.stats();
+        prop_assert!(s.bytes_estimate <= max_bytes as u64, "step {step}: {s:?}");
+        let (mut blocks, mut entries) = (0u64, 0u64);
+        for (c, k) in keys.iter().enumerate() {
+            for (b, &key) in k.iter().enumerate() {
+                let held = ix.holders(key);
+                for &(r, media) in &held {
+                    let want = re.held.get(&(r as usize, key)).copied().unwrap_or(0);
+                    prop_assert!(
+                        media & !want == 0,
+                        "step {step}: replica {r} holds block {b} of {c} on {media:#b}, the reference on {want:#b}"
+                    );
+                }
+                // Shared blocks appear under several conversations: count each once.
+                if canonical(c, b) == c {
+                    blocks += u64::from(!held.is_empty());
+                    entries += held.len() as u64;
+                }
+            }
+        }
+        prop_assert_eq!((s.blocks, s.entries), (blocks, entries), "step {}", step);
+        let per_replica: u64 = ix.replicas().iter().map(|&(_, n)| n).sum();
+        prop_assert_eq!(per_replica, s.entries, "step {}", step);
+        for k in &lookups {
+            let want = re.lookup(k, 0);
+            for m in ix.lookup(k, 0) {
+                let most = want
+                    .iter()
+                    .find(|w| w.replica == m.replica)
+                    .map_or(0, ReplicaMatch::total);
+                prop_assert!(
+                    m.total() <= most,
+                    "step {step}: index {m:?}, reference {want:?}"
+                );
+            }
+        }
+    }
+    Ok(ix.stats().evicted_for_budget)
+}
+
 fn config() -> proptest::test_runner::Config {
     kvroute_testkit::cases::config(256, None)
 }
@@ -610,4 +754,35 @@ proptest! {
     ) {
         check(&ops, &requests)?;
     }
+
+    /// Under a small budget, eviction only ever forgets.
+    #[test]
+    fn a_bounded_index_only_forgets(
+        ops in prop::collection::vec(event_op(), 1..120),
+        requests in prop::collection::vec(request(), 1..6),
+        slack in 0usize..2048,
+    ) {
+        check_bounded(&ops, &requests, slack)?;
+    }
+}
+
+/// The budget of `a_bounded_index_only_forgets` binds: storing every conversation on every
+/// replica evicts, and the checks hold through it.
+#[test]
+fn the_small_budget_evicts() {
+    let ops: Vec<Op> = (0..REPLICAS)
+        .flat_map(|r| {
+            (0..CONVS).map(move |conv| Op::Store {
+                r,
+                conv,
+                start: 0,
+                len: BLOCKS,
+                medium: None,
+                other_group: false,
+                malformed: false,
+            })
+        })
+        .collect();
+    let evicted = check_bounded(&ops, &[], 0).expect("bounded checks hold");
+    assert!(evicted > 0, "nothing evicted: the budget does not bind");
 }
