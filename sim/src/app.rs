@@ -16,6 +16,7 @@ use tokio::sync::watch;
 use crate::cli::{parse_lora_modules, Cli, CliError};
 use crate::engine::{self, EngineConfig, SimClock};
 use crate::events;
+use crate::latency::Speed;
 use crate::scheduler::SchedulerConfig;
 use crate::server::{self, AppState};
 
@@ -100,6 +101,8 @@ pub async fn run(cli: Cli) -> Result<(), AppError> {
     let max_model_len = cli.max_model_len.min(usable_tokens);
 
     let clock = SimClock::new(cli.time_scale);
+    let speed =
+        Arc::new(Speed::new(cli.speed).map_err(|e| CliError::Invalid(format!("--speed: {e}")))?);
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let mut engines = Vec::new();
     let mut engine_tasks = Vec::new();
@@ -129,6 +132,8 @@ pub async fn run(cli: Cli) -> Result<(), AppError> {
                     block_size: cli.block_size,
                 },
                 latency: cli.latency_model(),
+                speed: speed.clone(),
+                max_model_len,
                 clock,
                 events: sink,
                 vocab: cli.output_vocab_size,
@@ -160,6 +165,10 @@ pub async fn run(cli: Cli) -> Result<(), AppError> {
             .map(|d| d.as_secs_f64())
             .unwrap_or(0.0),
         counter: AtomicU64::new(0),
+        latency: cli.latency_model(),
+        speed,
+        max_num_batched_tokens: cli.max_num_batched_tokens,
+        time_scale: cli.time_scale,
     });
     let app = server::router(state, cli.max_body_bytes);
     let addr = format!("{}:{}", cli.host, cli.port);
@@ -180,12 +189,17 @@ pub async fn run(cli: Cli) -> Result<(), AppError> {
         blocks = cli.num_gpu_blocks,
         block_size = cli.block_size,
         time_scale = cli.time_scale,
+        speed = cli.speed,
         latency = ?json!(cli.latency_model()),
         "kvroute-sim ready"
     );
     println!("kvroute-sim listening on http://{local}");
 
-    let serve = axum::serve(listener, app).with_graceful_shutdown(shutdown_signal());
+    let serve = axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown_signal());
     if let Err(e) = serve.await {
         tracing::error!(error = %e, "http server error");
     }

@@ -62,6 +62,10 @@ pub struct Cli {
     /// Run this many times faster than real time (latencies are reported unscaled).
     #[arg(long = "time-scale", default_value_t = 1.0)]
     pub time_scale: f64,
+    /// Replica speed factor: every step's modelled time is divided by it (0.5 = half the prefill
+    /// throughput and twice the decode step). Changeable at run time: `POST /admin/speed`.
+    #[arg(long, default_value_t = 1.0)]
+    pub speed: f64,
     /// Cost model: prefill throughput, tokens per second.
     #[arg(long = "prefill-tokens-per-s", default_value_t = LatencyModel::default().prefill_tokens_per_s)]
     pub prefill_tokens_per_s: f64,
@@ -328,6 +332,8 @@ impl Cli {
         if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
             return Err(CliError::Invalid("--time-scale must be > 0".into()));
         }
+        crate::latency::check_speed(self.speed)
+            .map_err(|e| CliError::Invalid(format!("--speed: {e}")))?;
         if !(self.prefill_tokens_per_s.is_finite() && self.prefill_tokens_per_s > 0.0) {
             return Err(CliError::Invalid(
                 "--prefill-tokens-per-s must be > 0".into(),

@@ -3,7 +3,8 @@
 //! Each iteration takes new requests, schedules a step, sleeps the step's modelled time divided
 //! by `--time-scale`, applies the results, publishes the step's KV events (one batch, like vLLM's
 //! `update_from_output`) and hands sampled tokens to the HTTP handlers. Latencies are measured
-//! on the simulated clock (wall time x time scale), so they come out unscaled.
+//! on the simulated clock (wall time x time scale), so they come out unscaled. Each step's
+//! modelled time is divided by the replica's current speed factor ([`Speed`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -14,8 +15,8 @@ use kvroute_core::events::EventBatch;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::events::{to_kv_events, EventSink};
-use crate::latency::LatencyModel;
-use crate::metrics::EngineMetrics;
+use crate::latency::{LatencyModel, Speed};
+use crate::metrics::{EngineMetrics, FinishedRequest};
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::sequence::{ChainHasher, SeqId, SeqMeta, Sequence, SequenceSpec, TokenSource};
 
@@ -160,8 +161,12 @@ pub struct EngineConfig {
     pub rank: usize,
     /// Scheduler limits.
     pub scheduler: SchedulerConfig,
-    /// Cost model.
+    /// Cost model at speed 1.
     pub latency: LatencyModel,
+    /// The replica's speed factor (shared by its engines and the admin endpoint).
+    pub speed: Arc<Speed>,
+    /// Longest prompt + output (the token-count histograms' top bucket, as vLLM's).
+    pub max_model_len: usize,
     /// Clock.
     pub clock: SimClock,
     /// Event sink (None = events off).
@@ -179,7 +184,7 @@ pub fn spawn(
     let (tx, rx) = mpsc::unbounded_channel();
     let handle = EngineHandle {
         tx,
-        metrics: Arc::new(Mutex::new(EngineMetrics::default())),
+        metrics: Arc::new(Mutex::new(EngineMetrics::new(cfg.max_model_len))),
         in_flight: Arc::new(AtomicUsize::new(0)),
         waiting: Arc::new(AtomicUsize::new(0)),
         rank: cfg.rank,
@@ -245,7 +250,7 @@ impl Loop {
         match cmd {
             Command::Add(req, out) => {
                 let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-                let seq = Sequence::new(
+                let mut seq = Sequence::new(
                     SequenceSpec {
                         id,
                         prompt: req.prompt,
@@ -258,6 +263,7 @@ impl Loop {
                     self.cfg.scheduler.block_size,
                     req.hasher,
                 );
+                seq.queued_s = self.cfg.clock.now().max(seq.arrival_s);
                 self.outputs.insert(id, out);
                 self.sched.add(seq);
             }
@@ -308,7 +314,13 @@ impl Loop {
             tokio::time::sleep(Duration::from_millis(1)).await;
             return;
         }
-        let dt = self.cfg.latency.step_seconds(&plan.shape);
+        let dt = self
+            .cfg
+            .latency
+            .scaled(self.cfg.speed.get())
+            .step_seconds(&plan.shape);
+        let start_s = self.cfg.clock.at(self.deadline);
+        self.sched.mark_scheduled(&plan, start_s);
         let now = Instant::now();
         let floor = now.checked_sub(MAX_LAG).unwrap_or(now);
         self.deadline = (self.deadline + self.cfg.clock.wall(dt)).max(floor);
@@ -318,40 +330,76 @@ impl Loop {
         let outcome = self.sched.finish_step(plan, end_s);
         self.publish();
 
-        let mut m = EngineMetricsDelta::default();
+        // Metrics first, then the outputs: a client that scrapes right after its response sees
+        // its request counted.
+        let generated = outcome.sampled.len() as u64;
+        let mut finished = Vec::with_capacity(outcome.finished.len());
+        let mut infos = Vec::with_capacity(outcome.finished.len());
+        for seq in &outcome.finished {
+            let first_s = seq.first_token_s.unwrap_or(end_s);
+            let last_s = seq.last_token_s.unwrap_or(end_s);
+            let scheduled_s = seq.scheduled_s.unwrap_or(first_s);
+            let ttft = (first_s - seq.arrival_s).max(0.0);
+            let e2e = (end_s - seq.arrival_s).max(0.0);
+            let cached_tokens = seq.cached_tokens.unwrap_or(0);
+            finished.push(FinishedRequest {
+                e2e_s: e2e,
+                queued_s: (scheduled_s - seq.queued_s).max(0.0),
+                prefill_s: (first_s - scheduled_s).max(0.0),
+                decode_s: (last_s - first_s).max(0.0),
+                inference_s: (last_s - scheduled_s).max(0.0),
+                prompt_tokens: seq.num_prompt_tokens,
+                generation_tokens: seq.num_output_tokens(),
+                cached_tokens,
+                preemptions: seq.num_preemptions,
+            });
+            infos.push((
+                seq.id,
+                FinishInfo {
+                    prompt_tokens: seq.num_prompt_tokens,
+                    completion_tokens: seq.num_output_tokens(),
+                    cached_tokens,
+                    ttft_s: ttft,
+                    e2e_s: e2e,
+                    preemptions: seq.num_preemptions,
+                    engine: self.cfg.rank,
+                },
+            ));
+        }
+        {
+            // vLLM's order within one `record` call: first tokens, inter-token gaps, the step's
+            // token count, then finished requests.
+            let mut g = self.lock_metrics();
+            g.steps += 1;
+            g.generation_tokens += generated;
+            let mut computed = 0u64;
+            for p in &outcome.prefills_done {
+                g.record_first_token(
+                    (end_s - p.arrival_s).max(0.0),
+                    p.prompt_tokens,
+                    p.cached_tokens,
+                );
+                computed += p.prompt_tokens.saturating_sub(p.cached_tokens) as u64;
+            }
+            for itl in outcome.sampled.iter().filter_map(|s| s.itl_s) {
+                g.itl.observe(itl);
+            }
+            if generated > 0 {
+                g.iteration_tokens.observe((computed + generated) as f64);
+            }
+            for r in &finished {
+                g.record_finished(r);
+            }
+        }
         for s in &outcome.sampled {
-            m.generation_tokens += 1;
             if let Some(tx) = self.outputs.get(&s.seq) {
                 let _ = tx.send(SeqOutput::Token(s.token));
             }
         }
-        for seq in outcome.finished {
+        for (id, info) in infos {
             self.in_flight.fetch_sub(1, Ordering::Relaxed);
-            let ttft = (seq.first_token_s.unwrap_or(end_s) - seq.arrival_s).max(0.0);
-            let e2e = (end_s - seq.arrival_s).max(0.0);
-            m.finished.push((ttft, e2e, seq.num_prompt_tokens as u64));
-            let info = FinishInfo {
-                prompt_tokens: seq.num_prompt_tokens,
-                completion_tokens: seq.num_output_tokens(),
-                cached_tokens: seq.cached_tokens.unwrap_or(0),
-                ttft_s: ttft,
-                e2e_s: e2e,
-                preemptions: seq.num_preemptions,
-                engine: self.cfg.rank,
-            };
-            if let Some(tx) = self.outputs.remove(&seq.id) {
+            if let Some(tx) = self.outputs.remove(&id) {
                 let _ = tx.send(SeqOutput::Finished(info));
-            }
-        }
-        {
-            let mut g = self.lock_metrics();
-            g.steps += 1;
-            g.generation_tokens += m.generation_tokens;
-            for (ttft, e2e, prompt) in m.finished {
-                g.ttft.observe(ttft);
-                g.e2e.observe(e2e);
-                g.prompt_tokens += prompt;
-                g.requests_finished += 1;
             }
         }
         self.update_gauges();
@@ -409,10 +457,4 @@ impl Loop {
             Err(poisoned) => poisoned.into_inner(),
         }
     }
-}
-
-#[derive(Default)]
-struct EngineMetricsDelta {
-    generation_tokens: u64,
-    finished: Vec<(f64, f64, u64)>,
 }

@@ -64,7 +64,7 @@ impl StepPlan {
 }
 
 /// One sampled token.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SampledToken {
     /// The sequence.
     pub seq: SeqId,
@@ -72,6 +72,19 @@ pub struct SampledToken {
     pub token: u32,
     /// Whether it is the sequence's first output token.
     pub first: bool,
+    /// Time since the sequence's previous token (vLLM's inter-token latency); `None` for the first.
+    pub itl_s: Option<f64>,
+}
+
+/// A sequence whose first token was sampled this step (its prefill is complete).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefillDone {
+    /// Arrival time, simulated clock.
+    pub arrival_s: f64,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Prefix-cache hit at first admission, tokens (the rest were computed).
+    pub cached_tokens: usize,
 }
 
 /// What a step produced.
@@ -81,6 +94,8 @@ pub struct StepOutcome {
     pub sampled: Vec<SampledToken>,
     /// Sequences that finished this step (their blocks are already freed).
     pub finished: Vec<Sequence>,
+    /// Sequences that sampled their first token this step.
+    pub prefills_done: Vec<PrefillDone>,
 }
 
 /// The scheduler with its KV cache manager.
@@ -254,6 +269,19 @@ impl Scheduler {
         plan
     }
 
+    /// Stamps `now_s` as the first-scheduled time of every planned sequence that has none yet
+    /// (vLLM's first `SCHEDULED` event), never earlier than its queue time. Call between
+    /// [`Scheduler::schedule`] and [`Scheduler::finish_step`].
+    pub fn mark_scheduled(&mut self, plan: &StepPlan, now_s: f64) {
+        for &(idx, _) in &plan.entries {
+            if let Some(seq) = self.running.get_mut(idx) {
+                if seq.scheduled_s.is_none() {
+                    seq.scheduled_s = Some(now_s.max(seq.queued_s));
+                }
+            }
+        }
+    }
+
     /// Applies a step's results: advances computed tokens, samples a token for every sequence
     /// that caught up, records first-token times (`now_s`), finishes and frees done sequences.
     pub fn finish_step(&mut self, plan: StepPlan, now_s: f64) -> StepOutcome {
@@ -271,11 +299,19 @@ impl Scheduler {
                 let first = seq.first_token_s.is_none();
                 if first {
                     seq.first_token_s = Some(now_s);
+                    out.prefills_done.push(PrefillDone {
+                        arrival_s: seq.arrival_s,
+                        prompt_tokens: seq.num_prompt_tokens,
+                        cached_tokens: seq.cached_tokens.unwrap_or(0),
+                    });
                 }
+                let itl_s = seq.last_token_s.map(|t| (now_s - t).max(0.0));
+                seq.last_token_s = Some(now_s);
                 out.sampled.push(SampledToken {
                     seq: seq.id,
                     token,
                     first,
+                    itl_s,
                 });
                 any_finished |= seq.is_finished();
             }

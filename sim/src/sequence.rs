@@ -140,8 +140,15 @@ pub struct Sequence {
     pub source: TokenSource,
     /// Arrival time on the simulated clock (seconds).
     pub arrival_s: f64,
+    /// When the engine queued it (vLLM's `QUEUED` event), simulated clock; starts as `arrival_s`.
+    pub queued_s: f64,
+    /// Start of the step that first scheduled it (vLLM's first `SCHEDULED` event; preemptions
+    /// do not move it), simulated clock.
+    pub scheduled_s: Option<f64>,
     /// First-token time on the simulated clock, once produced.
     pub first_token_s: Option<f64>,
+    /// Time of its latest output token, simulated clock.
+    pub last_token_s: Option<f64>,
     block_size: usize,
     hasher: Arc<dyn ChainHasher>,
 }
@@ -192,7 +199,10 @@ impl Sequence {
             cached_tokens: None,
             source: spec.source,
             arrival_s: spec.arrival_s,
+            queued_s: spec.arrival_s,
+            scheduled_s: None,
             first_token_s: None,
+            last_token_s: None,
             block_size: block_size.max(1),
             hasher,
         };

@@ -1,16 +1,18 @@
 //! The OpenAI-compatible HTTP server (axum), with vLLM's paths and shapes:
 //! `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE), their `/render` variants,
 //! `GET /v1/models`, `/health`, `/version`, `/metrics`, `/kv_event_sources`,
-//! `POST /reset_prefix_cache`.
+//! `POST /reset_prefix_cache`; and the simulator's own `POST /admin/speed`,
+//! `GET /admin/latency-model` (loopback peers only).
 
 use std::collections::HashMap;
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{ConnectInfo, DefaultBodyLimit, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
@@ -25,6 +27,7 @@ use tokio::sync::mpsc;
 use crate::cli::LoraModule;
 use crate::engine::{EngineHandle, FinishInfo, NewRequest, SeqOutput};
 use crate::hashing::RequestChainHasher;
+use crate::latency::{LatencyModel, Speed};
 use crate::metrics;
 use crate::openai::{self, ApiError, GenParams};
 
@@ -56,6 +59,14 @@ pub struct AppState {
     pub start_unix_s: f64,
     /// Request counter (ids).
     pub counter: AtomicU64,
+    /// The cost model at speed 1 (the flags).
+    pub latency: LatencyModel,
+    /// The replica's speed factor, shared with the engines.
+    pub speed: Arc<Speed>,
+    /// `--max-num-batched-tokens`.
+    pub max_num_batched_tokens: usize,
+    /// `--time-scale`.
+    pub time_scale: f64,
 }
 
 /// Builds the router.
@@ -71,6 +82,8 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/metrics", get(metrics_text))
         .route("/kv_event_sources", get(kv_event_sources))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/admin/speed", post(admin_speed))
+        .route("/admin/latency-model", get(admin_latency_model))
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(state)
 }
@@ -532,4 +545,85 @@ async fn reset_prefix_cache(State(s): State<Arc<AppState>>) -> Response {
         }
     }
     Json(json!({"success": ok})).into_response()
+}
+
+/// Admin routes answer loopback peers only (403 otherwise, e.g. with `--host 0.0.0.0`). Without
+/// connection info (the router driven in-process) the caller is trusted.
+fn admin_forbidden(peer: Option<&ConnectInfo<SocketAddr>>) -> Option<Response> {
+    match peer {
+        Some(ConnectInfo(addr)) if !addr.ip().is_loopback() => Some(
+            ApiError {
+                status: StatusCode::FORBIDDEN,
+                kind: "Forbidden",
+                message: "admin endpoints answer loopback clients only".into(),
+                param: None,
+            }
+            .into_response(),
+        ),
+        _ => None,
+    }
+}
+
+fn latency_model_body(s: &AppState) -> Value {
+    let speed = s.speed.get();
+    let eff = s.latency.scaled(speed);
+    json!({
+        "speed": speed,
+        "prefill_tokens_per_s": eff.prefill_tokens_per_s,
+        "decode_step_ms": eff.decode_step_ms,
+        "decode_ms_per_seq": eff.decode_ms_per_seq,
+        "decode_ms_per_1k_context": eff.decode_ms_per_1k_context,
+        "max_num_batched_tokens": s.max_num_batched_tokens,
+        "time_scale": s.time_scale,
+        "base": s.latency,
+    })
+}
+
+/// `GET /admin/latency-model`: the effective cost model (speed applied; model milliseconds).
+async fn admin_latency_model(
+    State(s): State<Arc<AppState>>,
+    req: axum::extract::Request,
+) -> Response {
+    if let Some(r) = admin_forbidden(req.extensions().get()) {
+        return r;
+    }
+    Json(latency_model_body(&s)).into_response()
+}
+
+/// `POST /admin/speed` with `{"speed": F}`: sets the replica's speed factor for every step
+/// scheduled from now on; answers `{"speed": F}` (400 on anything but a finite number > 0).
+async fn admin_speed(State(s): State<Arc<AppState>>, req: axum::extract::Request) -> Response {
+    if let Some(r) = admin_forbidden(req.extensions().get()) {
+        return r;
+    }
+    let raw = match axum::body::to_bytes(req.into_body(), 64 * 1024).await {
+        Ok(b) => b,
+        Err(e) => return ApiError::bad_request(format!("unreadable body: {e}")).into_response(),
+    };
+    let body: Value = match serde_json::from_slice(&raw) {
+        Ok(v) => v,
+        Err(e) => {
+            return ApiError::bad_request(format!(
+                "expected a JSON object {{\"speed\": <number > 0>}}: {e}"
+            ))
+            .into_response()
+        }
+    };
+    let Some(v) = body.get("speed") else {
+        return ApiError::bad_request(
+            "missing field \"speed\": expected {\"speed\": <number > 0>}",
+        )
+        .into_response();
+    };
+    let Some(f) = v.as_f64() else {
+        return ApiError::bad_request(format!("\"speed\" must be a number > 0, got {v}"))
+            .into_response();
+    };
+    match s.speed.set(f) {
+        Ok(new) => {
+            tracing::info!(speed = new, "speed factor changed");
+            Json(json!({"speed": new})).into_response()
+        }
+        Err(e) => ApiError::bad_request(e.to_string()).into_response(),
+    }
 }
