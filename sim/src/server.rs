@@ -627,3 +627,18 @@ async fn admin_speed(State(s): State<Arc<AppState>>, req: axum::extract::Request
         Err(e) => ApiError::bad_request(e.to_string()).into_response(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admin_routes_refuse_non_loopback_peers() {
+        let peer = |a: &str| ConnectInfo(a.parse::<SocketAddr>().expect("addr"));
+        let refused = admin_forbidden(Some(&peer("10.1.2.3:4000"))).map(|r| r.status());
+        assert_eq!(refused, Some(StatusCode::FORBIDDEN));
+        assert!(admin_forbidden(Some(&peer("127.0.0.1:4000"))).is_none());
+        assert!(admin_forbidden(Some(&peer("[::1]:4000"))).is_none());
+        assert!(admin_forbidden(None).is_none());
+    }
+}
