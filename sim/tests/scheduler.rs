@@ -196,3 +196,60 @@ fn abort_frees_blocks() {
     assert_eq!(s.kv_usage(), 0.0);
     assert!(!s.has_work());
 }
+
+#[test]
+fn phase_timestamps_survive_preemption_as_in_vllm() {
+    // The preemption scenario above, stamped like the engine loop does: scheduled at the start
+    // of the first step that schedules a sequence (never moved by re-admission), one first token
+    // per sequence, and inter-token gaps that add up to first -> last token.
+    let model = LatencyModel::default();
+    let mut s = Scheduler::new(cfg(8, 8192, 11), false).unwrap();
+    s.add(seq(1, prompt(0, 64), 60, 0.0));
+    s.add(seq(2, prompt(1000, 64), 60, 0.0));
+    let mut now = 0.0;
+    let (mut prefills, mut itl_sum, mut max_itl) = (0, 0.0f64, 0.0f64);
+    let mut done = Vec::new();
+    let mut step_times = Vec::new();
+    while s.has_work() {
+        let plan = s.schedule();
+        s.mark_scheduled(&plan, now);
+        let dt = model.step_seconds(&plan.shape);
+        step_times.push(dt);
+        now += dt;
+        let out = s.finish_step(plan, now);
+        for t in &out.sampled {
+            assert_eq!(t.first, t.itl_s.is_none());
+            if let Some(itl) = t.itl_s {
+                itl_sum += itl;
+                max_itl = max_itl.max(itl);
+            }
+        }
+        prefills += out.prefills_done.len();
+        done.extend(out.finished);
+    }
+    assert!(s.stats().preemptions >= 1);
+    assert_eq!(
+        prefills, 2,
+        "one first token per sequence, preemption or not"
+    );
+    let mut decode_sum = 0.0;
+    for f in &done {
+        let (first, last) = (f.first_token_s.unwrap(), f.last_token_s.unwrap());
+        assert_eq!(
+            f.scheduled_s,
+            Some(0.0),
+            "seq {}: re-admission moved it",
+            f.id
+        );
+        // Both 64-token prompts are prefilled in the first step.
+        assert_eq!(first, step_times[0]);
+        decode_sum += last - first;
+    }
+    assert!(
+        (itl_sum - decode_sum).abs() < 1e-9,
+        "{itl_sum} vs {decode_sum}"
+    );
+    // The preempted sequence's recompute shows up as one long gap.
+    let longest_step = step_times.iter().cloned().fold(0.0, f64::max);
+    assert!(max_itl > longest_step, "{max_itl} vs {longest_step}");
+}
