@@ -74,21 +74,21 @@ impl SimLatency {
         })
     }
 
-    /// Overrides the cost model with a running replica's `GET /admin/latency-model`, when it
-    /// answers with the model's fields (top level or under `latency_model`/`model`); false if not.
+    /// Overrides the cost model with a running replica's `GET /admin/latency-model`; false if
+    /// it does not answer with one (an older simulator).
     pub fn refresh_from(&mut self, addr: &str) -> bool {
         let Ok((200, text)) = http::get(addr, "/admin/latency-model", Duration::from_secs(2))
         else {
             return false;
         };
-        let Ok(body) = serde_json::from_str::<Value>(&text) else {
-            return false;
-        };
-        let model = ["latency_model", "model", "latency"]
-            .iter()
-            .find_map(|k| body.get(*k).filter(|v| v.is_object()))
-            .unwrap_or(&body);
-        let num = |k: &str| model.get(k).and_then(Value::as_f64);
+        serde_json::from_str::<Value>(&text).is_ok_and(|body| self.apply(&body))
+    }
+
+    /// Takes the cost model of a `/admin/latency-model` answer: its speed-1 `base` model if it
+    /// has one (the top level has the replica's speed applied), else the top level.
+    pub fn apply(&mut self, body: &Value) -> bool {
+        let model = body.get("base").filter(|v| v.is_object()).unwrap_or(body);
+        let num = |k: &str| model.get(k).or_else(|| body.get(k)).and_then(Value::as_f64);
         let (Some(rate), Some(step)) = (num("prefill_tokens_per_s"), num("decode_step_ms")) else {
             return false;
         };
@@ -103,7 +103,7 @@ impl SimLatency {
         if let Some(n) = num("max_num_batched_tokens").filter(|n| *n >= 1.0) {
             self.max_num_batched_tokens = n as u64;
         }
-        self.source = "`GET /admin/latency-model` of a replica".to_string();
+        self.source = "`GET /admin/latency-model` (speed 1)".to_string();
         true
     }
 
@@ -183,6 +183,26 @@ mod tests {
             let real = SimLatency::from_sim_help(&sim).expect("real help");
             assert!(real.prefill_tokens_per_s > 0.0 && real.max_num_batched_tokens > 0);
         }
+    }
+
+    #[test]
+    fn the_admin_answer_gives_the_speed_1_model() {
+        let mut m = model();
+        let body = serde_json::json!({
+            "speed": 0.5,
+            "prefill_tokens_per_s": 10_000.0,
+            "decode_step_ms": 12.0,
+            "max_num_batched_tokens": 4096,
+            "base": {"prefill_tokens_per_s": 20_000.0, "decode_step_ms": 6.0, "decode_ms_per_seq": 0.05},
+        });
+        assert!(m.apply(&body));
+        assert_eq!((m.prefill_tokens_per_s, m.decode_step_ms), (20_000.0, 6.0));
+        assert_eq!(
+            (m.decode_ms_per_seq, m.max_num_batched_tokens),
+            (0.05, 4096)
+        );
+        assert!(m.source.contains("admin"));
+        assert!(!model().apply(&serde_json::json!({"error": "not found"})));
     }
 
     #[test]
