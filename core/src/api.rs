@@ -11,12 +11,13 @@
 use serde::{Deserialize, Serialize};
 
 use crate::hashing::ExtraKeyStyle;
+use crate::scoring::{CostTerms, Load, ReplicaRates};
 
 /// Version of this contract. Raise it with any change an older peer would misread.
-pub const CONTRACT_VERSION: u32 = 1;
+pub const CONTRACT_VERSION: u32 = 2;
 
 /// [`CONTRACT_VERSION`] as a header value.
-pub const CONTRACT_VERSION_STR: &str = "1";
+pub const CONTRACT_VERSION_STR: &str = "2";
 
 /// The header that carries [`CONTRACT_VERSION`], on requests and answers.
 pub const CONTRACT_HEADER: &str = "x-kvroute-contract";
@@ -85,6 +86,9 @@ pub struct RouteRequest {
     /// Session key for the session policy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session: Option<String>,
+    /// Return every candidate's inputs and terms in the answer (`RouteAnswer::explain`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub explain: bool,
 }
 
 /// Prompt tokens the chosen replica holds, per medium.
@@ -130,9 +134,35 @@ pub struct RouteAnswer {
     /// Prompt blocks considered (usable hit blocks).
     #[serde(default)]
     pub prompt_blocks: u32,
-    /// Cost of the chosen replica (kv policies).
+    /// Cost of the chosen replica in seconds: predicted TTFT plus harm (kv policies).
     #[serde(default)]
     pub cost: f64,
+    /// The time to first token predicted there, milliseconds (kv policies; 0 otherwise).
+    #[serde(default)]
+    pub predicted_ttft_ms: f64,
+    /// Every candidate's inputs and terms, when the request asked for `explain`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub explain: Option<Vec<CandidateExplain>>,
+}
+
+/// One candidate of a decision, explained: what the model knew of it and what it predicted.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CandidateExplain {
+    /// Replica name.
+    pub replica: String,
+    /// Whether it was chosen.
+    pub chosen: bool,
+    /// False when it could not be chosen (unhealthy, draining).
+    pub eligible: bool,
+    /// Tokens of the prompt it holds, per tier.
+    pub matched_tokens: MatchedTokens,
+    /// What was already asked of it.
+    pub load: Load,
+    /// Its rates (calibrated or prior).
+    pub rates: ReplicaRates,
+    /// The prediction, seconds (absent when not eligible or the policy does not predict).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub terms: Option<CostTerms>,
 }
 
 /// Body of `POST /v1/complete`: how a routed request ended (by `decision_id`), or the abandonment
@@ -146,6 +176,10 @@ pub struct CompleteReport {
     /// The route request's `callout_id` (abandonments).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub callout_id: Option<String>,
+    /// Time to first token the proxy saw, microseconds: from the request leaving for the replica
+    /// to the first response body bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_us: Option<u64>,
     /// The request ended before its response did (client left, stream reset).
     #[serde(default)]
     pub abandoned: bool,

@@ -6,10 +6,12 @@
 //! * [`router_key`]: kvroute's own chained 64-bit key, independent of the engine's hash settings.
 //! * [`events`]: the KV event stream's msgpack codec, every layout vLLM has shipped.
 //! * [`request`]: an OpenAI request body to the engine's token ids (chat template + tokenizer).
-//! * [`scoring`]: the replica choice from matched blocks and load.
+//! * [`scoring`]: the replica choice: predicted time to first token and harm, in seconds.
+//! * [`calibration`]: each replica's prefill rate and step time, learned from its metrics.
 //! * [`api`]: the filter <-> indexer HTTP contract (route, complete, tokenizer bundle), versioned.
 
 pub mod api;
+pub mod calibration;
 pub mod events;
 pub mod hashing;
 pub mod request;

@@ -82,6 +82,10 @@ pub struct KvRouteHttp {
     reported: bool,
     fail_open: Option<FailOpen>,
     scanner: Option<ResponseScanner>,
+    /// Host time (ns) the routed request left for its replica, while its first token is awaited.
+    sent_at_ns: Option<u64>,
+    /// Time to first token of a streamed response, microseconds (reported with the completion).
+    ttft_us: Option<u64>,
 }
 
 impl KvRouteHttp {
@@ -96,6 +100,8 @@ impl KvRouteHttp {
             session: None,
             body: None,
             routed_to: None,
+            sent_at_ns: None,
+            ttft_us: None,
             decision: None,
             decision_id: None,
             unanswered_callout: None,
@@ -340,6 +346,7 @@ impl KvRouteHttp {
         self.unanswered_callout = None;
         self.decision_id = answer.decision_id.clone();
         self.routed_to = Some(answer.endpoint.clone());
+        self.sent_at_ns = host::now_nanos().ok();
         host::set_header(Map::RequestHeaders, DST_HEADER, &answer.endpoint).map_err(|e| {
             hlog!(Warn, "kvroute: cannot set {DST_HEADER}: {e}");
             FailOpen::HostcallError
@@ -419,6 +426,7 @@ impl KvRouteHttp {
                 request_id: &self.request_id,
                 endpoint,
                 cached_tokens: cached,
+                ttft_us: self.ttft_us,
                 abandoned: !self.response_done,
             })
         } else if let Some(callout) = &self.unanswered_callout {
@@ -682,6 +690,17 @@ impl HttpContext for KvRouteHttp {
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         if end_of_stream {
             self.response_done = true;
+        }
+        // The first bytes of a stream carry the first token; a whole JSON body says nothing of it.
+        if body_size > 0
+            && self
+                .scanner
+                .as_ref()
+                .is_some_and(ResponseScanner::streaming)
+        {
+            if let (Some(sent), Ok(now)) = (self.sent_at_ns.take(), host::now_nanos()) {
+                self.ttft_us = Some(now.saturating_sub(sent) / 1_000);
+            }
         }
         if let Some(scanner) = &mut self.scanner {
             match host::get_buffer(Buffer::ResponseBody, 0, body_size) {

@@ -222,6 +222,8 @@ pub struct Completion<'a> {
     pub endpoint: &'a str,
     /// The engine's `cached_tokens`, if the response carried it.
     pub cached_tokens: Option<u64>,
+    /// Time to first token of a streamed response, microseconds.
+    pub ttft_us: Option<u64>,
     /// The stream ended before its response did (client left, reset).
     pub abandoned: bool,
 }
@@ -229,21 +231,27 @@ pub struct Completion<'a> {
 /// The body of `POST /v1/complete` for a routed request. Without a `decision_id` it is the
 /// original body (`request_id`, `endpoint`, `cached_tokens`), which older indexers accept.
 pub fn complete_body(c: &Completion<'_>) -> Vec<u8> {
-    let v = match c.decision_id {
-        Some(d) => serde_json::json!({
-            "decision_id": d,
-            "request_id": c.request_id,
-            "endpoint": c.endpoint,
-            "cached_tokens": c.cached_tokens,
-            "abandoned": c.abandoned,
-        }),
+    match c.decision_id {
+        Some(d) => {
+            let report = kvroute_core::api::CompleteReport {
+                decision_id: Some(d.to_string()),
+                callout_id: None,
+                ttft_us: c.ttft_us,
+                abandoned: c.abandoned,
+                request_id: Some(c.request_id.to_string()),
+                endpoint: Some(c.endpoint.to_string()),
+                cached_tokens: c.cached_tokens,
+            };
+            serde_json::to_vec(&report).unwrap_or_default()
+        }
         None => serde_json::json!({
             "request_id": c.request_id,
             "endpoint": c.endpoint,
             "cached_tokens": c.cached_tokens,
-        }),
-    };
-    v.to_string().into_bytes()
+        })
+        .to_string()
+        .into_bytes(),
+    }
 }
 
 /// The body of `POST /v1/complete` abandoning a route call whose answer never reached the
@@ -348,6 +356,11 @@ pub struct ResponseScanner {
 }
 
 impl ResponseScanner {
+    /// Whether the response is a `text/event-stream`.
+    pub fn streaming(&self) -> bool {
+        self.streaming
+    }
+
     /// `limit`: bytes of a JSON body kept whole; `streaming`: `text/event-stream`.
     pub fn new(limit: usize, streaming: bool) -> Self {
         Self {
@@ -467,14 +480,21 @@ mod tests {
     #[test]
     fn another_contract_version_fails_open_loudly() {
         let ok = br#"{"endpoint":"10.0.0.1:8000","decision_id":"d1"}"#;
-        assert!(parse_route_answer(Some(200), Some("1"), ok, 3, 100).is_ok());
+        assert!(parse_route_answer(
+            Some(200),
+            Some(kvroute_core::api::CONTRACT_VERSION_STR),
+            ok,
+            3,
+            100
+        )
+        .is_ok());
         assert!(parse_route_answer(Some(200), None, ok, 3, 100).is_ok());
         assert_eq!(
-            parse_route_answer(Some(200), Some("2"), ok, 3, 100),
+            parse_route_answer(Some(200), Some("999"), ok, 3, 100),
             Err(FailOpen::ContractMismatch)
         );
         assert_eq!(
-            parse_route_answer(Some(409), Some("2"), b"{}", 3, 100),
+            parse_route_answer(Some(409), Some("999"), b"{}", 3, 100),
             Err(FailOpen::ContractMismatch)
         );
         assert_eq!(
@@ -630,6 +650,7 @@ mod tests {
             request_id: "r",
             endpoint: "127.0.0.1:1",
             cached_tokens: None,
+            ttft_us: None,
             abandoned: true,
         };
         let v: Value = serde_json::from_slice(&complete_body(&legacy)).unwrap();
@@ -641,13 +662,14 @@ mod tests {
         let keyed = Completion {
             decision_id: Some("ab-1"),
             cached_tokens: Some(16),
+            ttft_us: Some(250_000),
             ..legacy
         };
         let v: Value = serde_json::from_slice(&complete_body(&keyed)).unwrap();
         assert_eq!(
             v,
             json!({"decision_id":"ab-1","request_id":"r","endpoint":"127.0.0.1:1",
-                   "cached_tokens":16,"abandoned":true})
+                   "cached_tokens":16,"ttft_us":250000,"abandoned":true})
         );
         let v: Value = serde_json::from_slice(&abandon_body("c1-2", "r")).unwrap();
         assert_eq!(

@@ -45,7 +45,7 @@ use kvroute_core::events::{
 };
 use kvroute_core::hashing::usable_hit_blocks;
 use kvroute_core::router_key::{chain, RouterKey, ROOT};
-use kvroute_core::scoring::{choose, Candidate, Load, MatchedBlocks, ScoringConfig};
+use kvroute_core::scoring::{choose, Candidate, Load, MatchedBlocks, RequestShape, ScoringConfig};
 use kvroute_indexer::index::{IndexConfig, KvIndex};
 use serde::Deserialize;
 
@@ -390,14 +390,22 @@ fn replay(s: &Settings, trace: &[TraceRequest], decode: bool) -> (Report, KvInde
                 },
                 load: Load {
                     in_flight: worker.in_flight(r.timestamp),
+                    running: worker.in_flight(r.timestamp),
                     ..Load::default()
                 },
+                rates: scoring.prior_rates(),
                 healthy: true,
                 stale: false,
             });
         }
         let seed = (ri as u64).wrapping_mul(0x2545_F491_4F6C_DD1D);
-        let w = choose(&scoring, usable as u32, &cands, seed)
+        let shape = RequestShape {
+            prompt_tokens: tokens.len() as u32,
+            block_size: BS as u32,
+            usable_blocks: usable as u32,
+            output_tokens: 256,
+        };
+        let w = choose(&scoring, &shape, &cands, seed)
             .expect("every worker is healthy")
             .replica as usize;
         let hit = truth[w];

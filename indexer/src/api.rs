@@ -155,6 +155,9 @@ async fn complete_handler(State(state): State<Arc<AppState>>, body: Bytes) -> Re
         .and_then(|id| state.load.completed(id));
     match done {
         Some(p) => {
+            if let Some(us) = req.ttft_us.filter(|_| !req.abandoned) {
+                m.record_ttft(&p.replica.name, us as f64 / 1e6, p.predicted_ttft_s);
+            }
             if let Some(reported) = req.cached_tokens.filter(|_| !req.abandoned) {
                 m.predicted_hit_tokens
                     .fetch_add(p.predicted_tokens, Ordering::Relaxed);

@@ -82,9 +82,14 @@ pub struct Config {
     /// Policies other than `kv`.
     #[serde(default)]
     pub policies: PolicySection,
-    /// Replica scoring weights (see `kvroute_core::scoring::ScoringConfig`).
+    /// The cost model's priors, tier rates and latency objectives
+    /// (see `kvroute_core::scoring::ScoringConfig`).
     #[serde(default)]
     pub scoring: ScoringConfig,
+    /// How replicas' rates are learned from their metrics
+    /// (see `kvroute_core::calibration::CalibrationConfig`).
+    #[serde(default)]
+    pub calibration: kvroute_core::calibration::CalibrationConfig,
     /// How long routed requests count as in flight without a completion (`[inflight]`).
     #[serde(default)]
     pub inflight: crate::load::InflightConfig,
@@ -501,6 +506,12 @@ impl Config {
         self.inflight
             .validate()
             .map_err(|(f, msg)| invalid(format!("inflight.{f}"), msg))?;
+        self.scoring
+            .validate()
+            .map_err(|(f, msg)| invalid(format!("scoring.{f}"), msg))?;
+        self.calibration
+            .validate()
+            .map_err(|(f, msg)| invalid(format!("calibration.{f}"), msg))?;
         if self.events.connect_timeout_ms == 0 {
             return Err(invalid("events.connect_timeout_ms", "must be > 0"));
         }

@@ -148,6 +148,10 @@ pub struct Pending {
     pub deadline: Instant,
     /// Uncached prompt blocks still counted as pending prefill on the replica (0 once released).
     pub prefill_blocks: u32,
+    /// Output tokens it is expected to generate (counted in the replica's remaining output).
+    pub output_tokens: u64,
+    /// The time to first token the model predicted, seconds (0 for policies that do not predict).
+    pub predicted_ttft_s: f64,
     callout: Option<Box<str>>,
 }
 
@@ -164,6 +168,10 @@ pub struct NewDecision {
     pub prefill_time: Duration,
     /// Estimated decode time (see [`InflightConfig::decode_time`]).
     pub decode_time: Duration,
+    /// Output tokens expected.
+    pub output_tokens: u64,
+    /// The predicted time to first token, seconds.
+    pub predicted_ttft_s: f64,
     /// The filter's id for this route call (to abandon it before the answer reached it).
     pub callout: Option<String>,
 }
@@ -276,9 +284,18 @@ impl LoadTracker {
         }
         let replica = d.replica;
         replica.in_flight.fetch_add(1, Ordering::Relaxed);
-        replica
-            .pending_prefill_blocks
-            .fetch_add(i64::from(d.prefill_blocks), Ordering::Relaxed);
+        if d.prefill_blocks > 0 {
+            replica
+                .pending_prefill_blocks
+                .fetch_add(i64::from(d.prefill_blocks), Ordering::Relaxed);
+            replica
+                .pending_prefill_requests
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        replica.remaining_output_tokens.fetch_add(
+            i64::try_from(d.output_tokens).unwrap_or(i64::MAX),
+            Ordering::Relaxed,
+        );
         let start = inner
             .busy_until
             .get(&replica.name)
@@ -306,6 +323,8 @@ impl LoadTracker {
                 at: now,
                 deadline,
                 prefill_blocks: d.prefill_blocks,
+                output_tokens: d.output_tokens,
+                predicted_ttft_s: d.predicted_ttft_s,
                 callout,
             },
         );
@@ -376,14 +395,14 @@ impl LoadTracker {
     }
 }
 
-/// Releases a decision's in-flight count and whatever pending prefill it still holds.
+/// Releases a decision's in-flight count, expected output and whatever pending prefill it still
+/// holds.
 fn release(p: &Pending) {
-    let _ = p
-        .replica
-        .in_flight
-        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
-            Some((v - 1).max(0))
-        });
+    subtract(&p.replica.in_flight, 1);
+    subtract(
+        &p.replica.remaining_output_tokens,
+        i64::try_from(p.output_tokens).unwrap_or(i64::MAX),
+    );
     release_prefill(&p.replica, p.prefill_blocks);
 }
 
@@ -391,12 +410,15 @@ fn release_prefill(replica: &Replica, blocks: u32) {
     if blocks == 0 {
         return;
     }
-    let _ =
-        replica
-            .pending_prefill_blocks
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
-                Some((v - i64::from(blocks)).max(0))
-            });
+    subtract(&replica.pending_prefill_blocks, i64::from(blocks));
+    subtract(&replica.pending_prefill_requests, 1);
+}
+
+/// Lowers a counter by `by`, never below zero.
+fn subtract(counter: &std::sync::atomic::AtomicI64, by: i64) {
+    let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+        Some(v.saturating_sub(by).max(0))
+    });
 }
 
 impl Inner {
@@ -498,6 +520,8 @@ mod tests {
             prefill_blocks: blocks,
             prefill_time: prefill,
             decode_time: Duration::ZERO,
+            output_tokens: 100,
+            predicted_ttft_s: 0.0,
             callout: None,
         }
     }

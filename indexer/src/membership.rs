@@ -140,6 +140,8 @@ pub struct ScrapedLoad {
     pub process_start: Option<f64>,
     /// Last successful scrape.
     pub last_ok: Option<Instant>,
+    /// The calibration inputs of the last successful scrape.
+    pub totals: kvroute_core::calibration::EngineTotals,
     /// Consecutive failures.
     pub failures: u32,
     /// Running + waiting requests per engine (DP rank), from the `engine` label.
@@ -165,6 +167,12 @@ pub struct Replica {
     pub in_flight: AtomicI64,
     /// Uncached prompt blocks routed here whose prefill is estimated not to be done yet.
     pub pending_prefill_blocks: AtomicI64,
+    /// How many routed requests those blocks belong to.
+    pub pending_prefill_requests: AtomicI64,
+    /// Output tokens the requests routed here are still expected to generate.
+    pub remaining_output_tokens: AtomicI64,
+    /// Its rates learned from its metrics (`None` until the first scrape: the priors apply).
+    pub calibration: Mutex<Option<kvroute_core::calibration::ReplicaCalibration>>,
     /// Scraped load.
     pub scraped: Mutex<ScrapedLoad>,
     /// Background tasks (subscribers), aborted on removal.
@@ -269,6 +277,9 @@ impl Fleet {
             draining: AtomicBool::new(false),
             in_flight: AtomicI64::new(0),
             pending_prefill_blocks: AtomicI64::new(0),
+            pending_prefill_requests: AtomicI64::new(0),
+            remaining_output_tokens: AtomicI64::new(0),
+            calibration: Mutex::new(None),
             scraped: Mutex::new(ScrapedLoad::default()),
             tasks: Mutex::new(Vec::new()),
             hash_mismatch: Mutex::new(None),

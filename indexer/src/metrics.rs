@@ -3,7 +3,9 @@
 use std::fmt::Write;
 use std::sync::atomic::Ordering;
 
-use crate::membership::lock;
+use std::sync::Arc;
+
+use crate::membership::{lock, Replica};
 use crate::state::AppState;
 
 fn header(out: &mut String, name: &str, kind: &str, help: &str) {
@@ -185,6 +187,8 @@ pub fn render(state: &AppState) -> String {
             r.in_flight.load(Ordering::Relaxed)
         );
     }
+    replica_rates(&mut out, state, &replicas, p);
+    ttft_accuracy(&mut out, state, p);
     let full = format!("{p}_replica_healthy");
     header(
         &mut out,
@@ -454,4 +458,86 @@ pub fn render(state: &AppState) -> String {
     header(&mut out, &full, "gauge", "Seconds since start.");
     let _ = writeln!(out, "{full} {}", state.started.elapsed().as_secs_f64());
     out
+}
+
+/// The rates each replica is scored with (calibrated, or the priors).
+fn replica_rates(out: &mut String, state: &AppState, replicas: &[Arc<Replica>], p: &str) {
+    let rates: Vec<_> = replicas
+        .iter()
+        .map(|r| {
+            let windows = lock(&r.calibration).as_ref().map_or(0, |c| c.windows());
+            let rates =
+                crate::route::replica_rates(&state.config.scoring, r, &state.config.calibration);
+            (r, rates, windows)
+        })
+        .collect();
+    type Get = fn(&kvroute_core::scoring::ReplicaRates, u64) -> f64;
+    let series: [(&str, &str, Get); 3] = [
+        (
+            "replica_prefill_tokens_per_second",
+            "Prefill throughput the replica is scored with (calibrated from its metrics, else the prior).",
+            |r, _| r.prefill_tokens_per_s,
+        ),
+        (
+            "replica_decode_step_seconds",
+            "Step time (inter-token latency) the replica is scored with.",
+            |r, _| r.decode_step_s,
+        ),
+        (
+            "replica_calibration_windows",
+            "Metric windows that calibrated the replica since it (or the indexer) started.",
+            |_, w| w as f64,
+        ),
+    ];
+    for (name, help, get) in series {
+        let full = format!("{p}_{name}");
+        header(out, &full, "gauge", help);
+        for (r, rates, windows) in &rates {
+            let _ = writeln!(
+                out,
+                "{full}{{replica=\"{}\",model=\"{}\"}} {}",
+                escape(&r.name),
+                escape(&r.model),
+                get(rates, *windows)
+            );
+        }
+    }
+}
+
+/// Observed / predicted TTFT per replica, as a histogram of the ratio.
+fn ttft_accuracy(out: &mut String, state: &AppState, p: &str) {
+    let full = format!("{p}_ttft_observed_over_predicted");
+    header(
+        out,
+        &full,
+        "histogram",
+        "Time to first token the proxy saw divided by the one predicted, per replica.",
+    );
+    for (replica, a) in lock(&state.metrics.ttft_accuracy).iter() {
+        let r = escape(replica);
+        let mut cumulative = 0;
+        for (i, bound) in crate::state::TTFT_RATIO_BUCKETS.iter().enumerate() {
+            cumulative += a.counts[i];
+            let _ = writeln!(
+                out,
+                "{full}_bucket{{replica=\"{r}\",le=\"{bound}\"}} {cumulative}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "{full}_bucket{{replica=\"{r}\",le=\"+Inf\"}} {}",
+            a.count()
+        );
+        let _ = writeln!(out, "{full}_count{{replica=\"{r}\"}} {}", a.count());
+        let _ = writeln!(
+            out,
+            "{p}_ttft_observed_seconds_sum{{replica=\"{r}\"}} {}",
+            a.observed_s
+        );
+        let _ = writeln!(
+            out,
+            "{p}_ttft_predicted_seconds_sum{{replica=\"{r}\"}} {}",
+            a.predicted_s
+        );
+    }
 }

@@ -15,9 +15,11 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use kvroute_core::router_key::RouterKey;
+use kvroute_core::scoring::{self, Candidate, Decision, MatchedBlocks};
 
 use crate::config::PolicySection;
-use crate::membership::lock;
+use crate::membership::{lock, Replica};
+use crate::route::{exact_matches, now_ms, Lookup, RoutePolicy};
 
 /// The `--policy` flag.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -274,6 +276,139 @@ impl ApproxTable {
     /// True when empty.
     pub fn is_empty(&self) -> bool {
         self.inner.is_empty()
+    }
+}
+
+/// The implementation of `policy`.
+pub fn route_policy(policy: Policy) -> &'static dyn RoutePolicy {
+    match policy {
+        Policy::Kv => &KvPolicy,
+        Policy::ApproxPrefix => &ApproxPrefixPolicy,
+        Policy::RoundRobin => &RoundRobinPolicy,
+        Policy::Random => &RandomPolicy,
+        Policy::LeastLoaded => &LeastLoadedPolicy,
+        Policy::Session => &SessionPolicy,
+    }
+}
+
+/// `kv`: the exact index and the cost model; predicted entries for the siblings that follow.
+struct KvPolicy;
+
+impl RoutePolicy for KvPolicy {
+    fn matches(&self, l: &Lookup<'_>) -> Vec<MatchedBlocks> {
+        exact_matches(l.state, &l.replicas, l.usable())
+    }
+
+    fn choose(&self, l: &Lookup<'_>, c: &[Candidate]) -> Option<(Decision, Option<&'static str>)> {
+        scoring::choose(&l.state.config.scoring, &l.shape, c, l.seed).map(|d| (d, None))
+    }
+
+    fn record(&self, l: &Lookup<'_>, chosen: &Replica) {
+        let usable = l.usable();
+        if usable.is_empty() {
+            return;
+        }
+        if let Some(first) = chosen.streams().first() {
+            let ttl = l.state.config.index.predicted_ttl_ms;
+            if let Err(e) =
+                lock(&l.state.index).insert_predicted(first.index_id, usable, now_ms(), ttl)
+            {
+                tracing::debug!(error = %e, "predicted entries not written");
+            }
+        }
+    }
+}
+
+/// `approx-prefix`: the cost model over a router-side guess of what each replica holds.
+struct ApproxPrefixPolicy;
+
+impl RoutePolicy for ApproxPrefixPolicy {
+    fn matches(&self, l: &Lookup<'_>) -> Vec<MatchedBlocks> {
+        let guessed = l.state.policy_state.approx_matches(l.usable());
+        l.replicas
+            .iter()
+            .map(|r| MatchedBlocks {
+                gpu: r
+                    .index_ids()
+                    .iter()
+                    .filter_map(|id| guessed.get(id))
+                    .copied()
+                    .max()
+                    .unwrap_or(0),
+                ..Default::default()
+            })
+            .collect()
+    }
+
+    fn choose(&self, l: &Lookup<'_>, c: &[Candidate]) -> Option<(Decision, Option<&'static str>)> {
+        scoring::choose(&l.state.config.scoring, &l.shape, c, l.seed).map(|d| (d, None))
+    }
+
+    fn record(&self, l: &Lookup<'_>, chosen: &Replica) {
+        if let Some(first) = chosen.streams().first() {
+            if !l.usable().is_empty() {
+                l.state
+                    .policy_state
+                    .approx_record(first.index_id, l.usable());
+            }
+        }
+    }
+}
+
+struct RoundRobinPolicy;
+
+impl RoutePolicy for RoundRobinPolicy {
+    fn choose(&self, l: &Lookup<'_>, c: &[Candidate]) -> Option<(Decision, Option<&'static str>)> {
+        let n = l.state.policy_state.rr.fetch_add(1, Ordering::Relaxed);
+        scoring::choose_round_robin(c, n).map(|d| (d, None))
+    }
+}
+
+struct RandomPolicy;
+
+impl RoutePolicy for RandomPolicy {
+    fn choose(&self, l: &Lookup<'_>, c: &[Candidate]) -> Option<(Decision, Option<&'static str>)> {
+        scoring::choose_random(c, l.seed).map(|d| (d, None))
+    }
+}
+
+/// `least-loaded`: the cost model as if nothing were cached.
+struct LeastLoadedPolicy;
+
+impl RoutePolicy for LeastLoadedPolicy {
+    fn choose(&self, l: &Lookup<'_>, c: &[Candidate]) -> Option<(Decision, Option<&'static str>)> {
+        scoring::choose_least_loaded(&l.state.config.scoring, &l.shape, c, l.seed)
+            .map(|d| (d, None))
+    }
+}
+
+/// `session`: a known session goes to its replica while healthy; a new one to the least loaded.
+struct SessionPolicy;
+
+impl RoutePolicy for SessionPolicy {
+    fn choose(&self, l: &Lookup<'_>, c: &[Candidate]) -> Option<(Decision, Option<&'static str>)> {
+        let bound = l
+            .session
+            .and_then(|s| l.state.policy_state.session_get(&l.keys.model.name, s))
+            .and_then(|name| l.replicas.iter().position(|r| r.name == name))
+            .filter(|&i| c.get(i).is_some_and(|c| c.healthy));
+        match bound {
+            Some(i) => {
+                let mut d = scoring::choose_round_robin(&c[i..=i], 0)?;
+                d.replica = i as u32;
+                Some((d, Some("session")))
+            }
+            None => scoring::choose_least_loaded(&l.state.config.scoring, &l.shape, c, l.seed)
+                .map(|d| (d, Some("session_new"))),
+        }
+    }
+
+    fn record(&self, l: &Lookup<'_>, chosen: &Replica) {
+        if let Some(s) = l.session {
+            l.state
+                .policy_state
+                .session_put(&l.keys.model.name, s, &chosen.name);
+        }
     }
 }
 

@@ -1,20 +1,21 @@
-//! The routing decision: request -> router keys -> per-replica matches -> policy -> replica.
-//! Independent of HTTP so tests and benchmarks can call it directly.
+//! The routing decision, in three steps: look up (request -> router keys -> per-replica matches
+//! and load), choose (the policy), record (load, predicted entries, policy state). Independent of
+//! HTTP so tests and benchmarks can call it directly.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvroute_core::api::CandidateExplain;
 use kvroute_core::hashing::{usable_hit_blocks, LoraRef, RequestExtras};
 use kvroute_core::router_key::{request_keys, RouterKey};
 use kvroute_core::scoring::{
-    choose, choose_least_loaded, choose_random, choose_round_robin, Candidate, Decision, Load,
-    MatchedBlocks, ScoringConfig,
+    Candidate, Decision, Load, MatchedBlocks, ReplicaRates, RequestShape, ScoringConfig,
 };
 
 use crate::load::NewDecision;
 use crate::membership::{lock, Replica};
-use crate::policies::Policy;
+use crate::policies::route_policy;
 use crate::state::{AppState, ModelRuntime};
 
 /// Block size assumed while neither the config nor an event has told it.
@@ -48,7 +49,7 @@ impl RouteError {
 }
 
 /// The model, its block size and the request's router keys and prompt length.
-pub struct Keys {
+pub struct RequestKeys {
     /// Model settings.
     pub model: Arc<ModelRuntime>,
     /// Block size used.
@@ -59,7 +60,7 @@ pub struct Keys {
     pub num_tokens: usize,
 }
 
-impl Keys {
+impl RequestKeys {
     /// Keys that could be hits (the last token is always recomputed).
     pub fn usable(&self) -> &[RouterKey] {
         let n = usable_hit_blocks(self.num_tokens, self.block_size as usize).min(self.keys.len());
@@ -68,7 +69,10 @@ impl Keys {
 }
 
 /// Computes the router keys of a request.
-pub fn request_router_keys(state: &AppState, req: &RouteRequest) -> Result<Keys, RouteError> {
+pub fn request_router_keys(
+    state: &AppState,
+    req: &RouteRequest,
+) -> Result<RequestKeys, RouteError> {
     let model = state
         .models
         .get(&req.model)
@@ -87,7 +91,7 @@ pub fn request_router_keys(state: &AppState, req: &RouteRequest) -> Result<Keys,
                 mm_features: Vec::new(),
             };
             let keys = request_keys(tokens, bs as usize, &extras, model.style);
-            Ok(Keys {
+            Ok(RequestKeys {
                 model,
                 block_size: bs,
                 keys,
@@ -109,7 +113,7 @@ pub fn request_router_keys(state: &AppState, req: &RouteRequest) -> Result<Keys,
             let num_tokens = req
                 .num_tokens
                 .unwrap_or_else(|| keys.len().saturating_mul(bs as usize));
-            Ok(Keys {
+            Ok(RequestKeys {
                 model,
                 block_size: bs,
                 keys: keys.iter().map(|k| RouterKey(*k)).collect(),
@@ -165,46 +169,104 @@ pub fn now_ms() -> u64 {
         .as_millis() as u64
 }
 
-/// How long `uncached_blocks` of prefill are estimated to take at the configured prefill rate.
-fn prefill_estimate(cfg: &ScoringConfig, uncached_blocks: u32, block_size: u32) -> Duration {
+/// How long `uncached_blocks` of prefill take at `rates`.
+fn prefill_estimate(rates: &ReplicaRates, uncached_blocks: u32, block_size: u32) -> Duration {
     let tokens = f64::from(uncached_blocks) * f64::from(block_size);
-    let rate = cfg.prefill_tokens_per_s;
+    let rate = rates.prefill_tokens_per_s;
     if !(rate.is_finite() && rate > 0.0) {
         return Duration::ZERO;
     }
     Duration::try_from_secs_f64(tokens / rate).unwrap_or(crate::load::MAX_PREFILL_ESTIMATE)
 }
 
-fn candidates(
-    state: &AppState,
-    replicas: &[Arc<Replica>],
-    matched: &[MatchedBlocks],
-) -> Vec<Candidate> {
-    let stale_after = state.stale_after();
-    replicas
-        .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let s = lock(&r.scraped).clone();
-            Candidate {
-                replica: i as u32,
-                matched: matched.get(i).copied().unwrap_or_default(),
-                load: Load {
-                    in_flight: r.in_flight.load(Ordering::Relaxed).max(0) as u32,
-                    pending_prefill_blocks: r
-                        .pending_prefill_blocks
-                        .load(Ordering::Relaxed)
-                        .clamp(0, i64::from(u32::MAX))
-                        as u32,
-                    waiting: s.waiting.max(0.0) as u32,
-                    running: s.running.max(0.0) as u32,
-                    kv_usage: s.kv_usage as f32,
-                },
-                healthy: r.healthy(),
-                stale: r.stale(stale_after),
-            }
-        })
-        .collect()
+/// A replica's rates: calibrated from its metrics, or the configured priors.
+pub fn replica_rates(
+    cfg: &ScoringConfig,
+    r: &Replica,
+    calibration: &kvroute_core::calibration::CalibrationConfig,
+) -> ReplicaRates {
+    lock(&r.calibration)
+        .as_ref()
+        .map_or_else(|| cfg.prior_rates(), |c| c.rates(calibration))
+}
+
+/// Everything the policies may look at: the replicas of the model, in order, as candidates.
+pub struct Lookup<'a> {
+    /// The indexer.
+    pub state: &'a AppState,
+    /// The request's keys and model.
+    pub keys: RequestKeys,
+    /// The model's replicas (candidates are in this order).
+    pub replicas: Vec<Arc<Replica>>,
+    /// The request, as the cost model sees it.
+    pub shape: RequestShape,
+    /// Session key (body, else header).
+    pub session: Option<&'a str>,
+    /// Seed for random choices.
+    pub seed: u64,
+}
+
+impl Lookup<'_> {
+    /// Usable router keys (could be hits).
+    pub fn usable(&self) -> &[RouterKey] {
+        self.keys.usable()
+    }
+
+    /// The candidates with `matched` (per replica, in order; missing = nothing matched).
+    pub fn candidates(&self, matched: &[MatchedBlocks]) -> Vec<Candidate> {
+        let state = self.state;
+        let stale_after = state.stale_after();
+        let bs = u64::from(self.keys.block_size);
+        self.replicas
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let s = lock(&r.scraped).clone();
+                let get = |a: &std::sync::atomic::AtomicI64| a.load(Ordering::Relaxed).max(0);
+                Candidate {
+                    replica: i as u32,
+                    matched: matched.get(i).copied().unwrap_or_default(),
+                    load: Load {
+                        in_flight: clamp_u32(get(&r.in_flight)),
+                        waiting: s.waiting.max(0.0) as u32,
+                        running: s.running.max(0.0) as u32,
+                        kv_usage: s.kv_usage as f32,
+                        pending_prefill_tokens: (get(&r.pending_prefill_blocks) as u64)
+                            .saturating_mul(bs),
+                        pending_prefill_requests: clamp_u32(get(&r.pending_prefill_requests)),
+                        // Requests in flight are on average half way through their output.
+                        remaining_output_tokens: get(&r.remaining_output_tokens) as u64 / 2,
+                    },
+                    rates: replica_rates(&state.config.scoring, r, &state.config.calibration),
+                    healthy: r.healthy(),
+                    stale: r.stale(stale_after),
+                }
+            })
+            .collect()
+    }
+}
+
+fn clamp_u32(v: i64) -> u32 {
+    u32::try_from(v.max(0)).unwrap_or(u32::MAX)
+}
+
+/// A routing policy: what it believes each replica holds, how it chooses, what it remembers.
+pub trait RoutePolicy: Send + Sync {
+    /// Per replica (in [`Lookup::replicas`] order), the request's blocks this policy believes are
+    /// cached there. Default: none (cache-blind policies).
+    fn matches(&self, _lookup: &Lookup<'_>) -> Vec<MatchedBlocks> {
+        Vec::new()
+    }
+
+    /// Chooses among `cands`; `Some(reason)` overrides the decision's own reason label.
+    fn choose(
+        &self,
+        lookup: &Lookup<'_>,
+        cands: &[Candidate],
+    ) -> Option<(Decision, Option<&'static str>)>;
+
+    /// Remembers the decision (predicted entries, router-side guesses, session bindings).
+    fn record(&self, _lookup: &Lookup<'_>, _chosen: &Replica) {}
 }
 
 /// Decides where a request goes and records the decision (load, predicted entries, policy state).
@@ -223,6 +285,31 @@ pub fn route(
             crate::load::MAX_CALLOUT_ID_BYTES
         )));
     }
+    let lookup = look_up(state, req, header_session)?;
+    let policy = route_policy(state.policy);
+    let matched = policy.matches(&lookup);
+    let cands = lookup.candidates(&matched);
+    let (decision, label) = policy
+        .choose(&lookup, &cands)
+        .ok_or_else(|| RouteError::NoReplica(req.model.clone()))?;
+    let chosen = lookup
+        .replicas
+        .get(decision.replica as usize)
+        .cloned()
+        .ok_or_else(|| RouteError::NoReplica(req.model.clone()))?;
+    policy.record(&lookup, &chosen);
+    let explain = req.explain.then(|| explain(&lookup, &cands, &decision));
+    Ok(record(
+        state, req, &lookup, &cands, &decision, label, &chosen, explain,
+    ))
+}
+
+/// Step one: the request's keys, the model's replicas, the request's shape.
+fn look_up<'a>(
+    state: &'a AppState,
+    req: &'a RouteRequest,
+    header_session: Option<&'a str>,
+) -> Result<Lookup<'a>, RouteError> {
     let keys = request_router_keys(state, req)?;
     let replicas = state.fleet.of_model(&keys.model.name);
     if replicas.is_empty() {
@@ -230,116 +317,86 @@ pub fn route(
     }
     // Prefill estimated done by now no longer counts as queued work.
     state.load.expire(std::time::Instant::now());
-    let usable = keys.usable();
-    let prompt_blocks = usable.len() as u32;
-    let seed = state.policy_state.next_seed();
-    let cfg = &state.config.scoring;
-    let session = req.session.as_deref().or(header_session);
-
-    let (decision, reason): (Option<Decision>, Option<&str>) = match state.policy {
-        Policy::Kv => {
-            let matched = exact_matches(state, &replicas, usable);
-            let c = candidates(state, &replicas, &matched);
-            (choose(cfg, prompt_blocks, &c, seed), None)
-        }
-        Policy::ApproxPrefix => {
-            let guessed = state.policy_state.approx_matches(usable);
-            let matched: Vec<MatchedBlocks> = replicas
-                .iter()
-                .map(|r| MatchedBlocks {
-                    gpu: r
-                        .index_ids()
-                        .iter()
-                        .filter_map(|id| guessed.get(id))
-                        .copied()
-                        .max()
-                        .unwrap_or(0),
-                    ..Default::default()
-                })
-                .collect();
-            let c = candidates(state, &replicas, &matched);
-            (choose(cfg, prompt_blocks, &c, seed), None)
-        }
-        Policy::RoundRobin => {
-            let c = candidates(state, &replicas, &[]);
-            let n = state.policy_state.rr.fetch_add(1, Ordering::Relaxed);
-            (choose_round_robin(&c, n), None)
-        }
-        Policy::Random => {
-            let c = candidates(state, &replicas, &[]);
-            (choose_random(&c, seed), None)
-        }
-        Policy::LeastLoaded => {
-            let c = candidates(state, &replicas, &[]);
-            (choose_least_loaded(cfg, &c, seed), None)
-        }
-        Policy::Session => {
-            let c = candidates(state, &replicas, &[]);
-            let bound = session
-                .and_then(|s| state.policy_state.session_get(&keys.model.name, s))
-                .and_then(|name| replicas.iter().position(|r| r.name == name))
-                .filter(|&i| c[i].healthy);
-            match bound {
-                Some(i) => {
-                    let mut d = choose_round_robin(&c[i..=i], 0);
-                    if let Some(d) = d.as_mut() {
-                        d.replica = i as u32;
-                    }
-                    (d, Some("session"))
-                }
-                None => (choose_least_loaded(cfg, &c, seed), Some("session_new")),
-            }
-        }
+    let output = req
+        .max_tokens
+        .unwrap_or(state.load.config().default_max_tokens);
+    let shape = RequestShape {
+        prompt_tokens: u32::try_from(keys.num_tokens).unwrap_or(u32::MAX),
+        block_size: keys.block_size,
+        usable_blocks: keys.usable().len() as u32,
+        output_tokens: u32::try_from(output).unwrap_or(u32::MAX),
     };
-    let decision = decision.ok_or_else(|| RouteError::NoReplica(req.model.clone()))?;
-    let chosen = replicas
-        .get(decision.replica as usize)
-        .cloned()
-        .ok_or_else(|| RouteError::NoReplica(req.model.clone()))?;
-    let reason = reason.unwrap_or(decision.reason.as_str()).to_string();
+    Ok(Lookup {
+        state,
+        keys,
+        replicas,
+        shape,
+        session: req.session.as_deref().or(header_session),
+        seed: state.policy_state.next_seed(),
+    })
+}
 
-    // Record the decision.
-    match state.policy {
-        Policy::Kv if !usable.is_empty() => {
-            if let Some(first) = chosen.streams().first() {
-                let ttl = state.config.index.predicted_ttl_ms;
-                if let Err(e) =
-                    lock(&state.index).insert_predicted(first.index_id, usable, now_ms(), ttl)
-                {
-                    tracing::debug!(error = %e, "predicted entries not written");
-                }
-            }
-        }
-        Policy::ApproxPrefix if !usable.is_empty() => {
-            if let Some(first) = chosen.streams().first() {
-                state.policy_state.approx_record(first.index_id, usable);
-            }
-        }
-        Policy::Session => {
-            if let Some(s) = session {
-                state
-                    .policy_state
-                    .session_put(&keys.model.name, s, &chosen.name);
-            }
-        }
-        _ => {}
-    }
-    let bs = u64::from(keys.block_size);
-    let m = decision.matched;
-    let matched_tokens = MatchedTokens {
+fn matched_tokens(m: &MatchedBlocks, block_size: u32) -> MatchedTokens {
+    let bs = u64::from(block_size);
+    MatchedTokens {
         gpu: u64::from(m.gpu) * bs,
         cpu: u64::from(m.cpu) * bs,
         storage: u64::from(m.storage) * bs,
         predicted: u64::from(m.predicted) * bs,
-    };
+    }
+}
+
+/// Every candidate's inputs and terms, for `explain`.
+fn explain(lookup: &Lookup<'_>, cands: &[Candidate], d: &Decision) -> Vec<CandidateExplain> {
+    cands
+        .iter()
+        .zip(&lookup.replicas)
+        .map(|(c, r)| CandidateExplain {
+            replica: r.name.clone(),
+            chosen: c.replica == d.replica,
+            eligible: c.healthy,
+            matched_tokens: matched_tokens(&c.matched, lookup.keys.block_size),
+            load: c.load,
+            rates: c.rates,
+            terms: d
+                .candidates
+                .iter()
+                .find(|s| s.replica == c.replica)
+                .map(|s| s.terms),
+        })
+        .collect()
+}
+
+/// Step three: the decision's load and metrics, and the answer.
+#[allow(clippy::too_many_arguments)]
+fn record(
+    state: &AppState,
+    req: &RouteRequest,
+    lookup: &Lookup<'_>,
+    cands: &[Candidate],
+    decision: &Decision,
+    label: Option<&'static str>,
+    chosen: &Arc<Replica>,
+    explain: Option<Vec<CandidateExplain>>,
+) -> RouteResponse {
+    let reason = label.unwrap_or(decision.reason.as_str()).to_string();
+    let bs = lookup.keys.block_size;
+    let m = decision.matched;
+    let matched_tokens = matched_tokens(&m, bs);
     let predicted_tokens = matched_tokens.gpu + matched_tokens.cpu + matched_tokens.storage;
+    let prompt_blocks = lookup.shape.usable_blocks;
     let uncached_blocks = prompt_blocks.saturating_sub(m.total());
+    let rates = cands
+        .get(decision.replica as usize)
+        .map_or_else(|| state.config.scoring.prior_rates(), |c| c.rates);
     let routed = state.load.routed(NewDecision {
         replica: chosen.clone(),
         predicted_tokens,
         prefill_blocks: uncached_blocks,
-        prefill_time: prefill_estimate(cfg, uncached_blocks, keys.block_size),
+        prefill_time: prefill_estimate(&rates, uncached_blocks, bs),
         decode_time: state.load.config().decode_time(req.max_tokens),
+        output_tokens: u64::from(lookup.shape.output_tokens),
+        predicted_ttft_s: decision.terms.ttft_s,
         callout: req.callout_id.clone(),
     });
     let decision_id = routed.id.to_string();
@@ -350,25 +407,27 @@ pub fn route(
         .unwrap_or_else(|| decision_id.clone());
     state.metrics.routed.fetch_add(1, Ordering::Relaxed);
     state.metrics.count_decision(&reason);
+    let t = &decision.terms;
     tracing::debug!(
-        model = %keys.model.name,
+        model = %lookup.keys.model.name,
         replica = %chosen.name,
         %reason,
         prompt_blocks,
         gpu = m.gpu, cpu = m.cpu, storage = m.storage, predicted = m.predicted,
-        cost = decision.cost,
-        raw_credit = decision.terms.raw_credit,
-        decay = decision.terms.decay,
-        load_cost = decision.terms.load_cost,
-        overloaded = decision.terms.overloaded,
-        mean_load = decision.mean_load,
+        cost_s = t.cost_s,
+        ttft_s = t.ttft_s,
+        queue_wait_s = t.queue_wait_s,
+        prefill_s = t.prefill_s,
+        tier_load_s = t.tier_load_s,
+        kv_pressure_s = t.kv_pressure_s,
+        harm_s = t.harm_s,
         runner_up = ?decision.runner_up,
         tied = decision.tied,
         %decision_id,
         counted = routed.counted,
         "route decision"
     );
-    Ok(RouteResponse {
+    RouteResponse {
         endpoint: chosen.endpoint.clone(),
         replica: chosen.name.clone(),
         matched_tokens,
@@ -377,6 +436,8 @@ pub fn route(
         request_id,
         policy: state.policy.as_str().to_string(),
         prompt_blocks,
-        cost: decision.cost,
-    })
+        cost: t.cost_s,
+        predicted_ttft_ms: t.ttft_s * 1000.0,
+        explain,
+    }
 }

@@ -1,11 +1,14 @@
 //! Scrapes every replica's Prometheus `/metrics` at a fixed interval for its queue, running
-//! requests and KV usage (scoring inputs), and for `process_start_time_seconds`: a change means
+//! requests and KV usage (scoring inputs), for the counters and histograms that calibrate its
+//! rates (`kvroute_core::calibration`), and for `process_start_time_seconds`: a change means
 //! the engine restarted, which sequence numbers alone cannot always tell (a new engine's seq can
 //! pass the old one's), so that replica's entries are dropped and its streams resynchronised.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use kvroute_core::calibration::{EngineTotals, ReplicaCalibration};
 
 use crate::membership::{lock, Replica};
 use crate::state::AppState;
@@ -23,9 +26,13 @@ pub struct EngineMetrics {
     pub process_start: Option<f64>,
     /// Running + waiting per `engine` label (vLLM labels each data-parallel engine by its rank).
     pub busy_by_engine: std::collections::BTreeMap<u32, f64>,
+    /// Calibration inputs, summed over engines.
+    pub totals: EngineTotals,
+    prompt_tokens: f64,
+    cached_tokens: f64,
 }
 
-/// Parses Prometheus text exposition (only the four series kvroute needs).
+/// Parses Prometheus text exposition (only the series kvroute needs).
 pub fn parse_metrics(text: &str) -> EngineMetrics {
     let mut m = EngineMetrics::default();
     for line in text.lines() {
@@ -72,20 +79,37 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
             "process_start_time_seconds" => {
                 m.process_start = Some(m.process_start.map_or(value, |p: f64| p.min(value)))
             }
+            "vllm:iteration_tokens_total_count" => m.totals.steps += value,
+            "vllm:inter_token_latency_seconds_sum" => m.totals.itl_sum_s += value,
+            "vllm:inter_token_latency_seconds_count" => m.totals.itl_count += value,
+            "vllm:prompt_tokens_total" => m.prompt_tokens += value,
+            "vllm:prefix_cache_hits_total" => m.cached_tokens += value,
+            "vllm:cache_config_info" => {
+                if let Some(blocks) = label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok()) {
+                    m.totals.kv_capacity_blocks = Some(blocks);
+                }
+            }
             _ => {}
         }
     }
+    m.totals.computed_prompt_tokens = (m.prompt_tokens - m.cached_tokens).max(0.0);
     m
+}
+
+/// The value of label `name` in a label list (`a="x",b="y"`), if present.
+fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
+    let key = format!("{name}=\"");
+    let start = labels
+        .match_indices(&key)
+        .find(|(i, _)| *i == 0 || labels.as_bytes()[i - 1] == b',')
+        .map(|(i, m)| i + m.len())?;
+    let rest = &labels[start..];
+    Some(&rest[..rest.find('"')?])
 }
 
 /// The value of an `engine="N"` label, if present and numeric.
 fn engine_label(labels: &str) -> Option<u32> {
-    let start = labels
-        .match_indices("engine=\"")
-        .find(|(i, _)| *i == 0 || labels.as_bytes()[i - 1] == b',')
-        .map(|(i, m)| i + m.len())?;
-    let rest = &labels[start..];
-    rest[..rest.find('"')?].parse().ok()
+    label(labels, "engine")?.parse().ok()
 }
 
 /// Runs forever: scrapes every replica every `scrape_interval_ms`.
@@ -124,9 +148,15 @@ async fn scrape_one(state: Arc<AppState>, replica: Arc<Replica>, timeout: Durati
     match result {
         Ok(text) => {
             let m = parse_metrics(&text);
+            let now = Instant::now();
             let restarted = {
                 let mut s = lock(&replica.scraped);
                 let restarted = matches!((s.process_start, m.process_start), (Some(a), Some(b)) if (a - b).abs() > 0.5);
+                let elapsed = s
+                    .last_ok
+                    .map_or(0.0, |t| now.duration_since(t).as_secs_f64());
+                calibrate(&state, &replica, &m.totals, elapsed, restarted);
+                s.totals = m.totals;
                 s.waiting = m.waiting;
                 s.running = m.running;
                 s.kv_usage = m.kv_usage;
@@ -134,7 +164,7 @@ async fn scrape_one(state: Arc<AppState>, replica: Arc<Replica>, timeout: Durati
                 if m.process_start.is_some() {
                     s.process_start = m.process_start;
                 }
-                s.last_ok = Some(Instant::now());
+                s.last_ok = Some(now);
                 s.failures = 0;
                 restarted
             };
@@ -166,6 +196,23 @@ async fn scrape_one(state: Arc<AppState>, replica: Arc<Replica>, timeout: Durati
     }
 }
 
+/// Feeds one scrape to the replica's calibration (a restart starts it again from the priors).
+fn calibrate(
+    state: &AppState,
+    replica: &Replica,
+    totals: &EngineTotals,
+    elapsed_s: f64,
+    restarted: bool,
+) {
+    let mut cal = lock(&replica.calibration);
+    let cal =
+        cal.get_or_insert_with(|| ReplicaCalibration::new(state.config.scoring.prior_rates()));
+    if restarted {
+        cal.reset();
+    }
+    cal.observe(&state.config.calibration, totals, elapsed_s);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -182,6 +229,13 @@ vllm:kv_cache_usage_perc{engine="0",model_name="qwen3"} 0.25
 vllm:kv_cache_usage_perc{engine="1",model_name="qwen3"} 0.5
 process_start_time_seconds 1.7e+09
 vllm:num_requests_waiting_bogus 99
+vllm:iteration_tokens_total_count{engine="0",model_name="qwen3"} 120.0
+vllm:iteration_tokens_total_sum{engine="0",model_name="qwen3"} 9000.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="qwen3"} 1.5
+vllm:inter_token_latency_seconds_count{engine="0",model_name="qwen3"} 200.0
+vllm:prompt_tokens_total{engine="0",model_name="qwen3"} 5000.0
+vllm:prefix_cache_hits_total{engine="0",model_name="qwen3"} 1200.0
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="32768"} 1.0
 "#;
         let m = parse_metrics(text);
         assert_eq!(m.waiting, 5.0);
@@ -191,6 +245,16 @@ vllm:num_requests_waiting_bogus 99
         assert_eq!(
             m.busy_by_engine.into_iter().collect::<Vec<_>>(),
             [(0, 10.0), (1, 2.0)]
+        );
+        assert_eq!(
+            m.totals,
+            EngineTotals {
+                steps: 120.0,
+                computed_prompt_tokens: 3800.0,
+                itl_sum_s: 1.5,
+                itl_count: 200.0,
+                kv_capacity_blocks: Some(32768),
+            }
         );
     }
 

@@ -83,12 +83,59 @@ pub struct Metrics {
     pub snapshot_lock_us: AtomicU64,
     /// Scrape failures.
     pub scrape_failures: AtomicU64,
+    /// Observed / predicted time to first token, per replica name.
+    pub ttft_accuracy: Mutex<BTreeMap<String, TtftAccuracy>>,
+}
+
+/// Upper bounds of the observed / predicted TTFT ratio buckets.
+pub const TTFT_RATIO_BUCKETS: [f64; 11] =
+    [0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0];
+
+/// Most replicas the TTFT accuracy is kept for (names come from the configuration and admin API).
+const MAX_TTFT_ACCURACY_REPLICAS: usize = 4096;
+
+/// How the predicted time to first token compared with what the proxy saw, for one replica.
+#[derive(Debug, Clone, Default)]
+pub struct TtftAccuracy {
+    /// Per bucket of [`TTFT_RATIO_BUCKETS`] (not cumulative), then the overflow.
+    pub counts: [u64; TTFT_RATIO_BUCKETS.len() + 1],
+    /// Sum of observed TTFTs, seconds.
+    pub observed_s: f64,
+    /// Sum of predicted TTFTs, seconds.
+    pub predicted_s: f64,
+}
+
+impl TtftAccuracy {
+    /// Observations.
+    pub fn count(&self) -> u64 {
+        self.counts.iter().sum()
+    }
 }
 
 impl Metrics {
     /// Counts one decision.
     pub fn count_decision(&self, reason: &str) {
         *lock(&self.decisions).entry(reason.to_string()).or_default() += 1;
+    }
+
+    /// Records one completion's observed TTFT against its prediction (both seconds).
+    pub fn record_ttft(&self, replica: &str, observed_s: f64, predicted_s: f64) {
+        if !(observed_s.is_finite() && predicted_s.is_finite() && predicted_s > 0.0) {
+            return;
+        }
+        let mut all = lock(&self.ttft_accuracy);
+        if !all.contains_key(replica) && all.len() >= MAX_TTFT_ACCURACY_REPLICAS {
+            return;
+        }
+        let a = all.entry(replica.to_string()).or_default();
+        let ratio = observed_s / predicted_s;
+        let i = TTFT_RATIO_BUCKETS
+            .iter()
+            .position(|b| ratio <= *b)
+            .unwrap_or(TTFT_RATIO_BUCKETS.len());
+        a.counts[i] += 1;
+        a.observed_s += observed_s;
+        a.predicted_s += predicted_s;
     }
 
     /// Counts one refused route request.

@@ -17,6 +17,12 @@ use crate::procs::{PortPool, Supervisor};
 
 /// kvroute-sim's default prefill rate (`--prefill-tokens-per-s`), in model-time tokens per second.
 const SIM_PREFILL_TOKENS_PER_S: f64 = 30_000.0;
+/// The scoring model's prior step time and per-sequence step cost (model seconds).
+const SIM_DECODE_STEP_S: f64 = 0.007;
+const SIM_DECODE_STEP_PER_SEQ_S: f64 = 0.000_03;
+/// The scoring model's default latency objectives (model seconds).
+const TTFT_OBJECTIVE_S: f64 = 2.0;
+const ITL_OBJECTIVE_S: f64 = 0.05;
 use crate::stats::{self, CacheCounters};
 
 /// The baseline Envoy configuration (no filter), rendered by [`Stack::start_baseline_envoy`].
@@ -333,19 +339,29 @@ impl Stack {
     /// The indexer's configuration for this stack (its prefill rate is the replicas' time-scaled).
     fn indexer_toml(&self) -> Result<String> {
         let quote = |s: &str| serde_json::to_string(s);
+        let scale = self.cfg.time_scale.max(f64::MIN_POSITIVE);
         let mut toml = format!(
             "# Written by cargo xtask for a local stack.\n\
              listen = {}\nscrape_interval_ms = 500\n\n\
-             # The simulated replicas prefill 30k tokens/s of model time, time-scaled.\n\
-             [scoring]\nprefill_tokens_per_s = {:.1}\n{}\n\
+             # The simulated replicas run --time-scale times faster than the wall: the priors\n\
+             # are the scoring defaults (30k tokens/s, 7 ms steps) in wall time, and their\n\
+             # metrics report model time.\n\
+             [scoring]\nprefill_tokens_per_s = {:.1}\ndecode_step_s = {:.8}\n\
+             decode_step_per_seq_s = {:.10}\nttft_objective_s = {:.6}\nitl_objective_s = {:.8}\n{}\n\
+             [calibration]\nengine_time_scale = {}\n\n\
              [[models]]\nname = {}\nmodel_dir = {}\nblock_size = {}\nhash = {{ algo = {} }}\n",
             quote(&format!("127.0.0.1:{}", self.ports.indexer))?,
-            SIM_PREFILL_TOKENS_PER_S * self.cfg.time_scale.max(f64::MIN_POSITIVE),
+            SIM_PREFILL_TOKENS_PER_S * scale,
+            SIM_DECODE_STEP_S / scale,
+            SIM_DECODE_STEP_PER_SEQ_S / scale,
+            TTFT_OBJECTIVE_S / scale,
+            ITL_OBJECTIVE_S / scale,
             self.cfg
                 .scoring
                 .iter()
                 .map(|line| format!("{line}\n"))
                 .collect::<String>(),
+            scale,
             quote(&self.cfg.model)?,
             quote(&self.cfg.model_dir.to_string_lossy())?,
             self.cfg.block_size,

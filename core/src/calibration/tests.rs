@@ -1,0 +1,199 @@
+use super::*;
+use crate::scoring::SplitMix64;
+
+/// An engine following the simulator's step model, scraped every `scrape_s` wall seconds.
+struct Engine {
+    rate: f64,
+    step: f64,
+    per_seq: f64,
+    totals: EngineTotals,
+    rng: SplitMix64,
+}
+
+impl Engine {
+    fn new(rate: f64, step: f64) -> Self {
+        Engine {
+            rate,
+            step,
+            per_seq: 0.000_03,
+            totals: EngineTotals::default(),
+            rng: SplitMix64::new(42),
+        }
+    }
+
+    /// The mean inter-token latency this engine's steps give (over many steps).
+    fn mean_itl(&self) -> f64 {
+        let mut probe = Engine::new(self.rate, self.step);
+        probe.per_seq = self.per_seq;
+        probe.run(200.0);
+        probe.totals.itl_sum_s / probe.totals.itl_count
+    }
+
+    /// Runs steps for `span_s` seconds: each step decodes 8-40 sequences and, one step in six,
+    /// computes a prefill chunk of up to 8k tokens.
+    fn run(&mut self, span_s: f64) {
+        let mut t = 0.0;
+        while t < span_s {
+            let decoders = (8 + self.rng.below(33)) as f64;
+            let prefill = if self.rng.below(6) == 0 {
+                (256 + self.rng.below(7937)) as f64
+            } else {
+                0.0
+            };
+            let dt = self.step + prefill / self.rate + decoders * self.per_seq;
+            self.totals.steps += 1.0;
+            self.totals.computed_prompt_tokens += prefill;
+            self.totals.itl_sum_s += dt * decoders;
+            self.totals.itl_count += decoders;
+            t += dt;
+        }
+    }
+}
+
+fn prior() -> ReplicaRates {
+    ReplicaRates {
+        prefill_tokens_per_s: 30_000.0,
+        decode_step_s: 0.007,
+        kv_capacity_blocks: 0,
+    }
+}
+
+fn within(got: f64, want: f64, tol: f64) -> bool {
+    (got - want).abs() <= want * tol
+}
+
+fn drive(cal: &mut ReplicaCalibration, cfg: &CalibrationConfig, e: &mut Engine, seconds: f64) {
+    let scrape = 0.5;
+    let mut t = 0.0;
+    while t < seconds {
+        e.run(scrape);
+        cal.observe(cfg, &e.totals, scrape);
+        t += scrape;
+    }
+}
+
+#[test]
+fn learns_a_replica_unlike_its_prior() {
+    let cfg = CalibrationConfig::default();
+    let mut cal = ReplicaCalibration::new(prior());
+    assert_eq!(cal.rates(&cfg).prefill_tokens_per_s, 30_000.0);
+    let mut e = Engine::new(12_000.0, 0.015);
+    drive(&mut cal, &cfg, &mut e, 60.0);
+    let r = cal.rates(&cfg);
+    assert!(within(r.prefill_tokens_per_s, 12_000.0, 0.10), "{r:?}");
+    assert!(
+        within(r.decode_step_s, e.mean_itl(), 0.10),
+        "{r:?} vs {}",
+        e.mean_itl()
+    );
+    assert!(cal.windows() > 10);
+}
+
+#[test]
+fn relearns_a_replica_that_slowed_down_within_a_minute() {
+    let cfg = CalibrationConfig::default();
+    let mut cal = ReplicaCalibration::new(prior());
+    let mut e = Engine::new(30_000.0, 0.006);
+    drive(&mut cal, &cfg, &mut e, 60.0);
+    assert!(within(cal.rates(&cfg).prefill_tokens_per_s, 30_000.0, 0.10));
+    e.rate /= 2.0;
+    e.step *= 2.0;
+    e.per_seq *= 2.0;
+    drive(&mut cal, &cfg, &mut e, 60.0);
+    let r = cal.rates(&cfg);
+    assert!(within(r.prefill_tokens_per_s, 15_000.0, 0.10), "{r:?}");
+    assert!(
+        within(r.decode_step_s, e.mean_itl(), 0.10),
+        "{r:?} vs {}",
+        e.mean_itl()
+    );
+}
+
+#[test]
+fn an_outlier_window_does_not_swing_the_estimate() {
+    let cfg = CalibrationConfig::default();
+    let mut cal = ReplicaCalibration::new(prior());
+    let mut e = Engine::new(30_000.0, 0.006);
+    drive(&mut cal, &cfg, &mut e, 30.0);
+    let before = cal.rates(&cfg);
+    // A scrape whose inter-token gaps sum to an hour (a stalled engine, a broken exporter).
+    e.run(2.0);
+    e.totals.itl_sum_s += 3600.0;
+    cal.observe(&cfg, &e.totals, 2.0);
+    assert_eq!(cal.outliers(), 1);
+    assert_eq!(cal.rates(&cfg), before);
+}
+
+#[test]
+fn a_restart_returns_to_the_prior_and_dead_scrapes_change_nothing() {
+    let cfg = CalibrationConfig::default();
+    let mut cal = ReplicaCalibration::new(prior());
+    let mut e = Engine::new(10_000.0, 0.02);
+    drive(&mut cal, &cfg, &mut e, 30.0);
+    let learned = cal.rates(&cfg);
+    assert!(learned.prefill_tokens_per_s < 15_000.0);
+    // The same totals again (nothing ran, or the scrape failed and the caller passes the last).
+    cal.observe(&cfg, &e.totals, 0.5);
+    assert_eq!(cal.rates(&cfg), learned);
+    // Counters start again from zero: a new engine process.
+    let mut fresh = Engine::new(10_000.0, 0.02);
+    fresh.run(0.5);
+    cal.observe(&cfg, &fresh.totals, 0.5);
+    assert_eq!(cal.windows(), 0);
+    assert_eq!(cal.rates(&cfg).prefill_tokens_per_s, 30_000.0);
+}
+
+#[test]
+fn the_estimates_stay_within_the_bound_of_the_prior() {
+    let cfg = CalibrationConfig::default();
+    let mut cal = ReplicaCalibration::new(prior());
+    let mut e = Engine::new(100.0, 2.0);
+    drive(&mut cal, &cfg, &mut e, 600.0);
+    let r = cal.rates(&cfg);
+    assert!(
+        r.prefill_tokens_per_s >= 30_000.0 / cfg.bound_factor - 1e-6,
+        "{r:?}"
+    );
+    assert!(r.decode_step_s <= 0.007 * cfg.bound_factor + 1e-12, "{r:?}");
+}
+
+#[test]
+fn engine_time_is_converted_to_wall_time() {
+    let cfg = CalibrationConfig {
+        engine_time_scale: 4.0,
+        ..CalibrationConfig::default()
+    };
+    // Prior in wall units for a 4x simulator: 120k tokens/s, 1.75 ms steps.
+    let mut cal = ReplicaCalibration::new(ReplicaRates {
+        prefill_tokens_per_s: 120_000.0,
+        decode_step_s: 0.00175,
+        kv_capacity_blocks: 0,
+    });
+    let mut e = Engine::new(30_000.0, 0.006);
+    // 0.5 wall s per scrape is 2 engine s.
+    for _ in 0..60 {
+        e.run(2.0);
+        cal.observe(&cfg, &e.totals, 0.5);
+    }
+    let r = cal.rates(&cfg);
+    assert!(within(r.prefill_tokens_per_s, 120_000.0, 0.10), "{r:?}");
+    assert!(within(r.decode_step_s, e.mean_itl() / 4.0, 0.10), "{r:?}");
+}
+
+#[test]
+fn kv_capacity_comes_from_the_engine() {
+    let cfg = CalibrationConfig::default();
+    let mut cal = ReplicaCalibration::new(prior());
+    let t = EngineTotals {
+        kv_capacity_blocks: Some(32_768),
+        ..EngineTotals::default()
+    };
+    cal.observe(&cfg, &t, 0.5);
+    assert_eq!(cal.rates(&cfg).kv_capacity_blocks, 32_768);
+    assert!(CalibrationConfig::default().validate().is_ok());
+    let bad = CalibrationConfig {
+        half_life_s: -1.0,
+        ..CalibrationConfig::default()
+    };
+    assert_eq!(bad.validate().map_err(|e| e.0), Err("half_life_s"));
+}

@@ -1,0 +1,127 @@
+//! What the model is given: the request's shape, and per replica what it holds of the request,
+//! what is already asked of it, and how fast it is.
+
+use serde::{Deserialize, Serialize};
+
+/// Leading blocks of the request a replica holds, split by the tier they would be served from.
+///
+/// The tiers are disjoint and consecutive: first `gpu` blocks on GPU, then `predicted` blocks only
+/// predicted (being computed for a sibling routed there; GPU-to-be), then `cpu` blocks from host
+/// memory, then `storage` blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct MatchedBlocks {
+    /// Leading blocks in GPU memory.
+    pub gpu: u32,
+    /// Blocks after those, in host memory.
+    pub cpu: u32,
+    /// Blocks after those, on storage.
+    pub storage: u32,
+    /// Blocks only predicted (sibling of a recent decision), counted after `gpu` and before `cpu`.
+    #[serde(default)]
+    pub predicted: u32,
+}
+
+impl MatchedBlocks {
+    /// Total matched blocks over every tier.
+    pub fn total(&self) -> u32 {
+        self.gpu
+            .saturating_add(self.cpu)
+            .saturating_add(self.storage)
+            .saturating_add(self.predicted)
+    }
+
+    /// Blocks that cost no compute and no transfer (GPU and predicted).
+    pub fn on_gpu(&self) -> u32 {
+        self.gpu.saturating_add(self.predicted)
+    }
+}
+
+/// What is already asked of a replica, as the indexer knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct Load {
+    /// Requests kvroute routed here that have not completed.
+    pub in_flight: u32,
+    /// `vllm:num_requests_waiting`.
+    pub waiting: u32,
+    /// `vllm:num_requests_running`.
+    pub running: u32,
+    /// `vllm:kv_cache_usage_perc` (a fraction 0..1).
+    pub kv_usage: f32,
+    /// Uncached prompt tokens of requests kvroute routed here whose prefill is estimated not done.
+    #[serde(default)]
+    pub pending_prefill_tokens: u64,
+    /// How many requests those tokens belong to.
+    #[serde(default)]
+    pub pending_prefill_requests: u32,
+    /// Output tokens the requests kvroute routed here are still expected to generate (sum).
+    #[serde(default)]
+    pub remaining_output_tokens: u64,
+}
+
+impl Load {
+    /// Sequences decoding in the replica's batch: the engine's count, or kvroute's own requests
+    /// past their prefill when that is larger (the scrape lags).
+    pub fn decoding(&self) -> u32 {
+        let own = self.in_flight.saturating_sub(self.pending_prefill_requests);
+        self.running.max(own)
+    }
+
+    /// The KV usage as a fraction in 0..=1 (0 when the engine reported nonsense).
+    pub fn kv_fraction(&self) -> f64 {
+        let kv = f64::from(self.kv_usage);
+        if kv.is_finite() {
+            kv.clamp(0.0, 1.0)
+        } else {
+            0.0
+        }
+    }
+}
+
+/// How fast a replica is: calibrated from its own metrics, or the configured priors.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ReplicaRates {
+    /// Prefill throughput, tokens per second.
+    pub prefill_tokens_per_s: f64,
+    /// Duration of one engine step at its current batch (its inter-token latency), seconds.
+    pub decode_step_s: f64,
+    /// KV blocks the replica has in all (0 = unknown: no KV-pressure term).
+    #[serde(default)]
+    pub kv_capacity_blocks: u32,
+}
+
+impl Default for ReplicaRates {
+    fn default() -> Self {
+        super::ScoringConfig::default().prior_rates()
+    }
+}
+
+/// One replica the request could go to.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Candidate {
+    /// The caller's replica index (returned in [`super::Decision::replica`]).
+    pub replica: u32,
+    /// Leading blocks of the request this replica holds.
+    pub matched: MatchedBlocks,
+    /// What is already asked of it.
+    pub load: Load,
+    /// How fast it is.
+    pub rates: ReplicaRates,
+    /// False excludes the replica (failed health checks, draining, removed).
+    pub healthy: bool,
+    /// True when its event stream is silent or broken: its index entries may be out of date.
+    pub stale: bool,
+}
+
+/// The request being routed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestShape {
+    /// Prompt length in tokens.
+    pub prompt_tokens: u32,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// Blocks that can be cache hits (`hashing::usable_hit_blocks`: the last token is always
+    /// computed); matches are capped at this.
+    pub usable_blocks: u32,
+    /// Output tokens expected (`max_tokens`, or the configured default).
+    pub output_tokens: u32,
+}

@@ -1,0 +1,167 @@
+//! The prediction for one candidate: the time to first token the request would see there, and
+//! the slowdown it would cause the requests already running there, in seconds.
+//!
+//! ```text
+//! chunk        = max(max_num_batched_tokens - decoding, block_size)      prefill tokens per step
+//! compute(x)   = x / prefill_rate + ceil(x / chunk) * step               x prompt tokens, chunked
+//! ahead        = pending_prefill_tokens + foreign_waiting * mean pending request
+//! queue_wait   = compute(ahead)
+//! prefill      = compute(ahead + uncached) - compute(ahead)
+//! tier_load    = cpu_tokens / cpu_load_rate + storage_tokens / storage_load_rate
+//! kv_pressure  = deficit_blocks / used_blocks * remaining_per_running * step       (0 if it fits)
+//! ttft         = queue_wait + prefill + tier_load + kv_pressure
+//! harm         = decoding * weight * (uncached / prefill_rate + output * per_seq_step)
+//! weight       = ttft_objective / (remaining_per_running * itl_objective)
+//! cost         = ttft + harm
+//! ```
+
+use serde::{Deserialize, Serialize};
+
+use super::config::ScoringConfig;
+use super::inputs::{Candidate, RequestShape};
+
+/// Every term of one candidate's prediction, in seconds unless named otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct CostTerms {
+    /// Prompt tokens served from GPU memory (cached or predicted).
+    pub gpu_hit_tokens: u64,
+    /// Prompt tokens loaded from host memory or storage.
+    pub offload_hit_tokens: u64,
+    /// Prompt tokens this replica would compute.
+    pub uncached_tokens: u64,
+    /// Prefill tokens queued ahead of the request there.
+    pub ahead_tokens: u64,
+    /// Waiting for the prefill ahead of it.
+    pub queue_wait_s: f64,
+    /// Computing its uncached tokens.
+    pub prefill_s: f64,
+    /// Loading its host-memory and storage hits.
+    pub tier_load_s: f64,
+    /// Waiting for KV blocks to free when its blocks do not fit.
+    pub kv_pressure_s: f64,
+    /// The predicted time to first token: the four terms above.
+    pub ttft_s: f64,
+    /// The slowdown it adds to the requests decoding there, weighted against one second of wait.
+    pub harm_s: f64,
+    /// `ttft_s + harm_s`: what the choice minimises.
+    pub cost_s: f64,
+    /// True when the replica's event stream is stale (its matches were not counted unless
+    /// `stale_credit`).
+    pub stale: bool,
+}
+
+/// The prediction for `c` (which must be healthy; the caller filters).
+pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTerms {
+    let bs = u64::from(req.block_size.max(1));
+    let prompt = u64::from(req.prompt_tokens);
+    let trusted = !c.stale || cfg.stale_credit;
+    let matched = if trusted {
+        c.matched
+    } else {
+        Default::default()
+    };
+    // Matches are consecutive tiers; cap them at the usable blocks, fastest tier first.
+    let mut left = req.usable_blocks;
+    let mut take = |blocks: u32| {
+        let t = blocks.min(left);
+        left -= t;
+        u64::from(t) * bs
+    };
+    let gpu_hit = take(matched.on_gpu());
+    let cpu_hit = take(matched.cpu);
+    let storage_hit = take(matched.storage);
+    let uncached = prompt.saturating_sub(gpu_hit + cpu_hit + storage_hit);
+
+    let rate = positive(c.rates.prefill_tokens_per_s, cfg.prefill_tokens_per_s);
+    let step = positive(c.rates.decode_step_s, cfg.decode_step_s);
+    let load = &c.load;
+    let decoding = load.decoding();
+    let chunk = u64::from(cfg.max_num_batched_tokens)
+        .saturating_sub(u64::from(decoding))
+        .max(bs);
+    let compute = |tokens: u64| -> f64 {
+        if tokens == 0 {
+            return 0.0;
+        }
+        tokens as f64 / rate + tokens.div_ceil(chunk) as f64 * step
+    };
+
+    // Requests the engine holds waiting that kvroute did not route there (another gateway, a
+    // direct client) are assumed the size of kvroute's own pending ones, or of this one.
+    let foreign = load.waiting.saturating_sub(load.pending_prefill_requests);
+    let mean_pending = if load.pending_prefill_requests > 0 {
+        load.pending_prefill_tokens / u64::from(load.pending_prefill_requests)
+    } else {
+        prompt
+    };
+    let ahead = load
+        .pending_prefill_tokens
+        .saturating_add(u64::from(foreign).saturating_mul(mean_pending));
+    let queue_wait_s = compute(ahead);
+    let prefill_s = compute(ahead.saturating_add(uncached)) - queue_wait_s;
+    let tier_load_s = cpu_hit as f64 / positive(cfg.cpu_load_tokens_per_s, 1.0)
+        + storage_hit as f64 / positive(cfg.storage_load_tokens_per_s, 1.0);
+
+    let remaining_per_running = if load.in_flight > 0 && load.remaining_output_tokens > 0 {
+        (load.remaining_output_tokens as f64 / f64::from(load.in_flight)).max(1.0)
+    } else {
+        f64::from(cfg.default_remaining_output_tokens.max(1))
+    };
+    let kv_pressure_s = kv_pressure(req, c, uncached, bs, remaining_per_running * step);
+    let ttft_s = queue_wait_s + prefill_s + tier_load_s + kv_pressure_s;
+
+    let weight = cfg.ttft_objective_s / (remaining_per_running * cfg.itl_objective_s);
+    let slowdown = uncached as f64 / rate
+        + f64::from(req.output_tokens) * cfg.decode_step_per_seq_s * (step / cfg.decode_step_s);
+    let harm_s = f64::from(decoding) * weight * slowdown;
+
+    CostTerms {
+        gpu_hit_tokens: gpu_hit,
+        offload_hit_tokens: cpu_hit + storage_hit,
+        uncached_tokens: uncached,
+        ahead_tokens: ahead,
+        queue_wait_s,
+        prefill_s,
+        tier_load_s,
+        kv_pressure_s,
+        ttft_s,
+        harm_s,
+        cost_s: ttft_s + harm_s,
+        stale: c.stale,
+    }
+}
+
+/// Expected wait for KV blocks: when the request's new blocks (its uncached prompt and its output)
+/// do not fit the replica's free blocks, it waits for running requests to finish and free theirs.
+/// Those free `used` blocks over the time the running requests still decode (`drain_s`), so the
+/// deficit takes `deficit / used * drain_s`.
+fn kv_pressure(req: &RequestShape, c: &Candidate, uncached: u64, bs: u64, drain_s: f64) -> f64 {
+    let capacity = u64::from(c.rates.kv_capacity_blocks);
+    if capacity == 0 {
+        return 0.0;
+    }
+    let need = uncached.div_ceil(bs) + u64::from(req.output_tokens).div_ceil(bs);
+    let scraped = (c.load.kv_fraction() * capacity as f64).round() as u64;
+    let queued = c.load.pending_prefill_tokens.div_ceil(bs);
+    let used = scraped.saturating_add(queued).min(capacity);
+    let free = capacity - used;
+    if need <= free {
+        return 0.0;
+    }
+    let deficit = (need - free) as f64;
+    if used == 0 {
+        // It cannot fit even an empty replica: it will be refused there, whatever the cost.
+        return f64::MAX / 4.0;
+    }
+    deficit / used as f64 * drain_s
+}
+
+fn positive(v: f64, fallback: f64) -> f64 {
+    if v.is_finite() && v > 0.0 {
+        v
+    } else if fallback.is_finite() && fallback > 0.0 {
+        fallback
+    } else {
+        1.0
+    }
+}
