@@ -30,6 +30,7 @@ pub struct EngineMetrics {
     pub totals: EngineTotals,
     prompt_tokens: f64,
     cached_tokens: f64,
+    local_compute_tokens: Option<f64>,
 }
 
 /// Parses Prometheus text exposition (only the series kvroute needs).
@@ -84,6 +85,11 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
             "vllm:inter_token_latency_seconds_count" => m.totals.itl_count += value,
             "vllm:prompt_tokens_total" => m.prompt_tokens += value,
             "vllm:prefix_cache_hits_total" => m.cached_tokens += value,
+            "vllm:prompt_tokens_by_source_total"
+                if label(labels, "source") == Some("local_compute") =>
+            {
+                *m.local_compute_tokens.get_or_insert(0.0) += value
+            }
             "vllm:cache_config_info" => {
                 if let Some(blocks) = label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok()) {
                     m.totals.kv_capacity_blocks = Some(blocks);
@@ -92,7 +98,10 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
             _ => {}
         }
     }
-    m.totals.computed_prompt_tokens = (m.prompt_tokens - m.cached_tokens).max(0.0);
+    // vLLM >= 0.11 counts computed prompt tokens itself; older engines: prompt minus cache hits.
+    m.totals.computed_prompt_tokens = m
+        .local_compute_tokens
+        .unwrap_or((m.prompt_tokens - m.cached_tokens).max(0.0));
     m
 }
 
@@ -236,6 +245,8 @@ vllm:inter_token_latency_seconds_count{engine="0",model_name="qwen3"} 200.0
 vllm:prompt_tokens_total{engine="0",model_name="qwen3"} 5000.0
 vllm:prefix_cache_hits_total{engine="0",model_name="qwen3"} 1200.0
 vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="32768"} 1.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="qwen3",source="local_compute"} 3700.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="qwen3",source="local_cache_hit"} 1300.0
 "#;
         let m = parse_metrics(text);
         assert_eq!(m.waiting, 5.0);
@@ -250,7 +261,7 @@ vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="32768"} 1.0
             m.totals,
             EngineTotals {
                 steps: 120.0,
-                computed_prompt_tokens: 3800.0,
+                computed_prompt_tokens: 3700.0,
                 itl_sum_s: 1.5,
                 itl_count: 200.0,
                 kv_capacity_blocks: Some(32768),
