@@ -257,11 +257,11 @@ async fn bind_mode_receives_from_a_connecting_publisher() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let a = toks(1, 9);
     let payload = batch_bytes(vec![stored(&[1, 2], None, &a[..8], 4)]);
-    let msg = zeromq::ZmqMessage::try_from(vec![
+    let msg = zeromq::ZmqMessage::try_from(kvroute_core::events::frames::encode_live(
         bytes::Bytes::from_static(b"kv-events"),
-        bytes::Bytes::copy_from_slice(&0u64.to_be_bytes()),
+        0,
         bytes::Bytes::from(payload),
-    ])
+    ))
     .unwrap();
     sock.send(msg).await.unwrap();
     assert!(
