@@ -63,7 +63,8 @@ pub struct Agentic {
 }
 
 impl Agentic {
-    /// The shape described in the module docs, with `sessions` sessions.
+    /// The shape described in the module docs, with `sessions` sessions starting over ~240
+    /// model s.
     pub fn coding_agents(sessions: usize, seed: u64) -> Self {
         Self {
             sessions,
@@ -75,7 +76,8 @@ impl Agentic {
             reply_tokens: (50, 400),
             max_context_tokens: 48_000,
             think_mean_s: 10.0,
-            start_gap_s: 240.0 / 48.0,
+            // Starts spread over ~240 model s whatever the count: more sessions, more at once.
+            start_gap_s: 240.0 / sessions.max(1) as f64,
             est_prefill_tokens_per_s: 30_000.0,
             est_ms_per_output_token: 8.0,
             seed,
@@ -155,7 +157,7 @@ impl Agentic {
             name: "agentic".to_string(),
             rate: None,
             description: format!(
-                "agentic coding sessions: {} sessions under {} shared {}..{}-token system prompts, {}..{}-token tasks, {}..{} turns each adding a {}..{}-token tool output and a {}..{}-token reply (context up to {}k), think time exponential mean {} s, sessions starting every {} s on average (Poisson)",
+                "agentic coding sessions: {} sessions under {} shared {}..{}-token system prompts, {}..{}-token tasks, {}..{} turns each adding a {}..{}-token tool output and a {}..{}-token reply (context up to {}k), think time exponential mean {} s, sessions starting every {:.1} s on average (Poisson)",
                 self.sessions,
                 self.scaffolds,
                 self.system_tokens.0,
@@ -275,6 +277,21 @@ mod tests {
             .filter(|t| t[0].at_ms <= mid && mid <= t[t.len() - 1].at_ms)
             .count();
         assert!(live >= 10, "{live} sessions live at the median arrival");
+    }
+
+    #[test]
+    fn more_sessions_start_in_the_same_window() {
+        let first_turns = |n: usize| -> f64 {
+            let w = Agentic::coding_agents(n, 2).build().expect("workload");
+            by_session(&w)
+                .values()
+                .map(|t| t[0].at_ms)
+                .fold(0.0, f64::max)
+        };
+        // Poisson starts: the last of n starts lands near 240 s for any n.
+        let (few, many) = (first_turns(48), first_turns(96));
+        assert!((150_000.0..350_000.0).contains(&few), "{few}");
+        assert!((150_000.0..350_000.0).contains(&many), "{many}");
     }
 
     #[test]

@@ -26,6 +26,8 @@ pub struct SimLatency {
     pub max_num_batched_tokens: u64,
     /// Where the values were read.
     pub source: String,
+    /// Read from a running replica (no need to ask again).
+    pub from_replica: bool,
 }
 
 impl SimLatency {
@@ -71,6 +73,7 @@ impl SimLatency {
             decode_ms_per_seq: get("--decode-ms-per-seq")?,
             max_num_batched_tokens: get("--max-num-batched-tokens")? as u64,
             source: "kvroute-sim --help".to_string(),
+            from_replica: false,
         })
     }
 
@@ -104,6 +107,7 @@ impl SimLatency {
             self.max_num_batched_tokens = n as u64;
         }
         self.source = "`GET /admin/latency-model` (speed 1)".to_string();
+        self.from_replica = true;
         true
     }
 
@@ -201,7 +205,7 @@ mod tests {
             (m.decode_ms_per_seq, m.max_num_batched_tokens),
             (0.05, 4096)
         );
-        assert!(m.source.contains("admin"));
+        assert!(m.source.contains("admin") && m.from_replica);
         assert!(!model().apply(&serde_json::json!({"error": "not found"})));
     }
 
@@ -255,6 +259,7 @@ mod tests {
             decode_ms_per_seq: 0.0,
             max_num_batched_tokens: 100,
             source: "test".into(),
+            from_replica: false,
         };
         // 48 -> 5 + 48 = 53; 32 -> 37; 160 -> two chunks: 10 + 160 = 170.
         let b = bound(&uncached, &m).expect("bound");

@@ -709,12 +709,9 @@ fn run_policy(
         .map(|f| (replica_addrs.len() - 1, f * workload.span_s()));
     policy.stop(stack);
     stack.stop_replicas();
-    stack.start_replicas_except(
-        late.as_ref()
-            .map(|(i, _)| std::slice::from_ref(i))
-            .unwrap_or(&[]),
-    )?;
-    if !sim_latency.source.contains("admin") {
+    let later: Vec<usize> = late.iter().map(|&(i, _)| i).collect();
+    stack.start_replicas_except(&later)?;
+    if !sim_latency.from_replica {
         sim_latency.refresh_from(&replica_addrs[0]);
     }
     let router = policy.start(stack, envoy, work_dir)?;
