@@ -301,6 +301,10 @@ impl Plan {
         if opts.fleet.trace_block_tokens == 0 || opts.fleet.trace_count == Some(0) {
             bail!("--trace-block-tokens and --trace-count must be > 0");
         }
+        if let Some(path) = &opts.fleet.trace {
+            // Read it now: a bad file fails before setup, builds and replicas.
+            trace::load(path, "trace", trace_options(opts))?;
+        }
         Ok(plan)
     }
 }
@@ -404,20 +408,21 @@ fn all_workloads(
             .collect();
         let taken: Vec<&str> = taken.iter().map(String::as_str).collect();
         let name = trace::workload_name(path, &taken);
-        out.push(trace::load(
-            path,
-            &name,
-            trace::TraceOptions {
-                block_tokens: opts.fleet.trace_block_tokens,
-                rate: opts.fleet.trace_rate,
-                start: opts.fleet.trace_start,
-                count: opts.fleet.trace_count,
-                max_model_len: opts.max_model_len,
-                max_output_tokens: 2_000,
-            },
-        )?);
+        out.push(trace::load(path, &name, trace_options(opts))?);
     }
     Ok(out)
+}
+
+/// How `--trace` is cut and paced.
+fn trace_options(opts: &BenchOptions) -> trace::TraceOptions {
+    trace::TraceOptions {
+        block_tokens: opts.fleet.trace_block_tokens,
+        rate: opts.fleet.trace_rate,
+        start: opts.fleet.trace_start,
+        count: opts.fleet.trace_count,
+        max_model_len: opts.max_model_len,
+        max_output_tokens: 2_000,
+    }
 }
 
 fn routing(layout: &Layout, opts: &BenchOptions) -> Result<()> {
@@ -1119,8 +1124,17 @@ mod tests {
     #[test]
     fn trace_speed_and_scale_out_flags_are_validated() {
         let plan = |args: &[&str]| Plan::from(&parse(args).expect("parse"));
-        // A trace alone runs only the trace; with --workloads, both.
-        let t = parse(&["--trace", "x/tool_agent.jsonl", "--trace-rate", "2"]).expect("parse");
+        // A trace alone runs only the trace; with --workloads, both. The file is read up front.
+        let dir = std::env::temp_dir().join(format!("xtask-trace-{}", std::process::id()));
+        fs::create_dir_all(&dir).expect("dir");
+        let file = dir.join("tool_agent.jsonl");
+        fs::write(
+            &file,
+            "{\"timestamp\":0,\"input_length\":600,\"output_length\":4,\"hash_ids\":[1,2]}\n",
+        )
+        .expect("write");
+        let f = file.to_str().expect("utf-8 path");
+        let t = parse(&["--trace", f, "--trace-rate", "2"]).expect("parse");
         assert_eq!(
             (
                 t.fleet.trace_block_tokens,
@@ -1130,10 +1144,17 @@ mod tests {
             (512, 2.0, 0)
         );
         assert!(Plan::from(&t).expect("plan").workloads.is_empty());
-        let both = plan(&["--trace", "x.jsonl", "--workloads", "agentic"]).expect("plan");
+        let both = plan(&["--trace", f, "--workloads", "agentic"]).expect("plan");
         assert_eq!(both.workloads, [WorkloadKind::Agentic]);
-        assert!(plan(&["--trace", "x.jsonl", "--trace-rate", "0"]).is_err());
-        assert!(plan(&["--trace", "x.jsonl", "--trace-count", "0"]).is_err());
+        assert!(plan(&["--trace", f, "--trace-rate", "0"]).is_err());
+        assert!(plan(&["--trace", f, "--trace-count", "0"]).is_err());
+        assert!(
+            plan(&["--trace", f, "--trace-start", "5"]).is_err(),
+            "empty window"
+        );
+        let missing = dir.join("missing.jsonl");
+        assert!(plan(&["--trace", missing.to_str().expect("utf-8")]).is_err());
+        let _ = fs::remove_dir_all(&dir);
         // One speed per replica of every fleet.
         let s = parse(&["--replica-speeds", "1,1,0.5,0.5"]).expect("parse");
         assert_eq!(s.fleet.replica_speeds, [1.0, 1.0, 0.5, 0.5]);
