@@ -485,3 +485,89 @@ async fn another_contract_version_is_refused_by_name() {
         .unwrap();
     assert_ne!(resp.status(), 409);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_gives_every_candidate_in_seconds_and_completions_grade_the_prediction() {
+    let (_p0, mut p1, state, base) = two_replicas(Policy::Kv, "").await;
+    let prompt: Vec<u32> = (1..=21).collect();
+    p1.publish(vec![stored(&[1, 2, 3, 4, 5], None, &prompt[..20], 4)])
+        .await;
+    assert!(wait_until(T, || held(&state, "r1", &prompt) == 5).await);
+    let c = reqwest::Client::new();
+    let r: Value = c
+        .post(format!("{base}/v1/route"))
+        .json(&json!({"model": "m", "token_ids": prompt, "explain": true}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r["replica"], "r1", "{r}");
+    let explain = r["explain"].as_array().expect("explain asked for");
+    assert_eq!(explain.len(), 2, "{r}");
+    let by_name = |n: &str| {
+        explain
+            .iter()
+            .find(|e| e["replica"] == n)
+            .unwrap_or_else(|| panic!("{n} in {r}"))
+    };
+    let (hit, cold) = (by_name("r1"), by_name("r0"));
+    assert_eq!(hit["chosen"], true);
+    assert_eq!(cold["chosen"], false);
+    assert_eq!(hit["matched_tokens"]["gpu"], 20);
+    assert_eq!(hit["terms"]["uncached_tokens"], 1);
+    assert_eq!(cold["terms"]["uncached_tokens"], 21);
+    let ttft = |e: &Value| e["terms"]["ttft_s"].as_f64().expect("ttft_s");
+    assert!(ttft(hit) < ttft(cold), "{r}");
+    assert!(hit["rates"]["prefill_tokens_per_s"].as_f64().unwrap() > 0.0);
+    let predicted_ms = r["predicted_ttft_ms"].as_f64().unwrap();
+    assert!((predicted_ms - ttft(hit) * 1000.0).abs() < 1e-6, "{r}");
+    // Without the flag there is no explanation.
+    let plain: Value = c
+        .post(format!("{base}/v1/route"))
+        .json(&json!({"model": "m", "token_ids": prompt}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(plain.get("explain").is_none(), "{plain}");
+
+    // The proxy's TTFT, reported with the completion, is graded against the prediction.
+    let observed_us = (predicted_ms * 3.0 * 1000.0) as u64;
+    let resp = c
+        .post(format!("{base}/v1/complete"))
+        .json(&json!({"decision_id": r["decision_id"], "ttft_us": observed_us}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 204);
+    let metrics = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let line = |prefix: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("{prefix} in\n{metrics}"))
+            .to_string()
+    };
+    // A ratio of 3 lands above 2.0 and at or below 4.0.
+    assert!(
+        line("kvroute_indexer_ttft_observed_over_predicted_bucket{replica=\"r1\",le=\"2\"}")
+            .ends_with(" 0")
+    );
+    assert!(
+        line("kvroute_indexer_ttft_observed_over_predicted_bucket{replica=\"r1\",le=\"4\"}")
+            .ends_with(" 1")
+    );
+    line("kvroute_indexer_replica_prefill_tokens_per_second{replica=\"r0\"");
+    line("kvroute_indexer_replica_decode_step_seconds{replica=\"r1\"");
+}
