@@ -901,6 +901,44 @@ fn print_line(s: &RunSummary) {
         s.errors,
         s.wall_s
     );
+    if let (Some(i), Some(p90), Some(p99)) = (&s.ideal, s.ttft_p90_ms, s.ttft_p99_ms) {
+        println!(
+            "      ideal TTFT p90/p99 {:.0}/{:.0} ms: this policy {:.2}x/{:.2}x",
+            i.p90_ms,
+            i.p99_ms,
+            p90 / i.p90_ms.max(f64::MIN_POSITIVE),
+            p99 / i.p99_ms.max(f64::MIN_POSITIVE)
+        );
+    }
+    if let Some(shares) = &s.replica_shares {
+        let line: Vec<String> = shares
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                format!(
+                    "r{i} x{}: {:.0} % req, {:.0} % prefill of {:.0} % capacity",
+                    r.speed,
+                    r.request_share * 100.0,
+                    r.prefill_share * 100.0,
+                    r.capacity_share * 100.0
+                )
+            })
+            .collect();
+        println!("      speeds: {}", line.join("; "));
+    }
+    if let Some(so) = &s.scale_out {
+        println!(
+            "      scale-out: r{} joined at {:.0} model s; >= 70 % of a share after {}; hit {:.1} % of ceiling {:.1} % before, {:.1} % of {:.1} % after",
+            so.replica,
+            so.joined_s,
+            so.reached_goal_after_s
+                .map_or("never".to_string(), |t| format!("{t:.0} s")),
+            so.hit_before * 100.0,
+            so.ceiling_before * 100.0,
+            so.hit_after * 100.0,
+            so.ceiling_after * 100.0
+        );
+    }
     if let Some(e) = &s.first_error {
         println!(
             "      first error: {}",
