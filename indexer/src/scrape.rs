@@ -28,9 +28,6 @@ pub struct EngineMetrics {
     pub busy_by_engine: std::collections::BTreeMap<u32, f64>,
     /// Calibration inputs, summed over engines.
     pub totals: EngineTotals,
-    prompt_tokens: f64,
-    cached_tokens: f64,
-    local_compute_tokens: Option<f64>,
 }
 
 /// Parses Prometheus text exposition (only the series kvroute needs).
@@ -80,16 +77,11 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
             "process_start_time_seconds" => {
                 m.process_start = Some(m.process_start.map_or(value, |p: f64| p.min(value)))
             }
-            "vllm:iteration_tokens_total_count" => m.totals.steps += value,
+            "vllm:request_prefill_kv_computed_tokens_sum" => m.totals.prefill_tokens += value,
+            "vllm:request_prefill_time_seconds_sum" => m.totals.prefill_time_s += value,
+            "vllm:request_prefill_time_seconds_count" => m.totals.prefills += value,
             "vllm:inter_token_latency_seconds_sum" => m.totals.itl_sum_s += value,
             "vllm:inter_token_latency_seconds_count" => m.totals.itl_count += value,
-            "vllm:prompt_tokens_total" => m.prompt_tokens += value,
-            "vllm:prefix_cache_hits_total" => m.cached_tokens += value,
-            "vllm:prompt_tokens_by_source_total"
-                if label(labels, "source") == Some("local_compute") =>
-            {
-                *m.local_compute_tokens.get_or_insert(0.0) += value
-            }
             "vllm:cache_config_info" => {
                 if let Some(blocks) = label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok()) {
                     m.totals.kv_capacity_blocks = Some(blocks);
@@ -98,10 +90,6 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
             _ => {}
         }
     }
-    // vLLM >= 0.11 counts computed prompt tokens itself; older engines: prompt minus cache hits.
-    m.totals.computed_prompt_tokens = m
-        .local_compute_tokens
-        .unwrap_or((m.prompt_tokens - m.cached_tokens).max(0.0));
     m
 }
 
@@ -238,15 +226,13 @@ vllm:kv_cache_usage_perc{engine="0",model_name="qwen3"} 0.25
 vllm:kv_cache_usage_perc{engine="1",model_name="qwen3"} 0.5
 process_start_time_seconds 1.7e+09
 vllm:num_requests_waiting_bogus 99
-vllm:iteration_tokens_total_count{engine="0",model_name="qwen3"} 120.0
-vllm:iteration_tokens_total_sum{engine="0",model_name="qwen3"} 9000.0
+vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="qwen3"} 3700.0
+vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="qwen3"} 4.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="qwen3"} 0.125
+vllm:request_prefill_time_seconds_count{engine="0",model_name="qwen3"} 4.0
 vllm:inter_token_latency_seconds_sum{engine="0",model_name="qwen3"} 1.5
 vllm:inter_token_latency_seconds_count{engine="0",model_name="qwen3"} 200.0
-vllm:prompt_tokens_total{engine="0",model_name="qwen3"} 5000.0
-vllm:prefix_cache_hits_total{engine="0",model_name="qwen3"} 1200.0
 vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="32768"} 1.0
-vllm:prompt_tokens_by_source_total{engine="0",model_name="qwen3",source="local_compute"} 3700.0
-vllm:prompt_tokens_by_source_total{engine="0",model_name="qwen3",source="local_cache_hit"} 1300.0
 "#;
         let m = parse_metrics(text);
         assert_eq!(m.waiting, 5.0);
@@ -260,8 +246,9 @@ vllm:prompt_tokens_by_source_total{engine="0",model_name="qwen3",source="local_c
         assert_eq!(
             m.totals,
             EngineTotals {
-                steps: 120.0,
-                computed_prompt_tokens: 3700.0,
+                prefill_tokens: 3700.0,
+                prefill_time_s: 0.125,
+                prefills: 4.0,
                 itl_sum_s: 1.5,
                 itl_count: 200.0,
                 kv_capacity_blocks: Some(32768),

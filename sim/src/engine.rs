@@ -184,7 +184,10 @@ pub fn spawn(
     let (tx, rx) = mpsc::unbounded_channel();
     let handle = EngineHandle {
         tx,
-        metrics: Arc::new(Mutex::new(EngineMetrics::new(cfg.max_model_len))),
+        metrics: Arc::new(Mutex::new(EngineMetrics {
+            cache_blocks: (cfg.scheduler.num_gpu_blocks, cfg.scheduler.block_size),
+            ..EngineMetrics::new(cfg.max_model_len)
+        })),
         in_flight: Arc::new(AtomicUsize::new(0)),
         waiting: Arc::new(AtomicUsize::new(0)),
         rank: cfg.rank,

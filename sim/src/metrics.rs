@@ -132,6 +132,8 @@ impl FinishedRequest {
 /// One engine's metrics, updated by the engine loop.
 #[derive(Debug, Clone)]
 pub struct EngineMetrics {
+    /// KV blocks of the engine and tokens per block (`vllm:cache_config_info`; 0 = not exported).
+    pub cache_blocks: (usize, usize),
     /// `vllm:num_requests_running`.
     pub running: usize,
     /// `vllm:num_requests_waiting`.
@@ -205,6 +207,7 @@ impl EngineMetrics {
     pub fn new(max_model_len: usize) -> Self {
         let tokens = build_1_2_5_buckets(max_model_len);
         EngineMetrics {
+            cache_blocks: (0, 0),
             running: 0,
             waiting: 0,
             kv_usage: 0.0,
@@ -314,6 +317,23 @@ pub fn render(model_name: &str, engines: &[EngineMetrics], process_start_s: f64)
     let scalar = |out: &mut String, name: &str, kind: &str, help: &str, f: &Value, extra: &str| {
         family(out, name, kind, help, &[(extra, f)])
     };
+    // vLLM's `vllm:cache_config_info`: one sample of 1 whose labels are the cache config.
+    if engines.iter().any(|e| e.cache_blocks.0 > 0) {
+        let name = "vllm:cache_config_info";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Information of the LLMEngine CacheConfig"
+        );
+        let _ = writeln!(out, "# TYPE {name} gauge");
+        for (i, e) in engines.iter().enumerate() {
+            let (blocks, block_size) = e.cache_blocks;
+            let _ = writeln!(
+                out,
+                "{name}{{block_size=\"{block_size}\",enable_prefix_caching=\"True\",{},num_gpu_blocks=\"{blocks}\"}} 1.0",
+                labels(i)
+            );
+        }
+    }
     scalar(
         &mut out,
         "vllm:num_requests_running",

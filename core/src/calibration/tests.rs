@@ -8,6 +8,10 @@ struct Engine {
     per_seq: f64,
     totals: EngineTotals,
     rng: SplitMix64,
+    /// Decoding sequences: 8 + `extra_decoders` + up to 32 at random.
+    extra_decoders: usize,
+    /// One step in this many computes a prefill chunk.
+    prefill_one_in: usize,
 }
 
 impl Engine {
@@ -18,13 +22,27 @@ impl Engine {
             per_seq: 0.000_03,
             totals: EngineTotals::default(),
             rng: SplitMix64::new(42),
+            extra_decoders: 0,
+            prefill_one_in: 6,
         }
+    }
+
+    /// The prefill rate a request sees on this engine: its tokens over its step's duration.
+    fn effective_rate(&self) -> f64 {
+        let mut probe = Engine::new(self.rate, self.step);
+        probe.per_seq = self.per_seq;
+        probe.extra_decoders = self.extra_decoders;
+        probe.prefill_one_in = self.prefill_one_in;
+        probe.run(200.0);
+        probe.totals.prefill_tokens / probe.totals.prefill_time_s
     }
 
     /// The mean inter-token latency this engine's steps give (over many steps).
     fn mean_itl(&self) -> f64 {
         let mut probe = Engine::new(self.rate, self.step);
         probe.per_seq = self.per_seq;
+        probe.extra_decoders = self.extra_decoders;
+        probe.prefill_one_in = self.prefill_one_in;
         probe.run(200.0);
         probe.totals.itl_sum_s / probe.totals.itl_count
     }
@@ -34,15 +52,18 @@ impl Engine {
     fn run(&mut self, span_s: f64) {
         let mut t = 0.0;
         while t < span_s {
-            let decoders = (8 + self.rng.below(33)) as f64;
-            let prefill = if self.rng.below(6) == 0 {
+            let decoders = (8 + self.extra_decoders + self.rng.below(33)) as f64;
+            let prefill = if self.rng.below(self.prefill_one_in) == 0 {
                 (256 + self.rng.below(7937)) as f64
             } else {
                 0.0
             };
             let dt = self.step + prefill / self.rate + decoders * self.per_seq;
-            self.totals.steps += 1.0;
-            self.totals.computed_prompt_tokens += prefill;
+            if prefill > 0.0 {
+                self.totals.prefill_tokens += prefill;
+                self.totals.prefill_time_s += dt;
+                self.totals.prefills += 1.0;
+            }
             self.totals.itl_sum_s += dt * decoders;
             self.totals.itl_count += decoders;
             t += dt;
@@ -78,9 +99,14 @@ fn learns_a_replica_unlike_its_prior() {
     let mut cal = ReplicaCalibration::new(prior());
     assert_eq!(cal.rates(&cfg).prefill_tokens_per_s, 30_000.0);
     let mut e = Engine::new(12_000.0, 0.015);
+    e.prefill_one_in = 12;
     drive(&mut cal, &cfg, &mut e, 60.0);
     let r = cal.rates(&cfg);
     assert!(within(r.prefill_tokens_per_s, 12_000.0, 0.10), "{r:?}");
+    assert!(
+        within(r.prefill_tokens_per_s, e.effective_rate(), 0.05),
+        "{r:?}"
+    );
     assert!(
         within(r.decode_step_s, e.mean_itl(), 0.10),
         "{r:?} vs {}",
@@ -121,7 +147,7 @@ fn an_outlier_window_does_not_swing_the_estimate() {
     e.totals.itl_sum_s += 3600.0;
     cal.observe(&cfg, &e.totals, 2.0);
     assert_eq!(cal.outliers(), 1);
-    assert_eq!(cal.rates(&cfg), before);
+    assert_eq!(cal.rates(&cfg).decode_step_s, before.decode_step_s);
 }
 
 #[test]
