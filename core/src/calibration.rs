@@ -28,7 +28,7 @@ use crate::scoring::ReplicaRates;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CalibrationConfig {
-    /// Age at which a window weighs half as much as a new one, seconds. Default 10.
+    /// Age at which a window weighs half as much as a new one, engine seconds. Default 10.
     pub half_life_s: f64,
     /// Weight of the prior, in windows, that never fades. Default 0.05.
     pub prior_weight: f64,
@@ -151,7 +151,9 @@ impl FadedRatio {
         {
             return Fold::Dropped;
         }
-        let keep = 0.5f64.powf(std::mem::take(&mut self.age_s) / cfg.half_life_s);
+        // Age in engine seconds: what the engine did in a window, not how fast the wall ran.
+        let age_s = std::mem::take(&mut self.age_s) * cfg.engine_time_scale;
+        let keep = 0.5f64.powf(age_s / cfg.half_life_s);
         self.num = self.num * keep + num;
         self.den = self.den * keep + den;
         Fold::Folded

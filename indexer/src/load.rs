@@ -121,6 +121,48 @@ impl InflightConfig {
     }
 }
 
+/// Events per second, an exponentially decayed count over `tau_s` (default 10 s).
+#[derive(Debug, Clone)]
+pub struct RateMeter {
+    tau_s: f64,
+    level: f64,
+    at: Option<Instant>,
+}
+
+impl Default for RateMeter {
+    fn default() -> Self {
+        Self::new(10.0)
+    }
+}
+
+impl RateMeter {
+    /// A meter averaging over about `tau_s` seconds.
+    pub fn new(tau_s: f64) -> Self {
+        Self {
+            tau_s: tau_s.max(f64::MIN_POSITIVE),
+            level: 0.0,
+            at: None,
+        }
+    }
+
+    fn decayed(&self, now: Instant) -> f64 {
+        self.at.map_or(0.0, |at| {
+            self.level * (-now.saturating_duration_since(at).as_secs_f64() / self.tau_s).exp()
+        })
+    }
+
+    /// Counts one event at `now`.
+    pub fn record(&mut self, now: Instant) {
+        self.level = self.decayed(now) + 1.0;
+        self.at = Some(now);
+    }
+
+    /// Events per second at `now`.
+    pub fn rate(&self, now: Instant) -> f64 {
+        self.decayed(now) / self.tau_s
+    }
+}
+
 /// The key of one decision, made by this indexer. Its text form (`"{nonce:08x}-{seq:x}"`) is what
 /// the route answer carries as `decision_id`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -494,6 +536,20 @@ impl Inner {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rate_meter_follows_a_steady_rate_and_decays() {
+        let mut m = RateMeter::new(10.0);
+        let t0 = Instant::now();
+        for i in 0..600 {
+            m.record(t0 + Duration::from_millis(100 * i));
+        }
+        let rate = m.rate(t0 + Duration::from_millis(60_000));
+        assert!((rate - 10.0).abs() < 0.5, "{rate}");
+        let later = m.rate(t0 + Duration::from_secs(90));
+        assert!(later < rate * 0.1, "{later}");
+        assert_eq!(RateMeter::default().rate(t0), 0.0);
+    }
     use crate::config::ReplicaConfig;
     use crate::membership::Fleet;
 

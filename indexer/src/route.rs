@@ -204,6 +204,8 @@ pub struct Lookup<'a> {
     pub session: Option<&'a str>,
     /// Seed for random choices.
     pub seed: u64,
+    /// Requests expected per second at each healthy replica.
+    pub arrival_rate_per_replica: f64,
 }
 
 impl Lookup<'_> {
@@ -236,6 +238,7 @@ impl Lookup<'_> {
                         pending_prefill_requests: clamp_u32(get(&r.pending_prefill_requests)),
                         // Requests in flight are on average half way through their output.
                         remaining_output_tokens: get(&r.remaining_output_tokens) as u64 / 2,
+                        arrival_rate_per_s: self.arrival_rate_per_replica,
                     },
                     rates: replica_rates(&state.config.scoring, r, &state.config.calibration),
                     healthy: r.healthy(),
@@ -326,9 +329,17 @@ fn look_up<'a>(
         usable_blocks: keys.usable().len() as u32,
         output_tokens: u32::try_from(output).unwrap_or(u32::MAX),
     };
+    let now = std::time::Instant::now();
+    let arrivals = {
+        let mut meter = lock(&keys.model.arrivals);
+        meter.record(now);
+        meter.rate(now)
+    };
+    let healthy = replicas.iter().filter(|r| r.healthy()).count().max(1);
     Ok(Lookup {
         state,
         keys,
+        arrival_rate_per_replica: arrivals / healthy as f64,
         replicas,
         shape,
         session: req.session.as_deref().or(header_session),
@@ -421,6 +432,7 @@ fn record(
         tier_load_s = t.tier_load_s,
         kv_pressure_s = t.kv_pressure_s,
         harm_s = t.harm_s,
+        arrivals_harm_s = t.arrivals_harm_s,
         runner_up = ?decision.runner_up,
         tied = decision.tied,
         %decision_id,

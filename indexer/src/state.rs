@@ -30,6 +30,8 @@ pub struct ModelRuntime {
     pub hash: Option<HashConfig>,
     /// Extra-key shape of the engines.
     pub style: ExtraKeyStyle,
+    /// Its recent arrival rate (route decisions per second).
+    pub arrivals: Mutex<crate::load::RateMeter>,
 }
 
 impl ModelRuntime {
@@ -194,6 +196,7 @@ impl AppState {
                     loras: m.loras.clone(),
                     hash,
                     style,
+                    arrivals: Mutex::new(crate::load::RateMeter::default()),
                 }),
             );
         }

@@ -108,6 +108,8 @@ struct SimSpec {
     /// The engine's publisher connects out to `tcp://127.0.0.1:pub_port` (vLLM's connect mode)
     /// instead of binding `tcp://*:pub_port`.
     connect_out: bool,
+    /// More command-line arguments.
+    args: Vec<&'static str>,
 }
 
 impl SimSpec {
@@ -119,6 +121,7 @@ impl SimSpec {
             replay_port: free_port_run(dp),
             dp,
             connect_out: false,
+            args: Vec::new(),
         }
     }
 
@@ -145,6 +148,7 @@ impl SimSpec {
                 .args(["--prefix-caching-hash-algo", "sha256"])
                 .args(["--data-parallel-size", &self.dp.to_string()])
                 .args(["--kv-events-config", &events])
+                .args(&self.args)
                 .env_remove("PYTHONHASHSEED")
                 .env("RUST_LOG", "warn");
             let log = dir.join(format!("{}-{attempt_tag}-{attempt}.log", self.name));
@@ -537,4 +541,112 @@ async fn indexer_routes_a_simulated_fleet_found_through_kv_event_sources() {
     assert_eq!(r["endpoint"], a.addr(), "{r}");
     assert_eq!(r["matched_tokens"]["gpu"], hit1, "{r}");
     drop(idx);
+}
+
+/// The gauge `name` of replica `replica` in the indexer's metrics.
+async fn replica_gauge(c: &reqwest::Client, base: &str, name: &str, replica: &str) -> f64 {
+    let text = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let prefix = format!("{name}{{replica=\"{replica}\"");
+    text.lines()
+        .find(|l| l.starts_with(&prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{prefix} in\n{text}"))
+}
+
+/// Sends `n` requests of 2,048 distinct tokens and 16 output tokens, one at a time.
+async fn sequential_load(c: &reqwest::Client, sim: &SimSpec, seed: u32, n: u32) {
+    for i in 0..n {
+        complete(c, sim, &prompt(seed * 1000 + i, 2048), 16).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calibration_learns_the_simulators_rates_and_a_slowdown() {
+    // The simulator's true model: 30k prompt tokens/s, 6 ms steps (+ per sequence and context),
+    // 10x faster than the wall. The indexer starts from a prior three times too slow and learns
+    // both rates from the simulator's own histograms.
+    const SCALE: f64 = 10.0;
+    let bin = sim_binary();
+    let dir = TempDir::new("sim-e2e-calibration");
+    let mut spec = SimSpec::new("sim-cal", 1);
+    spec.args = vec!["--time-scale", "10"];
+    let _sim = spec.start(&bin, &dir.0, "first");
+    let cfg = format!(
+        "scrape_interval_ms = 100\n\
+         [scoring]\nprefill_tokens_per_s = {}\ndecode_step_s = {}\n\
+         [calibration]\nengine_time_scale = {SCALE}\n\
+         [[models]]\nname = \"{MODEL}\"\nmodel_dir = \"{}\"\n\
+         [[models.replicas]]\nname = \"{}\"\nhttp = \"{}\"\ntopic = \"kv-events\"\n",
+        10_000.0 * SCALE,
+        0.02 / SCALE,
+        model_dir().display(),
+        spec.name,
+        spec.addr(),
+    );
+    let cfg_path = dir.0.join("indexer.toml");
+    std::fs::write(&cfg_path, cfg).unwrap();
+    let (_idx, base) = start_indexer(&cfg_path, &dir.0, &[]);
+    let c = client();
+    let truth = get_json(&c, &format!("http://{}/admin/latency-model", spec.addr())).await;
+    let rate = truth["prefill_tokens_per_s"].as_f64().unwrap();
+    // A lone decoding sequence with ~2k tokens of context.
+    let step_ms = truth["decode_step_ms"].as_f64().unwrap()
+        + truth["decode_ms_per_seq"].as_f64().unwrap()
+        + 2.06 * truth["decode_ms_per_1k_context"].as_f64().unwrap();
+    // What a 2,048-token prefill sees: its compute and the step that carries it.
+    let effective = 2048.0 / (2048.0 / rate + step_ms / 1000.0);
+
+    sequential_load(&c, &spec, 1, 100).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let learned = |name: &'static str| {
+        let c = c.clone();
+        let base = base.clone();
+        async move { replica_gauge(&c, &base, name, "sim-cal").await }
+    };
+    let got_rate = learned("kvroute_indexer_replica_prefill_tokens_per_second").await / SCALE;
+    let got_step_ms = learned("kvroute_indexer_replica_decode_step_seconds").await * SCALE * 1e3;
+    assert!(
+        (got_rate - effective).abs() < 0.10 * effective && (got_rate - rate).abs() < 0.10 * rate,
+        "prefill rate learned {got_rate:.0}, true {rate:.0} ({effective:.0} as a prefill sees it)"
+    );
+    assert!(
+        (got_step_ms - step_ms).abs() < 0.10 * step_ms,
+        "step learned {got_step_ms:.2} ms, true {step_ms:.2} ms"
+    );
+
+    // The replica becomes 2x slower; 60 model seconds (6 wall s) of traffic re-learn it.
+    let (status, _) = post_json(
+        &c,
+        &format!("http://{}/admin/speed", spec.addr()),
+        &json!({"speed": 0.5}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let start = Instant::now();
+    let mut seed = 2;
+    while start.elapsed() < Duration::from_secs_f64(60.0 / SCALE) {
+        sequential_load(&c, &spec, seed, 5).await;
+        seed += 1;
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let slow_rate = learned("kvroute_indexer_replica_prefill_tokens_per_second").await / SCALE;
+    let slow_step_ms = learned("kvroute_indexer_replica_decode_step_seconds").await * SCALE * 1e3;
+    assert!(
+        (slow_rate - got_rate / 2.0).abs() < 0.10 * got_rate / 2.0,
+        "after the slowdown: {slow_rate:.0} tokens/s, expected about {:.0}",
+        got_rate / 2.0
+    );
+    assert!(
+        (slow_step_ms - 2.0 * step_ms).abs() < 0.10 * 2.0 * step_ms,
+        "after the slowdown: step {slow_step_ms:.2} ms, expected about {:.2}",
+        2.0 * step_ms
+    );
 }

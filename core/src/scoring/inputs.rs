@@ -56,6 +56,10 @@ pub struct Load {
     /// Output tokens the requests kvroute routed here are still expected to generate (sum).
     #[serde(default)]
     pub remaining_output_tokens: u64,
+    /// Requests expected to arrive here per second (the model's recent arrival rate over its
+    /// healthy replicas).
+    #[serde(default)]
+    pub arrival_rate_per_s: f64,
 }
 
 impl Load {

@@ -11,9 +11,15 @@
 //! kv_pressure  = deficit_blocks / used_blocks * remaining_per_running * step       (0 if it fits)
 //! ttft         = queue_wait + prefill + tier_load + kv_pressure
 //! harm         = decoding * weight * (uncached / prefill_rate + output * per_seq_step)
+//!              + arrival_rate * prefill * (queue_wait + prefill / 2)
 //! weight       = ttft_objective / (remaining_per_running * itl_objective)
 //! cost         = ttft + harm
 //! ```
+//!
+//! The second harm term is the wait this request's prefill adds to the requests that arrive at the
+//! replica before it is done: arrivals during `queue_wait + prefill` queue behind it, each delayed
+//! by up to `prefill` (those arriving during its own prefill, by half of it on average). Their
+//! first token is delayed, so it weighs one for one against this request's.
 
 use serde::{Deserialize, Serialize};
 
@@ -41,8 +47,12 @@ pub struct CostTerms {
     pub kv_pressure_s: f64,
     /// The predicted time to first token: the four terms above.
     pub ttft_s: f64,
-    /// The slowdown it adds to the requests decoding there, weighted against one second of wait.
+    /// The slowdown it adds to the requests decoding there, weighted against one second of wait,
+    /// plus the wait it adds to the requests arriving there while it prefills.
     pub harm_s: f64,
+    /// The part of `harm_s` that is the wait of later arrivals.
+    #[serde(default)]
+    pub arrivals_harm_s: f64,
     /// `ttft_s + harm_s`: what the choice minimises.
     pub cost_s: f64,
     /// True when the replica's event stream is stale (its matches were not counted unless
@@ -113,7 +123,13 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
     let weight = cfg.ttft_objective_s / (remaining_per_running * cfg.itl_objective_s);
     let slowdown = uncached as f64 / rate
         + f64::from(req.output_tokens) * cfg.decode_step_per_seq_s * (step / cfg.decode_step_s);
-    let harm_s = f64::from(decoding) * weight * slowdown;
+    let arrival_rate = if load.arrival_rate_per_s.is_finite() {
+        load.arrival_rate_per_s.max(0.0)
+    } else {
+        0.0
+    };
+    let arrivals_harm_s = arrival_rate * prefill_s * (queue_wait_s + prefill_s / 2.0);
+    let harm_s = f64::from(decoding) * weight * slowdown + arrivals_harm_s;
 
     CostTerms {
         gpu_hit_tokens: gpu_hit,
@@ -126,6 +142,7 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
         kv_pressure_s,
         ttft_s,
         harm_s,
+        arrivals_harm_s,
         cost_s: ttft_s + harm_s,
         stale: c.stale,
     }

@@ -442,3 +442,23 @@ fn policy_helpers() {
     assert_eq!(d.replica, 0);
     assert_eq!(d.reason, DecisionReason::Load);
 }
+
+#[test]
+fn at_a_high_arrival_rate_recomputing_a_prefix_delays_the_requests_that_follow() {
+    // Replica 0 holds 400 of 420 blocks with 0.3 s of prefill queued; replica 1 is idle. Without
+    // arrivals, recomputing the prefix on replica 1 (0.22 s) beats waiting; when requests arrive
+    // at 10 per second per replica, the 0.22 s of work delays the ones behind it more than the
+    // wait saves.
+    let cfg = ScoringConfig::default();
+    let holder = queued(cand(0, 400, 0), 9_000, 2);
+    let idle = cand(1, 0, 0);
+    let d = choose(&cfg, &req(420), &[holder, idle], 1).expect("decision");
+    assert_eq!(d.replica, 1, "{:?}", d.candidates);
+    let mut busy = [holder, idle];
+    for c in &mut busy {
+        c.load.arrival_rate_per_s = 10.0;
+    }
+    let d = choose(&cfg, &req(420), &busy, 1).expect("decision");
+    assert_eq!(d.replica, 0, "{:?}", d.candidates);
+    assert!(d.candidates[1].terms.arrivals_harm_s > d.candidates[0].terms.arrivals_harm_s);
+}
