@@ -10,7 +10,7 @@
 //! tier_load    = cpu_tokens / cpu_load_rate + storage_tokens / storage_load_rate
 //! kv_pressure  = deficit_blocks / used_blocks * remaining_per_running * step       (0 if it fits)
 //! ttft         = queue_wait + prefill + tier_load + kv_pressure
-//! harm         = decoding * weight * (uncached / prefill_rate + output * per_seq_step)
+//! harm         = decoding * weight * (uncached / prefill_rate + min(output, remaining) * per_seq_step)
 //!              + arrival_rate * prefill * (queue_wait + prefill / 2)
 //! weight       = ttft_objective / (remaining_per_running * itl_objective)
 //! cost         = ttft + harm
@@ -121,8 +121,9 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
     let ttft_s = queue_wait_s + prefill_s + tier_load_s + kv_pressure_s;
 
     let weight = cfg.ttft_objective_s / (remaining_per_running * cfg.itl_objective_s);
-    let slowdown = uncached as f64 / rate
-        + f64::from(req.output_tokens) * cfg.decode_step_per_seq_s * (step / cfg.decode_step_s);
+    // Its decode lengthens each step it shares with a running request, for as long as both run.
+    let shared_steps = f64::from(req.output_tokens).min(remaining_per_running);
+    let slowdown = uncached as f64 / rate + shared_steps * cfg.decode_step_per_seq_s;
     let arrival_rate = if load.arrival_rate_per_s.is_finite() {
         load.arrival_rate_per_s.max(0.0)
     } else {
