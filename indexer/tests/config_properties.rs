@@ -123,7 +123,7 @@ fn key() -> impl Strategy<Value = String> {
             "connect_timeout_ms", "max_backoff_ms", "replay_read_timeout_ms",
             "replay_max_batches", "replay_max_bytes", "max_message_bytes", "bind_address",
             "allowed_peers", "session_header", "session_ttl_ms", "approx_ttl_ms",
-            "approx_max_entries", "credit_gpu", "credit_cpu", "overload_factor", "name",
+            "approx_max_entries", "prefill_tokens_per_s", "half_life_s", "ttft_objective_s", "name",
             "model_dir", "block_size", "algo", "seed", "engine_version", "http", "endpoint",
             "events", "replay", "topic", "data_parallel_size", "bind",
         ])
