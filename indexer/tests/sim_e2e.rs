@@ -543,8 +543,8 @@ async fn indexer_routes_a_simulated_fleet_found_through_kv_event_sources() {
     drop(idx);
 }
 
-/// The gauge `name` of replica `replica` in the indexer's metrics.
-async fn replica_gauge(c: &reqwest::Client, base: &str, name: &str, replica: &str) -> f64 {
+/// The gauge `name` in the indexer's metrics (the test's one replica).
+async fn replica_gauge(c: &reqwest::Client, base: &str, name: &str) -> f64 {
     let text = c
         .get(format!("{base}/metrics"))
         .send()
@@ -553,12 +553,7 @@ async fn replica_gauge(c: &reqwest::Client, base: &str, name: &str, replica: &st
         .text()
         .await
         .unwrap();
-    let prefix = format!("{name}{{replica=\"{replica}\"");
-    text.lines()
-        .find(|l| l.starts_with(&prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("{prefix} in\n{text}"))
+    metric_sum(&text, name).unwrap_or_else(|| panic!("{name} in\n{text}"))
 }
 
 /// Sends `n` requests of 2,048 distinct tokens and 16 output tokens, one at a time.
@@ -609,7 +604,7 @@ async fn calibration_learns_the_simulators_rates_and_a_slowdown() {
     let learned = |name: &'static str| {
         let c = c.clone();
         let base = base.clone();
-        async move { replica_gauge(&c, &base, name, "sim-cal").await }
+        async move { replica_gauge(&c, &base, name).await }
     };
     let got_rate = learned("kvroute_indexer_replica_prefill_tokens_per_second").await / SCALE;
     let got_step_ms = learned("kvroute_indexer_replica_decode_step_seconds").await * SCALE * 1e3;
