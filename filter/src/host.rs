@@ -1,4 +1,4 @@
-//! Panic-free host calls.
+//! Panic-free proxy-wasm host calls (the proxy-wasm adapter's only way to the host).
 //!
 //! The proxy-wasm Rust SDK's `hostcalls` panic on any status they do not expect, and a panic in
 //! the VM kills that worker's filter chain (every later request on the worker gets a 503). This
@@ -12,6 +12,8 @@
 
 use std::fmt;
 use std::time::Duration;
+
+use crate::seam::{self, Level};
 
 /// A host call that did not return `Ok`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +38,12 @@ impl fmt::Display for HostError {
 
 /// Result of a host call.
 pub type HostResult<T> = Result<T, HostError>;
+
+impl From<HostError> for seam::HostError {
+    fn from(e: HostError) -> Self {
+        seam::HostError::Failed(e.to_string())
+    }
+}
 
 /// Header maps of the proxy-wasm ABI.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,22 +71,6 @@ pub enum Buffer {
     VmConfiguration = 6,
     /// The plugin `configuration`.
     PluginConfiguration = 7,
-}
-
-/// Log levels of the proxy-wasm ABI.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-#[repr(u32)]
-pub enum Level {
-    /// Trace.
-    Trace = 0,
-    /// Debug.
-    Debug = 1,
-    /// Info.
-    Info = 2,
-    /// Warn.
-    Warn = 3,
-    /// Error.
-    Error = 4,
 }
 
 /// Metric kinds of the proxy-wasm ABI.
@@ -456,14 +448,6 @@ pub fn dispatch_http_call(
         let _ = (cluster, headers, body, timeout);
         Err(HostError::Unavailable)
     }
-}
-
-/// Logs with `format!` arguments.
-#[macro_export]
-macro_rules! hlog {
-    ($level:ident, $($arg:tt)*) => {
-        $crate::host::log($crate::host::Level::$level, &format!($($arg)*))
-    };
 }
 
 #[cfg(test)]

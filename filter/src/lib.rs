@@ -1,4 +1,4 @@
-//! kvroute's Envoy proxy-wasm HTTP filter.
+//! kvroute's Envoy HTTP filter.
 //!
 //! Per request on a routed path: strip any client `x-envoy-original-dst-host`, buffer the body,
 //! render and tokenise the prompt with the model's real tokenizer ([`kvroute_core::request`]),
@@ -7,9 +7,12 @@
 //! ORIGINAL_DST cluster and resume. Anything wrong on the filter's side fails open: the header
 //! stays absent and Envoy's route sends the request to the load-balanced fallback cluster.
 //!
-//! Modules: [`config`] (plugin configuration), [`protocol`] (pure wire logic), [`models`]
-//! (per-VM tokenizer registry), [`engine`] (bridge to `kvroute_core`), [`metrics`], [`host`]
-//! (panic-free host calls), and the proxy-wasm glue in [`root_context`] and [`http_context`].
+//! The logic is host-independent and reaches the proxy only through [`seam`]'s traits:
+//! [`plugin`] (configuration, per-model tokenizers), [`stream`] (one request), with [`config`],
+//! [`protocol`] (pure wire logic), [`usage`] (the response's `cached_tokens`), [`models`]
+//! (tokenizer registry), [`engine`] (bridge to `kvroute_core`) and [`metrics`] (names). The
+//! proxy-wasm build is the thin adapter in [`root_context`] and [`http_context`] over [`host`]
+//! (panic-free host calls); a native build implements the same traits.
 
 pub mod config;
 pub mod engine;
@@ -17,8 +20,12 @@ pub mod host;
 pub mod http_context;
 pub mod metrics;
 pub mod models;
+pub mod plugin;
 pub mod protocol;
 pub mod root_context;
+pub mod seam;
+pub mod stream;
+pub mod usage;
 
 #[cfg(target_arch = "wasm32")]
 proxy_wasm::main! {{

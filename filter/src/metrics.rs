@@ -1,8 +1,8 @@
-//! The filter's Envoy stats. Envoy prefixes them with `wasmcustom.`, e.g.
-//! `wasmcustom.kvroute.fail_open.indexer_timeout`. Counters are process-wide (every VM defines the
-//! same names, Envoy sums them).
+//! The filter's Envoy stats: names and kinds, the same in every host build. The proxy-wasm build
+//! gets them prefixed with `wasmcustom.`, e.g. `wasmcustom.kvroute.fail_open.indexer_timeout`;
+//! counters are process-wide (every VM defines the same names, Envoy sums them). A host keeps its
+//! own ids in a [`MetricIds`].
 
-use crate::host::{self, MetricKind};
 use crate::protocol::FailOpen;
 
 /// Counters and histograms, by event.
@@ -89,106 +89,115 @@ impl Histogram {
     }
 }
 
-/// Name of the gauge holding a VM's linear memory size (bytes). Every VM sets the same gauge, so
-/// it shows the last reporting VM (they are alike: one tokenizer per model each).
-const VM_MEMORY_GAUGE: &str = "kvroute.vm_memory_bytes";
-
-/// Metric ids of one VM. A metric that could not be defined is simply not recorded.
-#[derive(Debug, Clone, Default)]
-pub struct Metrics {
-    counters: Vec<Option<u32>>,
-    fail_open: Vec<Option<u32>>,
-    histograms: Vec<Option<u32>>,
-    vm_memory: Option<u32>,
+/// One countable or recordable metric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Metric {
+    /// An event counter.
+    Counter(Counter),
+    /// A fail-open counter, by reason.
+    FailOpen(FailOpen),
+    /// A histogram.
+    Histogram(Histogram),
 }
 
-impl Metrics {
-    /// Defines every metric; returns the names that failed (for one log line).
-    pub fn define() -> (Self, Vec<&'static str>) {
-        let mut failed = Vec::new();
-        let mut def = |kind, name: &'static str| match host::define_metric(kind, name) {
-            Ok(id) => Some(id),
-            Err(_) => {
-                failed.push(name);
-                None
+impl From<Counter> for Metric {
+    fn from(c: Counter) -> Self {
+        Metric::Counter(c)
+    }
+}
+
+impl From<FailOpen> for Metric {
+    fn from(r: FailOpen) -> Self {
+        Metric::FailOpen(r)
+    }
+}
+
+impl From<Histogram> for Metric {
+    fn from(h: Histogram) -> Self {
+        Metric::Histogram(h)
+    }
+}
+
+/// The kind of a metric, for the host's definition call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricKind {
+    /// Monotonic counter.
+    Counter,
+    /// Histogram.
+    Histogram,
+}
+
+impl Metric {
+    /// Every metric, counters first.
+    pub fn all() -> impl Iterator<Item = Metric> {
+        Counter::ALL
+            .into_iter()
+            .map(Metric::Counter)
+            .chain(FailOpen::ALL.into_iter().map(Metric::FailOpen))
+            .chain(Histogram::ALL.into_iter().map(Metric::Histogram))
+    }
+
+    /// The stat name, the same in every host build (a host may prefix it, e.g. proxy-wasm's
+    /// `wasmcustom.`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Metric::Counter(c) => c.name(),
+            Metric::FailOpen(r) => fail_open_name(r),
+            Metric::Histogram(h) => h.name(),
+        }
+    }
+
+    /// Counter or histogram.
+    pub fn kind(self) -> MetricKind {
+        match self {
+            Metric::Counter(_) | Metric::FailOpen(_) => MetricKind::Counter,
+            Metric::Histogram(_) => MetricKind::Histogram,
+        }
+    }
+
+    /// Position in [`Metric::all`].
+    fn index(self) -> usize {
+        match self {
+            Metric::Counter(c) => Counter::ALL.iter().position(|x| *x == c).unwrap_or(0),
+            Metric::FailOpen(r) => {
+                Counter::ALL.len() + FailOpen::ALL.iter().position(|x| *x == r).unwrap_or(0)
             }
-        };
-        let counters = Counter::ALL
-            .iter()
-            .map(|c| def(MetricKind::Counter, c.name()))
-            .collect();
-        let fail_open = FailOpen::ALL
-            .iter()
-            .map(|r| def(MetricKind::Counter, fail_open_name(*r)))
-            .collect();
-        let histograms = Histogram::ALL
-            .iter()
-            .map(|h| def(MetricKind::Histogram, h.name()))
-            .collect();
-        let vm_memory = def(MetricKind::Gauge, VM_MEMORY_GAUGE);
-        (
-            Self {
-                counters,
-                fail_open,
-                histograms,
-                vm_memory,
-            },
-            failed,
-        )
-    }
-
-    /// Counts one event.
-    pub fn inc(&self, c: Counter) {
-        if let Some(Some(id)) = Counter::ALL
-            .iter()
-            .position(|x| *x == c)
-            .and_then(|i| self.counters.get(i))
-        {
-            let _ = host::increment_metric(*id, 1);
-        }
-    }
-
-    /// Counts one fail-open by reason.
-    pub fn fail_open(&self, r: FailOpen) {
-        if let Some(Some(id)) = FailOpen::ALL
-            .iter()
-            .position(|x| *x == r)
-            .and_then(|i| self.fail_open.get(i))
-        {
-            let _ = host::increment_metric(*id, 1);
-        }
-    }
-
-    /// Records a histogram value.
-    pub fn record(&self, h: Histogram, value: u64) {
-        if let Some(Some(id)) = Histogram::ALL
-            .iter()
-            .position(|x| *x == h)
-            .and_then(|i| self.histograms.get(i))
-        {
-            let _ = host::record_metric(*id, value);
+            Metric::Histogram(h) => {
+                Counter::ALL.len()
+                    + FailOpen::ALL.len()
+                    + Histogram::ALL.iter().position(|x| *x == h).unwrap_or(0)
+            }
         }
     }
 }
 
-impl Metrics {
-    /// Publishes this VM's linear memory size.
-    pub fn record_vm_memory(&self) {
-        if let Some(id) = self.vm_memory {
-            let _ = host::record_metric(id, vm_memory_bytes());
-        }
-    }
+/// A host's ids of every [`Metric`]; a metric the host could not define is simply not recorded.
+#[derive(Debug, Clone, Default)]
+pub struct MetricIds<Id> {
+    ids: Vec<Option<Id>>,
 }
 
-/// The VM's linear memory in bytes (0 off wasm).
-pub fn vm_memory_bytes() -> u64 {
-    #[cfg(target_arch = "wasm32")]
-    {
-        (core::arch::wasm32::memory_size::<0>() as u64) * 65_536
+impl<Id: Copy> MetricIds<Id> {
+    /// Defines every metric with `define`; returns the names that failed (for one log line).
+    pub fn define(
+        mut define: impl FnMut(MetricKind, &'static str) -> Option<Id>,
+    ) -> (Self, Vec<&'static str>) {
+        let mut failed = Vec::new();
+        let ids = Metric::all()
+            .map(|m| {
+                let id = define(m.kind(), m.name());
+                if id.is_none() {
+                    failed.push(m.name());
+                }
+                id
+            })
+            .collect();
+        (Self { ids }, failed)
     }
-    #[cfg(not(target_arch = "wasm32"))]
-    {
-        0
+
+    /// The host's id of `metric`, if it was defined.
+    pub fn get(&self, metric: Metric) -> Option<Id> {
+        self.ids.get(metric.index()).copied().flatten()
     }
 }
 
@@ -225,12 +234,26 @@ mod tests {
     }
 
     #[test]
-    fn recording_without_a_host_is_harmless() {
-        let (m, failed) = Metrics::define();
-        assert_eq!(failed.len(), Counter::ALL.len() + FailOpen::ALL.len() + 3);
-        m.record_vm_memory();
-        m.inc(Counter::Routed);
-        m.fail_open(FailOpen::NotJson);
-        m.record(Histogram::PrepareUs, 3);
+    fn every_metric_has_its_own_id() {
+        let mut next = 0u32;
+        let (ids, failed) = MetricIds::define(|_, name| {
+            next += 1;
+            (name != "kvroute.routed").then_some(next)
+        });
+        assert_eq!(failed, vec!["kvroute.routed"]);
+        assert_eq!(ids.get(Counter::Routed.into()), None);
+        let all: Vec<Option<u32>> = Metric::all().map(|m| ids.get(m)).collect();
+        let mut defined: Vec<u32> = all.iter().flatten().copied().collect();
+        defined.dedup();
+        assert_eq!(defined.len(), Metric::all().count() - 1);
+        assert_eq!(
+            ids.get(Histogram::RouteCallUs.into()),
+            Some(next),
+            "histograms come last"
+        );
+        assert_eq!(
+            Metric::from(FailOpen::NotJson).name(),
+            "kvroute.fail_open.not_json"
+        );
     }
 }

@@ -1,4 +1,4 @@
-//! Per-VM model registry: which models have a tokenizer ready, which are loading, which failed
+//! Per-plugin model registry: which models have a tokenizer ready, which are loading, which failed
 //! (and when to retry), which the indexer does not know. Pure state machine; time is passed in.
 //!
 //! Only models the indexer knows take one of the `max_models` slots: a name seen for the first
@@ -8,7 +8,7 @@
 //! `max_name_bytes` are unknown at once, without a lookup.
 
 use std::collections::HashMap;
-use std::rc::Rc;
+use std::sync::Arc;
 
 /// Where one model in a slot stands.
 #[derive(Debug)]
@@ -18,7 +18,7 @@ enum State<T> {
     /// A fetch is in flight (started at this time, ms).
     Loading { since_ms: u64 },
     /// Ready to route.
-    Ready(Rc<T>),
+    Ready(Arc<T>),
     /// The last fetch failed; retry at `retry_at_ms`.
     Failed { retry_at_ms: u64 },
     /// The indexer does not know this configured model; ask again after `until_ms`.
@@ -56,7 +56,7 @@ struct Negative {
 #[derive(Debug)]
 pub enum Lookup<T> {
     /// Yes, with this tokenizer.
-    Ready(Rc<T>),
+    Ready(Arc<T>),
     /// Not yet (loading or retrying): fail open as `tokenizer_not_ready`.
     NotReady,
     /// Never heard of it (or the name is too long): fail open as `unknown_model`.
@@ -127,7 +127,7 @@ impl<T> ModelRegistry<T> {
         }
         if let Some(e) = self.entries.get_mut(model) {
             return match &e.state {
-                State::Ready(t) => Lookup::Ready(Rc::clone(t)),
+                State::Ready(t) => Lookup::Ready(Arc::clone(t)),
                 State::Unknown { until_ms } if now_ms < *until_ms => Lookup::Unknown,
                 State::Unknown { .. } => {
                     e.state = State::Wanted;
@@ -196,7 +196,7 @@ impl<T> ModelRegistry<T> {
         self.probes.remove(model);
         self.negative.remove(model);
         if let Some(e) = self.entries.get_mut(model) {
-            e.state = State::Ready(Rc::new(t));
+            e.state = State::Ready(Arc::new(t));
             e.last_backoff_ms = None;
             return true;
         }
@@ -206,7 +206,7 @@ impl<T> ModelRegistry<T> {
         self.entries.insert(
             model.to_string(),
             Entry {
-                state: State::Ready(Rc::new(t)),
+                state: State::Ready(Arc::new(t)),
                 last_backoff_ms: None,
                 configured: false,
             },

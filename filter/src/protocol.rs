@@ -1,5 +1,5 @@
-//! Pure wire logic: the indexer's JSON API, the request body rewrite and the response `usage`
-//! scan. No host calls here, so all of it is unit-tested natively.
+//! Pure wire logic: the indexer's JSON API and the request body rewrite. No host calls here, so
+//! all of it is unit-tested natively (the response `usage` scan is [`crate::usage`]).
 
 use std::net::SocketAddr;
 
@@ -315,92 +315,8 @@ pub fn inject_kv_cache_report_mode(raw: &[u8], parsed: &Value) -> Option<Vec<u8>
     }
 }
 
-/// `usage.prompt_tokens_details.cached_tokens` of one response object.
-pub fn cached_tokens_of(v: &Value) -> Option<u64> {
-    v.get("usage")?
-        .get("prompt_tokens_details")?
-        .get("cached_tokens")?
-        .as_u64()
-}
-
-/// `cached_tokens` of a complete non-streaming JSON response.
-pub fn cached_tokens_from_json(body: &[u8]) -> Option<u64> {
-    let v: Value = serde_json::from_slice(body).ok()?;
-    cached_tokens_of(&v)
-}
-
-/// `cached_tokens` from the tail of an SSE stream: the last `data:` event carrying `usage`.
-pub fn cached_tokens_from_sse_tail(tail: &[u8]) -> Option<u64> {
-    let text = String::from_utf8_lossy(tail);
-    text.lines()
-        .rev()
-        .filter_map(|l| l.strip_prefix("data:"))
-        .map(str::trim)
-        .filter(|d| d.starts_with('{') && d.contains("\"usage\""))
-        .find_map(|d| {
-            serde_json::from_str::<Value>(d)
-                .ok()
-                .and_then(|v| cached_tokens_of(&v))
-        })
-}
-
-/// Collects a response body for the `usage` scan with bounded memory: the whole body while it is
-/// below the limit (JSON), and always the last `tail` bytes (SSE).
-#[derive(Debug)]
-pub struct ResponseScanner {
-    limit: usize,
-    tail_cap: usize,
-    whole: Option<Vec<u8>>,
-    tail: Vec<u8>,
-    streaming: bool,
-}
-
-impl ResponseScanner {
-    /// Whether the response is a `text/event-stream`.
-    pub fn streaming(&self) -> bool {
-        self.streaming
-    }
-
-    /// `limit`: bytes of a JSON body kept whole; `streaming`: `text/event-stream`.
-    pub fn new(limit: usize, streaming: bool) -> Self {
-        Self {
-            limit,
-            tail_cap: 64 * 1024,
-            whole: if streaming { None } else { Some(Vec::new()) },
-            tail: Vec::new(),
-            streaming,
-        }
-    }
-
-    /// Feeds one body chunk.
-    pub fn push(&mut self, chunk: &[u8]) {
-        if self.streaming {
-            self.tail.extend_from_slice(chunk);
-            if self.tail.len() > self.tail_cap {
-                let cut = self.tail.len() - self.tail_cap;
-                self.tail.drain(..cut);
-            }
-        } else if let Some(w) = &mut self.whole {
-            if w.len() + chunk.len() > self.limit {
-                self.whole = None;
-            } else {
-                w.extend_from_slice(chunk);
-            }
-        }
-    }
-
-    /// `cached_tokens` of what was fed, if the response carried it.
-    pub fn cached_tokens(&self) -> Option<u64> {
-        if self.streaming {
-            cached_tokens_from_sse_tail(&self.tail)
-        } else {
-            self.whole.as_deref().and_then(cached_tokens_from_json)
-        }
-    }
-}
-
 /// A request id for correlation: the client's/Envoy's `x-request-id` when sane, else generated.
-pub fn request_id(header: Option<&str>, context_id: u32, now_nanos: u64) -> String {
+pub fn request_id(header: Option<&str>, context_id: u64, now_nanos: u64) -> String {
     match header {
         Some(h)
             if !h.is_empty()
@@ -602,38 +518,6 @@ mod tests {
         let raw = b"[1]";
         let v: Value = serde_json::from_slice(raw).unwrap();
         assert!(inject_kv_cache_report_mode(raw, &v).is_none());
-    }
-
-    #[test]
-    fn usage_is_found_in_json_and_sse() {
-        let body = br#"{"id":"x","choices":[],"usage":{"prompt_tokens":40,"prompt_tokens_details":{"cached_tokens":32}}}"#;
-        assert_eq!(cached_tokens_from_json(body), Some(32));
-        assert_eq!(
-            cached_tokens_from_json(br#"{"usage":{"prompt_tokens":4}}"#),
-            None
-        );
-        let sse = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":16}}}\n\ndata: [DONE]\n\n";
-        assert_eq!(cached_tokens_from_sse_tail(sse), Some(16));
-        assert_eq!(cached_tokens_from_sse_tail(b"data: [DONE]\n\n"), None);
-    }
-
-    #[test]
-    fn scanner_bounds_memory() {
-        let mut s = ResponseScanner::new(16, false);
-        s.push(br#"{"usage":"#);
-        s.push(br#"{"prompt_tokens_details":{"cached_tokens":1}}}"#);
-        assert_eq!(s.cached_tokens(), None, "over the limit: gives up");
-        let mut s = ResponseScanner::new(1024, false);
-        s.push(br#"{"usage":"#);
-        s.push(br#"{"prompt_tokens_details":{"cached_tokens":1}}}"#);
-        assert_eq!(s.cached_tokens(), Some(1));
-        let mut s = ResponseScanner::new(0, true);
-        for _ in 0..10_000 {
-            s.push(b"data: {\"choices\":[{\"text\":\"aaaaaaaa\"}]}\n\n");
-        }
-        s.push(b"data: {\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":7}}}\n\ndata: [DONE]\n\n");
-        assert!(s.tail.len() <= 64 * 1024);
-        assert_eq!(s.cached_tokens(), Some(7));
     }
 
     #[test]

@@ -1,0 +1,303 @@
+//! The filter's per-plugin state and logic, host-independent: the validated configuration and
+//! each model's tokenizer, fetched from the indexer at start and on first use (retried with
+//! backoff on the host's tick) or taken from the VM configuration for offline set-ups.
+//!
+//! One [`Plugin`] serves every stream of its host instance: one per Wasm VM in the proxy-wasm
+//! build; it is `Sync`, so a native build can share one per process.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use kvroute_core::api::{check_contract, ContractCheck, CONTRACT_HEADER, CONTRACT_VERSION_STR};
+use serde_json::Value;
+
+use crate::config::{ConfigError, FilterConfig, TokenizerSource};
+use crate::engine::LoadedModel;
+use crate::hlog;
+use crate::metrics::Counter;
+use crate::models::{log_name, Lookup, ModelRegistry, RegistryPolicy};
+use crate::protocol::{parse_tokenizer_bundle, TokenizerBundle};
+use crate::seam::{CallId, CallReply, Callout, Host};
+
+/// How often the host should call [`Plugin::on_tick`].
+pub const TICK: Duration = Duration::from_millis(200);
+
+/// Why a plugin configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    /// The plugin configuration is invalid.
+    #[error("invalid plugin configuration: {0}")]
+    Config(#[from] ConfigError),
+    /// A `tokenizer_source: vm_config` model cannot be loaded.
+    #[error("invalid offline tokenizer set-up: {0}")]
+    Offline(String),
+}
+
+/// State shared by every stream of one host instance.
+pub struct Plugin {
+    /// Validated configuration.
+    pub cfg: FilterConfig,
+    models: Mutex<ModelRegistry<LoadedModel>>,
+    /// Tokenizer fetches in flight: callout -> model name.
+    fetches: Mutex<HashMap<CallId, String>>,
+}
+
+impl std::fmt::Debug for Plugin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Plugin")
+            .field("cfg", &self.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Plugin {
+    /// Validates the plugin configuration and loads the models whose tokenizer is in the VM
+    /// configuration (`vm_config`, a JSON document; may be empty when none is offline). Call
+    /// [`Plugin::on_tick`] right after, and every [`TICK`].
+    pub fn configure(
+        host: &impl Host,
+        plugin_config: &[u8],
+        vm_config: &[u8],
+    ) -> Result<Self, PluginError> {
+        let cfg = FilterConfig::parse(plugin_config)?;
+        let policy = RegistryPolicy {
+            discover: cfg.discover_models,
+            max_models: cfg.max_models,
+            max_probes: cfg.max_models,
+            max_negative: cfg.unknown_model_cache_entries,
+            max_name_bytes: cfg.max_model_name_bytes,
+            initial_backoff_ms: cfg.tokenizer_retry.initial_ms,
+            max_backoff_ms: cfg.tokenizer_retry.max_ms,
+            unknown_ttl_ms: cfg.unknown_model_retry_ms,
+            loading_timeout_ms: cfg.tokenizer_timeout_ms.saturating_add(5_000),
+        };
+        let configured: Vec<String> = cfg
+            .models
+            .iter()
+            .filter(|(_, m)| m.tokenizer_source == TokenizerSource::Indexer)
+            .map(|(n, _)| n.clone())
+            .collect();
+        let plugin = Self {
+            models: Mutex::new(ModelRegistry::new(policy, configured)),
+            cfg,
+            fetches: Mutex::new(HashMap::new()),
+        };
+        plugin
+            .load_vm_config_models(host, vm_config)
+            .map_err(PluginError::Offline)?;
+        Ok(plugin)
+    }
+
+    fn models(&self) -> MutexGuard<'_, ModelRegistry<LoadedModel>> {
+        // The registry is consistent after every call; a panic elsewhere does not spoil it.
+        self.models.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn fetches(&self) -> MutexGuard<'_, HashMap<CallId, String>> {
+        self.fetches.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Can `model` be routed now? Asking for an unknown model schedules its fetch.
+    pub fn lookup(&self, model: &str, now_ms: u64) -> Lookup<LoadedModel> {
+        self.models().lookup(model, now_ms)
+    }
+
+    /// Starts the tokenizer fetches that are due.
+    pub fn on_tick(&self, host: &mut impl Host) {
+        let due = self.models().due_fetches(host.now_millis());
+        for model in due {
+            let source = self
+                .cfg
+                .models
+                .get(&model)
+                .map(|m| m.tokenizer_source)
+                .unwrap_or_default();
+            if source == TokenizerSource::VmConfig {
+                // Loaded at configure time; nothing to fetch (a failure there refused the plugin).
+                continue;
+            }
+            let path = format!("/v1/models/{}/tokenizer", percent_encode(&model));
+            let headers = [
+                (":method", "GET"),
+                (":path", path.as_str()),
+                (":authority", self.cfg.indexer_authority.as_str()),
+                ("accept", "application/json"),
+                (CONTRACT_HEADER, CONTRACT_VERSION_STR),
+            ];
+            let call = Callout {
+                cluster: &self.cfg.indexer_cluster,
+                headers: &headers,
+                body: None,
+                timeout: Duration::from_millis(self.cfg.tokenizer_timeout_ms),
+            };
+            match host.dispatch(&call) {
+                Ok(id) => {
+                    hlog!(
+                        host,
+                        Debug,
+                        "kvroute: fetching tokenizer of model {}",
+                        log_name(&model)
+                    );
+                    self.fetches().insert(id, model);
+                }
+                Err(e) => {
+                    let backoff = self.models().failed(&model, host.now_millis());
+                    host.increment(Counter::TokenizerLoadFailed.into());
+                    hlog!(
+                        host,
+                        Warn,
+                        "kvroute: cannot fetch tokenizer of {} from cluster {:?} ({e}); retry in {backoff} ms",
+                        log_name(&model),
+                        self.cfg.indexer_cluster
+                    );
+                }
+            }
+        }
+    }
+
+    /// Takes a callout answer; returns false when `id` is not one of the plugin's fetches (the
+    /// answer to a report, which needs nothing).
+    pub fn on_call_reply(&self, host: &impl Host, id: CallId, reply: &CallReply) -> bool {
+        let Some(model) = self.fetches().remove(&id) else {
+            return false;
+        };
+        self.on_tokenizer_reply(host, model, reply);
+        true
+    }
+
+    fn on_tokenizer_reply(&self, host: &impl Host, model: String, reply: &CallReply) {
+        let now = host.now_millis();
+        let other_contract = matches!(
+            check_contract(reply.contract.as_deref()),
+            ContractCheck::Other(_)
+        );
+        let outcome: Result<TokenizerBundle, String> = match reply.status {
+            // Another release of the indexer: loud, and retried (an upgrade may be under way).
+            Some(409) | Some(200) if other_contract || reply.status == Some(409) => Err(format!(
+                "the indexer speaks kvroute contract {:?}, this filter {}: run a filter and an \
+                 indexer of the same release",
+                reply.contract.as_deref().unwrap_or("(refused ours)"),
+                kvroute_core::api::CONTRACT_VERSION
+            )),
+            Some(200) => serde_json::from_slice::<Value>(&reply.body)
+                .map_err(|e| format!("not JSON: {e}"))
+                .and_then(|v| parse_tokenizer_bundle(&v)),
+            // 404, or any refusal of the name itself (414 URI too long, 400): a negative answer,
+            // cached; not a failure to retry.
+            Some(s) if (400..500).contains(&s) && s != 408 && s != 429 => {
+                self.models().unknown(&model, now);
+                if self.cfg.models.contains_key(&model) {
+                    hlog!(
+                        host,
+                        Warn,
+                        "kvroute: the indexer does not know model {} (HTTP {s}); its requests fail open",
+                        log_name(&model)
+                    );
+                } else {
+                    hlog!(
+                        host,
+                        Debug,
+                        "kvroute: the indexer does not know model {} (HTTP {s})",
+                        log_name(&model)
+                    );
+                }
+                return;
+            }
+            Some(s) => Err(format!("indexer answered HTTP {s}")),
+            None => Err("no answer (reset or timeout)".to_string()),
+        };
+        let loaded = outcome.and_then(|bundle| {
+            LoadedModel::from_bundle(&bundle, self.cfg.models.get(&model), &self.cfg)
+        });
+        match loaded {
+            Ok(m) => {
+                let (block_size, cap) = (m.block_size, m.max_prompt_tokens);
+                if self.models().loaded(&model, m) {
+                    hlog!(
+                        host,
+                        Info,
+                        "kvroute: tokenizer of model {} ready (block size {block_size}, max prompt tokens {cap})",
+                        log_name(&model)
+                    );
+                    host.increment(Counter::TokenizerLoaded.into());
+                } else {
+                    hlog!(
+                        host,
+                        Warn,
+                        "kvroute: model {} not kept: all max_models slots are taken",
+                        log_name(&model)
+                    );
+                }
+            }
+            Err(e) => {
+                let backoff = self.models().failed(&model, now);
+                host.increment(Counter::TokenizerLoadFailed.into());
+                hlog!(
+                    host,
+                    Warn,
+                    "kvroute: tokenizer of model {} not loaded: {e}; retry in {backoff} ms",
+                    log_name(&model)
+                );
+            }
+        }
+    }
+
+    fn load_vm_config_models(&self, host: &impl Host, vm_config: &[u8]) -> Result<(), String> {
+        let offline: Vec<&String> = self
+            .cfg
+            .models
+            .iter()
+            .filter(|(_, m)| m.tokenizer_source == TokenizerSource::VmConfig)
+            .map(|(n, _)| n)
+            .collect();
+        if offline.is_empty() {
+            return Ok(());
+        }
+        let doc: Value = serde_json::from_slice(vm_config).map_err(|e| {
+            format!(
+                "models with tokenizer_source vm_config need a JSON vm_config.configuration: {e}"
+            )
+        })?;
+        for name in offline {
+            let entry = doc.get("models").and_then(|m| m.get(name)).ok_or_else(|| {
+                format!(
+                    "vm_config.configuration has no models.{name} for tokenizer_source vm_config"
+                )
+            })?;
+            let bundle =
+                parse_tokenizer_bundle(entry).map_err(|e| format!("models.{name}: {e}"))?;
+            let loaded = LoadedModel::from_bundle(&bundle, self.cfg.models.get(name), &self.cfg)
+                .map_err(|e| format!("models.{name}: tokenizer does not load: {e}"))?;
+            if !self.models().loaded(name, loaded) {
+                return Err(format!("models.{name}: no free model slot"));
+            }
+            host.increment(Counter::TokenizerLoaded.into());
+        }
+        Ok(())
+    }
+}
+
+/// Minimal percent-encoding for a model name in a URL path segment.
+pub fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_names_are_path_safe() {
+        assert_eq!(percent_encode("Qwen/Qwen3-0.6B"), "Qwen%2FQwen3-0.6B");
+        assert_eq!(percent_encode("a b?"), "a%20b%3F");
+    }
+}

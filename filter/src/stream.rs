@@ -1,0 +1,703 @@
+//! One request's logic, host-independent: strip the destination header, buffer the body,
+//! tokenise, ask the indexer, set `x-envoy-original-dst-host`, optionally rewrite the body,
+//! resume; on any failure, fail open (no header, so the route goes to the fallback cluster). At
+//! the end of the stream, report completion (with the engine's `cached_tokens` and the indexer's
+//! `decision_id`) to the indexer; a stream that ended while its route call was pending (or after a
+//! failed call the indexer may have counted) is reported as abandoned by its `callout_id`, so the
+//! indexer releases the replica's in-flight slot at once.
+//!
+//! A host adapter creates one [`Stream`] per request and forwards its callbacks, each with the
+//! host's [`StreamHost`].
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_core::api::{CONTRACT_HEADER, CONTRACT_VERSION_STR};
+use serde_json::Value;
+
+use crate::config::OversizedBody;
+use crate::engine::{endpoint_for_path, PrepareError};
+use crate::hlog;
+use crate::metrics::{Counter, Histogram};
+use crate::models::Lookup;
+use crate::plugin::Plugin;
+use crate::protocol::{
+    abandon_body, callout_id, complete_body, inject_kv_cache_report_mode, max_tokens_of,
+    parse_route_answer, request_id, route_may_be_counted, Completion, FailOpen, RouteRequest,
+};
+use crate::seam::{Body, CallId, CallReply, Callout, Flow, Headers, HostError, StreamHost};
+use crate::usage::UsageScanner;
+
+/// The header Envoy's ORIGINAL_DST cluster (`use_http_header: true`) routes by.
+pub const DST_HEADER: &str = "x-envoy-original-dst-host";
+
+/// Longest session id forwarded to the indexer; longer values are not forwarded.
+const MAX_SESSION_BYTES: usize = 256;
+
+/// Debug headers.
+const DBG_REPLICA: &str = "x-kvroute-replica";
+const DBG_REASON: &str = "x-kvroute-reason";
+const DBG_MATCHED: &str = "x-kvroute-matched-tokens";
+const DBG_FAIL_OPEN: &str = "x-kvroute-fail-open";
+
+#[derive(Debug)]
+enum Phase {
+    /// Not ours (or finished deciding): let everything through.
+    Passthrough,
+    /// Collecting the body.
+    Buffering,
+    /// Over `max_body_bytes` with no declared length (failing open), or declared over
+    /// `upstream_max_body_bytes`: the host holds the body, unread, until its end, so that one over
+    /// `upstream_max_body_bytes` gets 413 here rather than being streamed into an engine that
+    /// resets it mid-upload (Envoy then answers 503).
+    Oversized,
+    /// Waiting for `/v1/route`.
+    AwaitingRoute { call: CallId, started_ms: u64 },
+    /// A local reply was sent.
+    Rejected,
+}
+
+/// One request.
+#[derive(Debug)]
+pub struct Stream {
+    /// The host's id of the stream (in generated request ids).
+    id: u64,
+    plugin: Option<Arc<Plugin>>,
+    phase: Phase,
+    path: String,
+    request_id: String,
+    /// Value of the configured session header, forwarded to the indexer.
+    session: Option<String>,
+    /// Raw and parsed body, kept while waiting for the indexer when the body may be rewritten.
+    body: Option<(Vec<u8>, Value)>,
+    /// The replica the indexer chose (also when setting the header then failed).
+    routed_to: Option<String>,
+    decision: Option<(Option<String>, Option<String>)>,
+    /// The indexer's id of the applied decision, echoed in `/v1/complete`.
+    decision_id: Option<String>,
+    /// This request's route call id while the indexer may count its decision without this
+    /// request knowing it (call pending, or failed after the indexer may have decided).
+    unanswered_callout: Option<String>,
+    /// The response's last byte passed the filter.
+    response_done: bool,
+    /// The end was reported (once, whichever end callback comes first).
+    reported: bool,
+    fail_open: Option<FailOpen>,
+    scanner: Option<UsageScanner>,
+    /// Host time (ns) the routed request left for its replica, while its first token is awaited.
+    sent_at_ns: Option<u64>,
+    /// Time to first token of a streamed response, microseconds (reported with the completion).
+    ttft_us: Option<u64>,
+}
+
+impl Stream {
+    /// A stream with the host's id `id`; without a plugin (not configured) the stream only strips
+    /// the destination header.
+    pub fn new(id: u64, plugin: Option<Arc<Plugin>>) -> Self {
+        Self {
+            id,
+            plugin,
+            phase: Phase::Passthrough,
+            path: String::new(),
+            request_id: String::new(),
+            session: None,
+            body: None,
+            routed_to: None,
+            sent_at_ns: None,
+            ttft_us: None,
+            decision: None,
+            decision_id: None,
+            unanswered_callout: None,
+            response_done: false,
+            reported: false,
+            fail_open: None,
+            scanner: None,
+        }
+    }
+
+    /// The fail-open reason of this request, if it failed open.
+    pub fn fail_open_reason(&self) -> Option<FailOpen> {
+        self.fail_open
+    }
+
+    /// The replica endpoint the request was routed to.
+    pub fn routed_to(&self) -> Option<&str> {
+        self.routed_to.as_deref()
+    }
+
+    /// Request headers arrived (`end_of_stream`: there is no body).
+    pub fn on_request_headers(&mut self, host: &mut impl StreamHost, end_of_stream: bool) -> Flow {
+        if !self.strip_dst_header(host) {
+            host.increment(Counter::StripFailedRejected.into());
+            return self.reject(
+                host,
+                503,
+                "kvroute_header_strip_failed",
+                "request refused by the router",
+            );
+        }
+        let Some(plugin) = self.plugin.clone() else {
+            return Flow::Continue;
+        };
+        let method = host.header_text(Headers::Request, ":method");
+        let path = host.header_text(Headers::Request, ":path");
+        let (Some(method), Some(path)) = (method, path) else {
+            return Flow::Continue;
+        };
+        if method != "POST" || !plugin.cfg.routes_path(&path) {
+            return Flow::Continue;
+        }
+        self.path = path;
+        host.increment(Counter::Requests.into());
+        let rid = host.header_text(Headers::Request, "x-request-id");
+        self.request_id = request_id(rid.as_deref(), self.id, host.now_nanos().unwrap_or(0));
+        if !plugin.cfg.session_header.is_empty() {
+            self.session = host
+                .header_text(Headers::Request, &plugin.cfg.session_header)
+                .filter(|s| !s.is_empty() && s.len() <= MAX_SESSION_BYTES);
+        }
+        if end_of_stream {
+            host.increment(Counter::NoBody.into());
+            return Flow::Continue;
+        }
+        let declared = host
+            .header_text(Headers::Request, "content-length")
+            .and_then(|v| v.trim().parse::<usize>().ok());
+        if declared.is_some_and(|n| n > plugin.cfg.upstream_max_body_bytes) {
+            // Answered once that much arrived: a reply before the upload ends is lost in the
+            // reset of the connection when most of the body is still unread.
+            self.phase = Phase::Oversized;
+            return Flow::Pause;
+        }
+        if declared.is_some_and(|n| n > plugin.cfg.max_body_bytes) {
+            return self.oversized(host, &plugin);
+        }
+        self.phase = Phase::Buffering;
+        Flow::Pause
+    }
+
+    /// Request body data arrived; `body_size` is the size of what the host buffered so far.
+    pub fn on_request_body(
+        &mut self,
+        host: &mut impl StreamHost,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Flow {
+        match self.phase {
+            Phase::Buffering | Phase::Oversized => {}
+            Phase::Rejected | Phase::AwaitingRoute { .. } => return Flow::Pause,
+            Phase::Passthrough => return Flow::Continue,
+        }
+        let Some(plugin) = self.plugin.clone() else {
+            return Flow::Continue;
+        };
+        if body_size > plugin.cfg.upstream_max_body_bytes {
+            return self.too_large_for_engines(host);
+        }
+        if matches!(self.phase, Phase::Oversized) {
+            return if end_of_stream {
+                self.oversized(host, &plugin)
+            } else {
+                Flow::Pause
+            };
+        }
+        if body_size > plugin.cfg.max_body_bytes {
+            if plugin.cfg.oversized_body == OversizedBody::Reject || end_of_stream {
+                return self.oversized(host, &plugin);
+            }
+            self.phase = Phase::Oversized;
+            return Flow::Pause;
+        }
+        if !end_of_stream {
+            return Flow::Pause;
+        }
+        let raw = match host.read_body(Body::Request, body_size) {
+            Ok(b) => b,
+            Err(e) => {
+                hlog!(host, Warn, "kvroute: cannot read the request body: {e}");
+                self.note_fail_open(host, &plugin, FailOpen::HostcallError);
+                return Flow::Continue;
+            }
+        };
+        match self.start_route(host, &plugin, raw) {
+            Ok(()) => Flow::Pause,
+            Err(reason) => {
+                self.note_fail_open(host, &plugin, reason);
+                Flow::Continue
+            }
+        }
+    }
+
+    /// Request trailers arrived: a body that ends with trailers is routed with what was buffered.
+    pub fn on_request_trailers(&mut self, host: &mut impl StreamHost) -> Flow {
+        let Some(plugin) = self.plugin.clone() else {
+            return Flow::Continue;
+        };
+        match self.phase {
+            Phase::Buffering => {}
+            Phase::Oversized => return self.oversized(host, &plugin),
+            _ => return Flow::Continue,
+        }
+        let raw = match host.read_body(Body::Request, plugin.cfg.max_body_bytes) {
+            Ok(b) => b,
+            Err(_) => {
+                self.note_fail_open(host, &plugin, FailOpen::HostcallError);
+                return Flow::Continue;
+            }
+        };
+        // The body cannot be rewritten once trailers arrived; route without injection.
+        match self.start_route(host, &plugin, raw) {
+            Ok(()) => {
+                self.body = None;
+                Flow::Pause
+            }
+            Err(reason) => {
+                self.note_fail_open(host, &plugin, reason);
+                Flow::Continue
+            }
+        }
+    }
+
+    /// A callout of this stream answered. Applies a route answer (or fails open) and resumes.
+    pub fn on_call_reply(&mut self, host: &mut impl StreamHost, call: CallId, reply: &CallReply) {
+        let Phase::AwaitingRoute {
+            call: awaited,
+            started_ms,
+        } = self.phase
+        else {
+            return;
+        };
+        if awaited != call {
+            return;
+        }
+        let Some(plugin) = self.plugin.clone() else {
+            return;
+        };
+        self.phase = Phase::Passthrough;
+        match self.apply_route(host, &plugin, reply, started_ms) {
+            Ok(()) => host.increment(Counter::Routed.into()),
+            Err(reason) => self.note_fail_open(host, &plugin, reason),
+        }
+        if let Err(e) = host.resume_request() {
+            hlog!(
+                host,
+                Error,
+                "kvroute: cannot resume request {}: {e}",
+                self.request_id
+            );
+        }
+    }
+
+    /// Response headers arrived (`end_of_stream`: there is no body).
+    pub fn on_response_headers(&mut self, host: &mut impl StreamHost, end_of_stream: bool) -> Flow {
+        if end_of_stream {
+            self.response_done = true;
+        }
+        let Some(plugin) = self.plugin.clone() else {
+            return Flow::Continue;
+        };
+        if plugin.cfg.debug_headers {
+            if let Some((replica, reason)) = &self.decision {
+                if let Some(r) = replica {
+                    let _ = host.set_header(Headers::Response, DBG_REPLICA, r);
+                }
+                if let Some(r) = reason {
+                    let _ = host.set_header(Headers::Response, DBG_REASON, r);
+                }
+            }
+            if let Some(f) = self.fail_open {
+                let _ = host.set_header(Headers::Response, DBG_FAIL_OPEN, f.as_str());
+            }
+        }
+        if self.routed_to.is_some() && plugin.cfg.report_completion {
+            let streaming = host
+                .header_text(Headers::Response, "content-type")
+                .is_some_and(|c| c.contains("text/event-stream"));
+            self.scanner = Some(UsageScanner::new(
+                plugin.cfg.max_response_scan_bytes,
+                streaming,
+            ));
+        }
+        Flow::Continue
+    }
+
+    /// A response body chunk of `chunk_size` bytes passed.
+    pub fn on_response_body(
+        &mut self,
+        host: &mut impl StreamHost,
+        chunk_size: usize,
+        end_of_stream: bool,
+    ) -> Flow {
+        if end_of_stream {
+            self.response_done = true;
+        }
+        // The first bytes of a stream carry the first token; a whole JSON body says nothing of it.
+        if chunk_size > 0 && self.scanner.as_ref().is_some_and(UsageScanner::streaming) {
+            if let (Some(sent), Some(now)) = (self.sent_at_ns.take(), host.now_nanos()) {
+                self.ttft_us = Some(now.saturating_sub(sent) / 1_000);
+            }
+        }
+        if let Some(scanner) = &mut self.scanner {
+            match host.read_body(Body::Response, chunk_size) {
+                Ok(chunk) => scanner.push(&chunk),
+                Err(_) => self.scanner = None,
+            }
+        }
+        Flow::Continue
+    }
+
+    /// Response trailers arrived: the response is complete.
+    pub fn on_response_trailers(&mut self, _host: &mut impl StreamHost) -> Flow {
+        self.response_done = true;
+        Flow::Continue
+    }
+
+    /// The stream is going away (completed, reset, or logged): reports its end once, whichever
+    /// of the host's end callbacks calls first.
+    pub fn on_stream_end(&mut self, host: &mut impl StreamHost) {
+        if let Some(plugin) = self.plugin.clone() {
+            self.report_end(host, &plugin);
+        }
+    }
+
+    /// Removes any client-supplied destination header. Returns false when that was impossible
+    /// (the caller then refuses the request rather than let a client pick the upstream).
+    fn strip_dst_header(&self, host: &mut impl StreamHost) -> bool {
+        let present = !matches!(host.header(Headers::Request, DST_HEADER), Ok(None));
+        if !present {
+            return true;
+        }
+        match host.remove_header(Headers::Request, DST_HEADER) {
+            Ok(()) => {
+                if self.plugin.is_some() {
+                    host.increment(Counter::SpoofedHeaderRemoved.into());
+                }
+                true
+            }
+            Err(e) => {
+                hlog!(
+                    host,
+                    Error,
+                    "kvroute: cannot remove a client {DST_HEADER} ({e}); refusing"
+                );
+                false
+            }
+        }
+    }
+
+    fn reject(
+        &mut self,
+        host: &mut impl StreamHost,
+        status: u32,
+        details: &str,
+        message: &str,
+    ) -> Flow {
+        self.phase = Phase::Rejected;
+        let body =
+            serde_json::json!({"error": {"message": message, "type": details, "code": status}})
+                .to_string();
+        if let Err(e) = host.send_local_reply(
+            status,
+            details,
+            body.as_bytes(),
+            &[("content-type", "application/json")],
+        ) {
+            hlog!(
+                host,
+                Error,
+                "kvroute: cannot send local reply {status}: {e}"
+            );
+        }
+        Flow::Pause
+    }
+
+    /// Records a fail-open; the header is already absent (stripped at request headers, and only
+    /// ever set as the last step of a successful route).
+    fn note_fail_open(&mut self, host: &mut impl StreamHost, plugin: &Plugin, reason: FailOpen) {
+        self.fail_open = Some(reason);
+        self.body = None;
+        self.phase = Phase::Passthrough;
+        host.increment(reason.into());
+        if plugin.cfg.debug_headers {
+            let _ = host.set_header(Headers::Request, DBG_FAIL_OPEN, reason.as_str());
+        }
+        hlog!(
+            host,
+            Debug,
+            "kvroute: request {} fails open: {}",
+            self.request_id,
+            reason.as_str()
+        );
+    }
+
+    /// 413 for a body the engines would refuse (over `upstream_max_body_bytes`).
+    fn too_large_for_engines(&mut self, host: &mut impl StreamHost) -> Flow {
+        host.increment(Counter::RejectedTooLarge.into());
+        self.reject(
+            host,
+            413,
+            "kvroute_body_too_large",
+            "request body exceeds the engines' limit",
+        )
+    }
+
+    fn oversized(&mut self, host: &mut impl StreamHost, plugin: &Plugin) -> Flow {
+        match plugin.cfg.oversized_body {
+            OversizedBody::Reject => {
+                host.increment(Counter::RejectedTooLarge.into());
+                self.reject(
+                    host,
+                    413,
+                    "kvroute_body_too_large",
+                    "request body exceeds the router's limit",
+                )
+            }
+            OversizedBody::FailOpen => {
+                self.note_fail_open(host, plugin, FailOpen::TooLarge);
+                Flow::Continue
+            }
+        }
+    }
+
+    /// Everything between the complete body and the callout. `Ok` = callout in flight.
+    fn start_route(
+        &mut self,
+        host: &mut impl StreamHost,
+        plugin: &Plugin,
+        raw: Vec<u8>,
+    ) -> Result<(), FailOpen> {
+        let body: Value = serde_json::from_slice(&raw).map_err(|_| FailOpen::NotJson)?;
+        if !body.is_object() {
+            return Err(FailOpen::NotJson);
+        }
+        let model = body
+            .get("model")
+            .and_then(Value::as_str)
+            .ok_or(FailOpen::NoModel)?
+            .to_string();
+        let loaded = match plugin.lookup(&model, host.now_millis()) {
+            Lookup::Ready(m) => m,
+            Lookup::NotReady => return Err(FailOpen::TokenizerNotReady),
+            Lookup::Unknown => return Err(FailOpen::UnknownModel),
+        };
+        let t0 = host.now_nanos().unwrap_or(0);
+        let prepared = loaded
+            .prepare(endpoint_for_path(&self.path), &body)
+            .map_err(|e| {
+                hlog!(
+                    host,
+                    Debug,
+                    "kvroute: request {} not tokenised: {e}",
+                    self.request_id
+                );
+                match e {
+                    PrepareError::TooLong(_) => FailOpen::PromptTooLong,
+                    PrepareError::Invalid(_) => FailOpen::TokenizeError,
+                }
+            })?;
+        if let Some(t1) = host.now_nanos() {
+            host.record(Histogram::PrepareUs, t1.saturating_sub(t0) / 1000);
+        }
+        let callout = next_callout_id(host.now_nanos());
+        let route = RouteRequest {
+            model,
+            router_keys: Some(prepared.router_keys),
+            num_tokens: Some(prepared.num_tokens),
+            block_size: u32::try_from(loaded.block_size).ok(),
+            request_id: Some(self.request_id.clone()),
+            callout_id: Some(callout.clone()),
+            max_tokens: max_tokens_of(&body),
+            lora: prepared.lora,
+            session: self.session.clone(),
+            ..RouteRequest::default()
+        };
+        let payload = serde_json::to_vec(&route).map_err(|_| FailOpen::HostcallError)?;
+        let headers = indexer_headers(plugin, "/v1/route");
+        let call = host
+            .dispatch(&Callout {
+                cluster: &plugin.cfg.indexer_cluster,
+                headers: &headers,
+                body: Some(&payload),
+                timeout: Duration::from_millis(plugin.cfg.route_timeout_ms),
+            })
+            .map_err(|e| {
+                hlog!(host, Warn, "kvroute: route callout not dispatched: {e}");
+                if e == HostError::UnknownCluster {
+                    FailOpen::IndexerUnavailable
+                } else {
+                    FailOpen::HostcallError
+                }
+            })?;
+        self.phase = Phase::AwaitingRoute {
+            call,
+            started_ms: host.now_millis(),
+        };
+        self.unanswered_callout = Some(callout);
+        if plugin.cfg.inject_kv_cache_report_mode {
+            self.body = Some((raw, body));
+        }
+        Ok(())
+    }
+
+    /// Applies a route answer. `Err` = fail open (header not set).
+    fn apply_route(
+        &mut self,
+        host: &mut impl StreamHost,
+        plugin: &Plugin,
+        reply: &CallReply,
+        started_ms: u64,
+    ) -> Result<(), FailOpen> {
+        let elapsed = host.now_millis().saturating_sub(started_ms);
+        host.record(Histogram::RouteCallUs, elapsed.saturating_mul(1000));
+        let answer = parse_route_answer(
+            reply.status,
+            reply.contract.as_deref(),
+            &reply.body,
+            elapsed,
+            plugin.cfg.route_timeout_ms,
+        )
+        .inspect_err(|reason| {
+            if *reason == FailOpen::ContractMismatch {
+                hlog!(
+                    host,
+                    Error,
+                    "kvroute: the indexer speaks kvroute contract {:?}, this filter {}: \
+                     run a filter and an indexer of the same release; failing open",
+                    reply.contract.as_deref().unwrap_or("(refused ours)"),
+                    kvroute_core::api::CONTRACT_VERSION
+                );
+            }
+            if !route_may_be_counted(reply.status) {
+                self.unanswered_callout = None;
+            }
+        })?;
+        // The indexer counted this request in flight: report its end whatever happens next.
+        self.unanswered_callout = None;
+        self.decision_id = answer.decision_id.clone();
+        self.routed_to = Some(answer.endpoint.clone());
+        self.sent_at_ns = host.now_nanos();
+        host.set_header(Headers::Request, DST_HEADER, &answer.endpoint)
+            .map_err(|e| {
+                hlog!(host, Warn, "kvroute: cannot set {DST_HEADER}: {e}");
+                FailOpen::HostcallError
+            })?;
+        if plugin.cfg.debug_headers {
+            if let Some(r) = &answer.replica {
+                let _ = host.set_header(Headers::Request, DBG_REPLICA, r);
+            }
+            if let Some(r) = &answer.reason {
+                let _ = host.set_header(Headers::Request, DBG_REASON, r);
+            }
+            if let Some(m) = answer.matched_gpu_tokens {
+                let _ = host.set_header(Headers::Request, DBG_MATCHED, &m.to_string());
+            }
+        }
+        self.decision = Some((answer.replica, answer.reason));
+        if let Some((raw, parsed)) = self.body.take() {
+            rewrite_body(host, &raw, &parsed);
+        }
+        Ok(())
+    }
+
+    /// Reports the request's end once: a completion (abandoned when the response did not end) of
+    /// the decision applied, or the abandonment of a route call whose answer was never used.
+    fn report_end(&mut self, host: &mut impl StreamHost, plugin: &Plugin) {
+        if self.reported || !plugin.cfg.report_completion {
+            return;
+        }
+        let body = if let Some(endpoint) = &self.routed_to {
+            let cached = self
+                .scanner
+                .as_ref()
+                .filter(|_| self.response_done)
+                .and_then(UsageScanner::cached_tokens);
+            if !self.response_done {
+                host.increment(Counter::Abandoned.into());
+            }
+            complete_body(&Completion {
+                decision_id: self.decision_id.as_deref(),
+                request_id: &self.request_id,
+                endpoint,
+                cached_tokens: cached,
+                ttft_us: self.ttft_us,
+                abandoned: !self.response_done,
+            })
+        } else if let Some(callout) = &self.unanswered_callout {
+            host.increment(Counter::Abandoned.into());
+            abandon_body(callout, &self.request_id)
+        } else {
+            return;
+        };
+        self.reported = true;
+        let headers = indexer_headers(plugin, "/v1/complete");
+        // The stream dies right after this call: the report must outlive it.
+        let sent = host.dispatch_detached(&Callout {
+            cluster: &plugin.cfg.indexer_cluster,
+            headers: &headers,
+            body: Some(&body),
+            timeout: Duration::from_millis(plugin.cfg.complete_timeout_ms),
+        });
+        match sent {
+            Ok(()) => host.increment(Counter::CompleteSent.into()),
+            Err(e) => {
+                host.increment(Counter::CompleteFailed.into());
+                hlog!(host, Debug, "kvroute: completion report not sent: {e}");
+            }
+        }
+    }
+}
+
+/// Headers of a `POST` to the indexer.
+fn indexer_headers<'a>(plugin: &'a Plugin, path: &'a str) -> [(&'a str, &'a str); 5] {
+    [
+        (":method", "POST"),
+        (":path", path),
+        (":authority", plugin.cfg.indexer_authority.as_str()),
+        ("content-type", "application/json"),
+        (CONTRACT_HEADER, CONTRACT_VERSION_STR),
+    ]
+}
+
+/// Adds `kv_cache_report_mode` to the body and fixes content-length; on any failure the original
+/// body and length are kept (the request is still routed).
+fn rewrite_body(host: &mut impl StreamHost, raw: &[u8], parsed: &Value) {
+    let Some(new_body) = inject_kv_cache_report_mode(raw, parsed) else {
+        return;
+    };
+    let had_length = matches!(host.header(Headers::Request, "content-length"), Ok(Some(_)));
+    if had_length {
+        if let Err(e) = host.set_header(
+            Headers::Request,
+            "content-length",
+            &new_body.len().to_string(),
+        ) {
+            hlog!(
+                host,
+                Warn,
+                "kvroute: body not rewritten, content-length not settable: {e}"
+            );
+            return;
+        }
+    }
+    if let Err(e) = host.replace_request_body(raw.len(), &new_body) {
+        hlog!(host, Warn, "kvroute: body not rewritten: {e}");
+        if had_length {
+            let _ = host.set_header(Headers::Request, "content-length", &raw.len().to_string());
+        }
+        return;
+    }
+    host.increment(Counter::BodyRewritten.into());
+}
+
+/// A route call id unique to this process (seeded with the time of its first call).
+fn next_callout_id(now_nanos: Option<u64>) -> String {
+    static SEED: AtomicU64 = AtomicU64::new(0);
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let candidate = now_nanos.unwrap_or(1).max(1);
+    let seed = match SEED.compare_exchange(0, candidate, Ordering::Relaxed, Ordering::Relaxed) {
+        Ok(_) => candidate,
+        Err(current) => current,
+    };
+    callout_id(seed, SEQ.fetch_add(1, Ordering::Relaxed))
+}
