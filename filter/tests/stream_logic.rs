@@ -1,0 +1,573 @@
+//! The filter's logic (`plugin` + `stream`) against a fake host, natively, with the real Qwen3
+//! tokenizer: the same code the proxy-wasm build runs, without Envoy. The e2e tests check the
+//! adapters in the real Envoy.
+
+mod fake_host;
+
+use std::sync::Arc;
+
+use fake_host::*;
+use kvroute_filter::plugin::Plugin;
+use kvroute_filter::protocol::FailOpen;
+use kvroute_filter::seam::{CallReply, Flow, HostError};
+use kvroute_filter::stream::{Stream, DST_HEADER};
+use serde_json::{json, Value};
+
+const CHAT: &str = "/v1/chat/completions";
+
+fn chat_body(system: &str) -> Vec<u8> {
+    json!({"model": "qwen3", "max_tokens": 32, "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "What is KV cache aware routing?"}]})
+    .to_string()
+    .into_bytes()
+}
+
+fn long_system() -> String {
+    "You are a helpful assistant who answers in full sentences. ".repeat(30)
+}
+
+/// Headers and body through the stream; returns the flow of the last body callback.
+fn send_request(stream: &mut Stream, host: &mut FakeHost) -> Flow {
+    assert_eq!(stream.on_request_headers(host, false), Flow::Pause);
+    let size = host.request_body.len();
+    assert_eq!(stream.on_request_body(host, size / 2, false), Flow::Pause);
+    stream.on_request_body(host, size, true)
+}
+
+fn route_answer(endpoint: &str) -> CallReply {
+    CallReply {
+        status: Some(200),
+        contract: Some(kvroute_core::api::CONTRACT_VERSION_STR.to_string()),
+        body: json!({"endpoint": endpoint, "replica": "r1", "reason": "prefix_hit",
+                     "matched_tokens": {"gpu": 48, "cpu": 0, "storage": 0},
+                     "decision_id": "d-1"})
+        .to_string()
+        .into_bytes(),
+    }
+}
+
+/// Streams a response of `chunks` through the stream.
+fn respond(stream: &mut Stream, host: &mut FakeHost, content_type: &str, chunks: &[&[u8]]) {
+    host.response_headers = vec![
+        (":status".into(), "200".into()),
+        ("content-type".into(), content_type.into()),
+    ];
+    assert_eq!(stream.on_response_headers(host, false), Flow::Continue);
+    for (i, c) in chunks.iter().enumerate() {
+        host.advance_ms(5);
+        host.response_chunk = c.to_vec();
+        let last = i + 1 == chunks.len();
+        assert_eq!(stream.on_response_body(host, c.len(), last), Flow::Continue);
+    }
+}
+
+const SSE_USAGE: &[u8] =
+    b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":300,\"prompt_tokens_details\":{\"cached_tokens\":288}}}\n\n";
+
+#[test]
+fn the_plugin_is_shareable_across_threads() {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<Plugin>();
+}
+
+#[test]
+fn a_client_destination_header_is_stripped_on_every_path() {
+    let plugin = default_plugin();
+    for (method, path) in [
+        ("POST", CHAT),
+        ("GET", "/healthz"),
+        ("POST", "/v1/embeddings"),
+    ] {
+        let mut host = FakeHost::post(path, &[(DST_HEADER, "10.9.9.9:1")], b"{}");
+        host.request_headers[0].1 = method.into();
+        let mut stream = Stream::new(1, Some(Arc::clone(&plugin)));
+        stream.on_request_headers(&mut host, false);
+        assert_eq!(host.request_header(DST_HEADER), None, "{method} {path}");
+        assert_eq!(host.count("kvroute.spoofed_header_removed"), 1);
+    }
+    // Before any configuration, the header is stripped all the same.
+    let mut host = FakeHost::post(CHAT, &[(DST_HEADER, "10.9.9.9:1")], b"{}");
+    let mut stream = Stream::new(2, None);
+    assert_eq!(stream.on_request_headers(&mut host, false), Flow::Continue);
+    assert_eq!(host.request_header(DST_HEADER), None);
+}
+
+#[test]
+fn a_header_that_cannot_be_stripped_refuses_the_request() {
+    let plugin = default_plugin();
+    let mut host = FakeHost::post(CHAT, &[(DST_HEADER, "10.9.9.9:1")], &chat_body("x"));
+    host.fail_remove = true;
+    let mut stream = Stream::new(1, Some(plugin));
+    assert_eq!(stream.on_request_headers(&mut host, false), Flow::Pause);
+    let reply = host.local_reply.clone().expect("a local reply");
+    assert_eq!(reply.status, 503);
+    assert_eq!(reply.details, "kvroute_header_strip_failed");
+    assert_eq!(host.count("kvroute.strip_failed_rejected"), 1);
+    assert!(host.calls.is_empty());
+    assert_eq!(
+        stream.on_request_body(&mut host, 10, true),
+        Flow::Pause,
+        "a refused request is never forwarded"
+    );
+}
+
+#[test]
+fn a_routed_request_gets_the_header_and_its_completion_is_reported() {
+    let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}}, "debug_headers": true}));
+    let body = chat_body(&long_system());
+    let mut host = FakeHost::post(
+        CHAT,
+        &[("x-request-id", "req-7"), ("x-session-id", "user-42")],
+        &body,
+    );
+    let mut stream = Stream::new(1, Some(plugin));
+    assert_eq!(send_request(&mut stream, &mut host), Flow::Pause);
+
+    let route = host.last_call().clone();
+    assert!(!route.detached);
+    assert_eq!(route.cluster, "kvroute_indexer");
+    assert_eq!(route.header(":path"), Some("/v1/route"));
+    assert_eq!(route.timeout_ms, 100);
+    let r = route.json();
+    assert_eq!(r["model"], "qwen3");
+    assert_eq!(r["request_id"], "req-7");
+    assert_eq!(r["session"], "user-42");
+    assert_eq!(r["max_tokens"], 32);
+    assert_eq!(r["block_size"], 16);
+    let tokens = r["num_tokens"].as_u64().expect("num_tokens");
+    let keys = r["router_keys"].as_array().expect("router_keys");
+    assert!(tokens > 300, "{tokens}");
+    assert_eq!(keys.len() as u64, tokens / 16, "one key per full block");
+    let callout_id = r["callout_id"].as_str().expect("callout_id").to_string();
+    assert_eq!(
+        host.request_header(DST_HEADER),
+        None,
+        "not before the answer"
+    );
+
+    host.advance_ms(3);
+    stream.on_call_reply(&mut host, route.id, &route_answer("10.0.0.7:8000"));
+    assert_eq!(host.request_header(DST_HEADER), Some("10.0.0.7:8000"));
+    assert_eq!(host.request_header("x-kvroute-replica"), Some("r1"));
+    assert_eq!(host.request_header("x-kvroute-matched-tokens"), Some("48"));
+    assert_eq!(host.resumed, 1);
+    assert_eq!(host.count("kvroute.routed"), 1);
+    assert_eq!(host.count("kvroute.requests"), 1);
+    assert!(host.fail_opens().is_empty(), "{:?}", host.fail_opens());
+
+    respond(
+        &mut stream,
+        &mut host,
+        "text/event-stream",
+        &[
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"KV\"}}]}\n\n",
+            SSE_USAGE,
+            b"data: [DONE]\n\n",
+        ],
+    );
+    assert_eq!(host.response_header("x-kvroute-reason"), Some("prefix_hit"));
+    stream.on_stream_end(&mut host);
+    stream.on_stream_end(&mut host);
+    let reports = host.detached_calls();
+    assert_eq!(reports.len(), 1, "reported once");
+    assert_eq!(reports[0].header(":path"), Some("/v1/complete"));
+    let c = reports[0].json();
+    assert_eq!(c["decision_id"], "d-1");
+    assert_eq!(c["endpoint"], "10.0.0.7:8000");
+    assert_eq!(c["cached_tokens"], 288);
+    assert_eq!(c["abandoned"], false);
+    assert_eq!(
+        c["ttft_us"], 5_000,
+        "first chunk 5 ms after the request left"
+    );
+    assert_ne!(c["request_id"], json!(callout_id));
+    assert_eq!(host.count("kvroute.complete_sent"), 1);
+}
+
+#[test]
+fn a_json_response_reports_its_cached_tokens() {
+    let plugin = default_plugin();
+    let mut host = FakeHost::post(CHAT, &[], &chat_body("short"));
+    let mut stream = Stream::new(1, Some(plugin));
+    send_request(&mut stream, &mut host);
+    let id = host.last_call().id;
+    stream.on_call_reply(&mut host, id, &route_answer("10.0.0.1:8000"));
+    let body = br#"{"choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":30,"prompt_tokens_details":{"cached_tokens":16}}}"#;
+    let (a, b) = body.split_at(40);
+    respond(&mut stream, &mut host, "application/json", &[a, b]);
+    stream.on_stream_end(&mut host);
+    let c = host.detached_calls()[0].json();
+    assert_eq!(c["cached_tokens"], 16);
+    assert_eq!(
+        c["ttft_us"],
+        Value::Null,
+        "a JSON body says nothing of the first token"
+    );
+}
+
+#[test]
+fn a_response_that_did_not_end_is_reported_abandoned() {
+    let plugin = default_plugin();
+    let mut host = FakeHost::post(CHAT, &[], &chat_body("short"));
+    let mut stream = Stream::new(1, Some(plugin));
+    send_request(&mut stream, &mut host);
+    let id = host.last_call().id;
+    stream.on_call_reply(&mut host, id, &route_answer("10.0.0.1:8000"));
+    host.response_headers = vec![("content-type".into(), "text/event-stream".into())];
+    stream.on_response_headers(&mut host, false);
+    host.response_chunk = SSE_USAGE.to_vec();
+    stream.on_response_body(&mut host, SSE_USAGE.len(), false);
+    stream.on_stream_end(&mut host);
+    let c = host.detached_calls()[0].json();
+    assert_eq!(c["abandoned"], true);
+    assert_eq!(
+        c["cached_tokens"],
+        Value::Null,
+        "only a finished response counts"
+    );
+    assert_eq!(host.count("kvroute.abandoned"), 1);
+}
+
+#[test]
+fn a_client_that_leaves_during_the_route_call_abandons_it() {
+    let plugin = default_plugin();
+    let mut host = FakeHost::post(CHAT, &[], &chat_body("short"));
+    let mut stream = Stream::new(1, Some(plugin));
+    send_request(&mut stream, &mut host);
+    let callout = host.last_call().json()["callout_id"].clone();
+    stream.on_stream_end(&mut host);
+    let reports = host.detached_calls();
+    assert_eq!(reports.len(), 1);
+    assert_eq!(
+        reports[0].json(),
+        json!({"callout_id": callout, "request_id": reports[0].json()["request_id"], "abandoned": true})
+    );
+    assert_eq!(host.count("kvroute.abandoned"), 1);
+    assert_eq!(host.resumed, 0);
+}
+
+/// Runs one routed request whose route call gets `reply` (after `wait_ms`); returns the host.
+fn route_call_fails(plugin: &Arc<Plugin>, reply: CallReply, wait_ms: u64) -> (FakeHost, Stream) {
+    let mut host = FakeHost::post(CHAT, &[], &chat_body("short"));
+    let mut stream = Stream::new(1, Some(Arc::clone(plugin)));
+    assert_eq!(send_request(&mut stream, &mut host), Flow::Pause);
+    let id = host.last_call().id;
+    host.advance_ms(wait_ms);
+    stream.on_call_reply(&mut host, id, &reply);
+    assert_eq!(host.resumed, 1, "resumed whatever the answer");
+    assert_eq!(host.request_header(DST_HEADER), None, "fails open");
+    (host, stream)
+}
+
+#[test]
+fn every_indexer_failure_fails_open_with_its_reason() {
+    let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}}, "route_timeout_ms": 100}));
+    let status = |s: u16, body: &str| CallReply {
+        status: Some(s),
+        contract: None,
+        body: body.as_bytes().to_vec(),
+    };
+    let cases: Vec<(&str, CallReply, u64, FailOpen, bool)> = vec![
+        (
+            "reset",
+            CallReply::default(),
+            2,
+            FailOpen::IndexerUnavailable,
+            true,
+        ),
+        (
+            "no answer in time",
+            CallReply::default(),
+            100,
+            FailOpen::IndexerTimeout,
+            true,
+        ),
+        (
+            "Envoy's timeout",
+            status(504, ""),
+            100,
+            FailOpen::IndexerTimeout,
+            true,
+        ),
+        (
+            "down",
+            status(503, "no healthy upstream"),
+            1,
+            FailOpen::IndexerUnavailable,
+            false,
+        ),
+        ("error", status(500, ""), 1, FailOpen::IndexerError, false),
+        (
+            "unknown model",
+            status(404, ""),
+            1,
+            FailOpen::UnknownModel,
+            false,
+        ),
+        (
+            "garbage",
+            status(200, "garbage"),
+            1,
+            FailOpen::BadAnswer,
+            true,
+        ),
+        (
+            "a name, not an IP",
+            status(200, r#"{"endpoint":"replica-0:8000"}"#),
+            1,
+            FailOpen::BadAnswer,
+            true,
+        ),
+        (
+            "another contract",
+            CallReply {
+                contract: Some("999".into()),
+                ..route_answer("10.0.0.1:1")
+            },
+            1,
+            FailOpen::ContractMismatch,
+            true,
+        ),
+        (
+            "another contract, refused",
+            status(409, ""),
+            1,
+            FailOpen::ContractMismatch,
+            false,
+        ),
+    ];
+    for (what, reply, wait, reason, abandoned) in cases {
+        let (mut host, mut stream) = route_call_fails(&plugin, reply, wait);
+        assert_eq!(
+            host.fail_opens(),
+            vec![(kvroute_filter::metrics::Metric::from(reason).name(), 1)],
+            "{what}"
+        );
+        assert_eq!(stream.fail_open_reason(), Some(reason), "{what}");
+        assert_eq!(host.count("kvroute.routed"), 0, "{what}");
+        stream.on_stream_end(&mut host);
+        assert_eq!(
+            host.detached_calls().len(),
+            usize::from(abandoned),
+            "{what}: abandoned only when the indexer may have counted it"
+        );
+    }
+}
+
+#[test]
+fn an_unreachable_indexer_cluster_fails_open() {
+    let plugin = default_plugin();
+    let mut host = FakeHost::post(CHAT, &[], &chat_body("short"));
+    host.fail_dispatch = Some(HostError::UnknownCluster);
+    let mut stream = Stream::new(1, Some(Arc::clone(&plugin)));
+    assert_eq!(send_request(&mut stream, &mut host), Flow::Continue);
+    assert_eq!(host.fail_open_count(FailOpen::IndexerUnavailable), 1);
+    let mut stream2 = Stream::new(2, Some(plugin));
+    let mut host2 = FakeHost::post(CHAT, &[], &chat_body("short"));
+    host2.fail_dispatch = Some(HostError::Failed("internal".into()));
+    assert_eq!(send_request(&mut stream2, &mut host2), Flow::Continue);
+    assert_eq!(host2.fail_open_count(FailOpen::HostcallError), 1);
+}
+
+#[test]
+fn bad_bodies_fail_open_without_a_route_call() {
+    let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}}, "discover_models": false}));
+    let cases: Vec<(&[u8], FailOpen)> = vec![
+        (b"{not json", FailOpen::NotJson),
+        (b"[1,2]", FailOpen::NotJson),
+        (br#"{"messages":[]}"#, FailOpen::NoModel),
+        (
+            br#"{"model":"other","prompt":"hi"}"#,
+            FailOpen::UnknownModel,
+        ),
+        (
+            br#"{"model":"qwen3","messages":"not a list"}"#,
+            FailOpen::TokenizeError,
+        ),
+    ];
+    for (body, reason) in cases {
+        let mut host = FakeHost::post(CHAT, &[], body);
+        let mut stream = Stream::new(1, Some(Arc::clone(&plugin)));
+        assert_eq!(send_request(&mut stream, &mut host), Flow::Continue);
+        assert_eq!(
+            stream.fail_open_reason(),
+            Some(reason),
+            "{}",
+            String::from_utf8_lossy(body)
+        );
+        assert_eq!(host.fail_open_count(reason), 1);
+        assert!(host.calls.is_empty(), "no route call");
+        assert_eq!(host.request_header(DST_HEADER), None);
+    }
+}
+
+#[test]
+fn a_model_the_indexer_does_not_know_fails_open_and_is_remembered() {
+    let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}}}));
+    let body = br#"{"model":"mystery","prompt":"hi"}"#;
+    let mut host = FakeHost::post("/v1/completions", &[], body);
+    let mut stream = Stream::new(1, Some(Arc::clone(&plugin)));
+    assert_eq!(send_request(&mut stream, &mut host), Flow::Continue);
+    assert_eq!(
+        stream.fail_open_reason(),
+        Some(FailOpen::TokenizerNotReady),
+        "first sight: asked about"
+    );
+    let mut root = FakeHost::new();
+    plugin.on_tick(&mut root);
+    let fetch = root.last_call().clone();
+    assert_eq!(fetch.header(":path"), Some("/v1/models/mystery/tokenizer"));
+    assert!(plugin.on_call_reply(
+        &root,
+        fetch.id,
+        &CallReply {
+            status: Some(404),
+            ..CallReply::default()
+        }
+    ));
+    let mut host = FakeHost::post("/v1/completions", &[], body);
+    let mut stream = Stream::new(2, Some(Arc::clone(&plugin)));
+    stream.on_request_headers(&mut host, false);
+    stream.on_request_body(&mut host, body.len(), true);
+    assert_eq!(stream.fail_open_reason(), Some(FailOpen::UnknownModel));
+    root.calls.clear();
+    plugin.on_tick(&mut root);
+    assert!(
+        root.calls.is_empty(),
+        "a negative answer is not asked again at once"
+    );
+}
+
+#[test]
+fn oversized_bodies_fail_open_or_are_refused() {
+    let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}}, "max_body_bytes": 1024,
+                                         "upstream_max_body_bytes": 4096}));
+    let big = chat_body(&"x".repeat(2000));
+    // Declared over max_body_bytes: forwarded unrouted at once.
+    let mut host = FakeHost::post(CHAT, &[], &big);
+    let mut stream = Stream::new(1, Some(Arc::clone(&plugin)));
+    assert_eq!(stream.on_request_headers(&mut host, false), Flow::Continue);
+    assert_eq!(host.fail_open_count(FailOpen::TooLarge), 1);
+    // Undeclared (chunked): held until its end, then forwarded unrouted.
+    let mut host = FakeHost::post(CHAT, &[], &big);
+    host.request_headers.retain(|(k, _)| k != "content-length");
+    let mut stream = Stream::new(2, Some(Arc::clone(&plugin)));
+    assert_eq!(stream.on_request_headers(&mut host, false), Flow::Pause);
+    assert_eq!(stream.on_request_body(&mut host, 2000, false), Flow::Pause);
+    assert_eq!(
+        stream.on_request_body(&mut host, big.len(), true),
+        Flow::Continue
+    );
+    assert_eq!(host.fail_open_count(FailOpen::TooLarge), 1);
+    assert!(host.calls.is_empty());
+    // Over the engines' limit: 413, whatever oversized_body says.
+    let huge = chat_body(&"x".repeat(5000));
+    let mut host = FakeHost::post(CHAT, &[], &huge);
+    let mut stream = Stream::new(3, Some(Arc::clone(&plugin)));
+    assert_eq!(stream.on_request_headers(&mut host, false), Flow::Pause);
+    assert_eq!(
+        stream.on_request_body(&mut host, huge.len(), true),
+        Flow::Pause
+    );
+    assert_eq!(host.local_reply.as_ref().map(|r| r.status), Some(413));
+    assert_eq!(host.count("kvroute.rejected_too_large"), 1);
+    // oversized_body: reject.
+    let strict = plugin_with_qwen3(json!({"models": {"qwen3": {}}, "max_body_bytes": 1024,
+                                         "oversized_body": "reject"}));
+    let mut host = FakeHost::post(CHAT, &[], &big);
+    let mut stream = Stream::new(4, Some(strict));
+    assert_eq!(stream.on_request_headers(&mut host, false), Flow::Pause);
+    assert_eq!(host.local_reply.as_ref().map(|r| r.status), Some(413));
+}
+
+#[test]
+fn the_body_is_rewritten_for_kv_cache_reports() {
+    let plugin =
+        plugin_with_qwen3(json!({"models": {"qwen3": {}}, "inject_kv_cache_report_mode": true}));
+    let body = chat_body("short");
+    let mut host = FakeHost::post(CHAT, &[], &body);
+    let mut stream = Stream::new(1, Some(plugin));
+    send_request(&mut stream, &mut host);
+    assert_eq!(host.request_body, body, "not before the route answer");
+    let id = host.last_call().id;
+    stream.on_call_reply(&mut host, id, &route_answer("10.0.0.1:8000"));
+    let sent: Value = serde_json::from_slice(&host.request_body).expect("JSON");
+    assert_eq!(sent["vllm_xargs"], json!({"kv_cache_report_mode": "full"}));
+    assert_eq!(sent["model"], "qwen3");
+    assert_eq!(
+        host.request_header("content-length"),
+        Some(host.request_body.len().to_string().as_str())
+    );
+    assert_eq!(host.count("kvroute.body_rewritten"), 1);
+}
+
+#[test]
+fn siblings_of_a_burst_each_ask_with_the_same_keys_and_their_own_call_id() {
+    let plugin = default_plugin();
+    let body = chat_body(&long_system());
+    let mut routes = Vec::new();
+    for i in 0..3 {
+        let mut host = FakeHost::post(CHAT, &[], &body);
+        let mut stream = Stream::new(i, Some(Arc::clone(&plugin)));
+        assert_eq!(send_request(&mut stream, &mut host), Flow::Pause);
+        routes.push(host.last_call().json());
+    }
+    assert!(routes
+        .iter()
+        .all(|r| r["router_keys"] == routes[0]["router_keys"]));
+    let mut ids: Vec<&str> = routes
+        .iter()
+        .map(|r| r["callout_id"].as_str().expect("callout_id"))
+        .collect();
+    ids.dedup();
+    assert_eq!(
+        ids.len(),
+        3,
+        "each sibling's call can be abandoned on its own"
+    );
+}
+
+#[test]
+fn tokenizer_fetches_retry_and_refuse_another_contract() {
+    let mut host = FakeHost::new();
+    let plugin = Plugin::configure(&host, br#"{"models":{"qwen3":{}}}"#, b"").expect("configure");
+    plugin.on_tick(&mut host);
+    let first = host.last_call().clone();
+    assert!(plugin.on_call_reply(
+        &host,
+        first.id,
+        &CallReply {
+            status: Some(200),
+            contract: Some("999".into()),
+            body: qwen3_bundle_json()
+        }
+    ));
+    assert_eq!(host.count("kvroute.tokenizer_load_failed"), 1);
+    assert!(host
+        .logs
+        .borrow()
+        .iter()
+        .any(|(_, m)| m.contains("contract")));
+    host.calls.clear();
+    plugin.on_tick(&mut host);
+    assert!(host.calls.is_empty(), "backoff");
+    host.advance_ms(600);
+    plugin.on_tick(&mut host);
+    let retry = host.last_call().clone();
+    assert!(plugin.on_call_reply(
+        &host,
+        retry.id,
+        &CallReply {
+            status: Some(200),
+            contract: None,
+            body: qwen3_bundle_json()
+        }
+    ));
+    assert_eq!(host.count("kvroute.tokenizer_loaded"), 1);
+    assert!(
+        !plugin.on_call_reply(&host, retry.id, &CallReply::default()),
+        "answered once"
+    );
+    assert!(Plugin::configure(&host, br#"{"no_such_field":1}"#, b"").is_err());
+}
