@@ -231,25 +231,31 @@ impl KvRouteHttp {
         }
         let t0 = host::now_nanos().unwrap_or(0);
         let endpoint = endpoint_for_path(&self.path);
-        let mut prepared = loaded
-            .prepare(endpoint, &body)
-            .map_err(|e| {
-                hlog!(
-                    Debug,
-                    "kvroute: request {} not tokenised: {e}",
-                    self.request_id
-                );
-                match e {
-                    PrepareError::TooLong(_) => FailOpen::PromptTooLong,
-                    PrepareError::Invalid(_) => FailOpen::TokenizeError,
-                }
-            })?;
+        let mut prepared = loaded.prepare(endpoint, &body).map_err(|e| {
+            hlog!(
+                Debug,
+                "kvroute: request {} not tokenised: {e}",
+                self.request_id
+            );
+            match e {
+                PrepareError::TooLong(_) => FailOpen::PromptTooLong,
+                PrepareError::Invalid(_) => FailOpen::TokenizeError,
+            }
+        })?;
         if let Ok(t1) = host::now_nanos() {
             shared
                 .metrics
                 .record(Histogram::PrepareUs, t1.saturating_sub(t0) / 1000);
         }
-        self.check = OnlineCheck::plan(self.id, shared, &loaded, &model, endpoint, &body, &mut prepared);
+        self.check = OnlineCheck::plan(
+            self.id,
+            shared,
+            &loaded,
+            &model,
+            endpoint,
+            &body,
+            &mut prepared,
+        );
         let callout = next_callout_id();
         let route = RouteRequest {
             model: model.clone(),

@@ -158,7 +158,8 @@ impl OnlineCheck {
                 Some(size)
             }
             Reader::Stream(stream) => {
-                let chunk = host::get_buffer(Buffer::ResponseBody, 0, body_size).unwrap_or_default();
+                let chunk =
+                    host::get_buffer(Buffer::ResponseBody, 0, body_size).unwrap_or_default();
                 let out = stream.push(&chunk, end);
                 let size = if out == chunk {
                     body_size

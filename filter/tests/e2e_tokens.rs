@@ -104,7 +104,12 @@ fn layout_routes_like_the_config(layout: &str) {
         json!({"route_timeout_ms": 2000, "debug_headers": true, "models": {"qwen3": {}}}),
     );
     for (i, stream) in [false, true, false].into_iter().enumerate() {
-        let r = post_json(s.envoy.port, "/v1/chat/completions", &chat(i as u64, stream), &[]);
+        let r = post_json(
+            s.envoy.port,
+            "/v1/chat/completions",
+            &chat(i as u64, stream),
+            &[],
+        );
         assert_eq!(r.status, 200, "{layout}: {}", r.text());
         assert_eq!(
             r.header("x-kvroute-fail-open"),
@@ -114,7 +119,10 @@ fn layout_routes_like_the_config(layout: &str) {
         assert!(r.header("x-kvroute-replica").is_some(), "{layout}: routed");
         let text = r.text();
         if stream {
-            assert!(!text.contains("token_ids"), "{layout}: ids left in the stream");
+            assert!(
+                !text.contains("token_ids"),
+                "{layout}: ids left in the stream"
+            );
             assert!(text.contains("data: [DONE]"), "{layout}: stream intact");
         } else {
             let v = r.json();
@@ -134,7 +142,8 @@ fn layout_routes_like_the_config(layout: &str) {
     let ready = readyz(&s.indexer);
     assert_eq!(ready["status"], "ready", "{layout}: {ready}");
     assert_eq!(
-        s.indexer.metric("kvroute_indexer_tokenizer_digest_mismatch"),
+        s.indexer
+            .metric("kvroute_indexer_tokenizer_digest_mismatch"),
         0.0,
         "{layout}: the filter loaded what the indexer loads"
     );
@@ -188,7 +197,10 @@ fn a_wrong_template_is_caught_online_and_the_model_fails_open() {
     let ready = readyz(&s.indexer);
     let problems = ready["problems"].to_string();
     assert_eq!(ready["status"], "degraded", "{ready}");
-    assert!(problems.contains("token mismatch with the engine"), "{problems}");
+    assert!(
+        problems.contains("token mismatch with the engine"),
+        "{problems}"
+    );
     assert!(
         problems.contains("the filter's tokenizer differs from the indexer's (template)"),
         "{problems}"

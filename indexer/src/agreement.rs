@@ -163,7 +163,10 @@ mod tests {
         let ev = a.record(Some(&own), &report("wrong", None));
         assert_eq!(ev, vec![AgreementEvent::DigestMismatch(vec!["template"])]);
         assert!(a.problems("m")[0].contains("differs from the indexer's (template)"));
-        assert!(a.record(Some(&own), &report("wrong", None)).is_empty(), "said once");
+        assert!(
+            a.record(Some(&own), &report("wrong", None)).is_empty(),
+            "said once"
+        );
         let ev = a.record(Some(&own), &report("right", None));
         assert_eq!(ev, vec![AgreementEvent::DigestAgrees]);
         assert!(a.problems("m").is_empty());
@@ -179,7 +182,10 @@ mod tests {
         a.record(None, &report("x", Some(good.clone())));
         assert_eq!((a.checks_agreed, a.checks_disagreed), (1, 1));
         let p = a.problems("m").join(";");
-        assert!(p.contains("token mismatch") && p.contains("first difference at 2"), "{p}");
+        assert!(
+            p.contains("token mismatch") && p.contains("first difference at 2"),
+            "{p}"
+        );
         let ev = a.record(None, &report("fixed", Some(good)));
         assert_eq!(ev, vec![AgreementEvent::MismatchCleared]);
         assert!(a.problems("m").is_empty());

@@ -539,7 +539,11 @@ fn token_agreement(out: &mut String, state: &AppState, p: &str) {
         "Online checks of the filter's prompt tokens against the engine's, by result.",
     );
     for (model, v) in &rows {
-        let _ = writeln!(out, "{full}{{model=\"{model}\",result=\"agree\"}} {}", v.agreed);
+        let _ = writeln!(
+            out,
+            "{full}{{model=\"{model}\",result=\"agree\"}} {}",
+            v.agreed
+        );
         let _ = writeln!(
             out,
             "{full}{{model=\"{model}\",result=\"disagree\"}} {}",

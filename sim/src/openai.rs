@@ -275,7 +275,12 @@ pub fn completion_chunk(
 /// Adds the token ids of `return_token_ids` to a stream chunk as vLLM does (only when asked:
 /// chunks are written with `exclude_unset`): chat's `prompt_token_ids` at the top of the first
 /// chunk, completions' in the first chunk's choice; `token_ids` (the new output ids) in the choice.
-pub fn add_token_ids(chunk: &mut Value, chat: bool, prompt: Option<&[u32]>, output: Option<&[u32]>) {
+pub fn add_token_ids(
+    chunk: &mut Value,
+    chat: bool,
+    prompt: Option<&[u32]>,
+    output: Option<&[u32]>,
+) {
     if let (true, Some(p)) = (chat, prompt) {
         chunk["prompt_token_ids"] = Value::from(p.to_vec());
     }

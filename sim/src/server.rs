@@ -352,7 +352,10 @@ async fn collect_response(
         "kvroute_sim": if infos.len() == 1 { infos[0].clone() } else { Value::from(infos) },
     });
     if chat {
-        let prompt_ids = prep.prompts.first().filter(|_| prep.params.return_token_ids);
+        let prompt_ids = prep
+            .prompts
+            .first()
+            .filter(|_| prep.params.return_token_ids);
         body["prompt_token_ids"] = prompt_ids.map_or(Value::Null, |p| Value::from(p.clone()));
     }
     Json(body).into_response()

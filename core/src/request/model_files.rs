@@ -150,7 +150,10 @@ impl ModelFileSet {
             chat_template_jinja: read("chat_template.jinja")?,
         };
         if set.tokenizer_json.is_none() {
-            return Err(files_error(format!("{} has no tokenizer.json", dir.display())));
+            return Err(files_error(format!(
+                "{} has no tokenizer.json",
+                dir.display()
+            )));
         }
         Ok(set)
     }
@@ -242,6 +245,9 @@ mod tests {
             ..base()
         };
         assert!(bad.merge().is_err());
-        assert!(ModelFileSet::default().merge().is_err(), "no tokenizer.json");
+        assert!(
+            ModelFileSet::default().merge().is_err(),
+            "no tokenizer.json"
+        );
     }
 }
