@@ -23,6 +23,7 @@ use crate::metrics::{Counter, Histogram};
 /// Longest session id forwarded to the indexer; longer values are not forwarded.
 const MAX_SESSION_BYTES: usize = 256;
 use crate::models::Lookup;
+use crate::online_check::OnlineCheck;
 use crate::protocol::{
     abandon_body, callout_id, complete_body, inject_kv_cache_report_mode, max_tokens_of,
     parse_route_answer, parse_status, request_id, route_may_be_counted, Completion, FailOpen,
@@ -86,6 +87,8 @@ pub struct KvRouteHttp {
     sent_at_ns: Option<u64>,
     /// Time to first token of a streamed response, microseconds (reported with the completion).
     ttft_us: Option<u64>,
+    /// This request's online token check, when sampled.
+    check: Option<OnlineCheck>,
 }
 
 impl KvRouteHttp {
@@ -109,6 +112,7 @@ impl KvRouteHttp {
             reported: false,
             fail_open: None,
             scanner: None,
+            check: None,
         }
     }
 
@@ -222,25 +226,36 @@ impl KvRouteHttp {
             Lookup::NotReady => return Err(FailOpen::TokenizerNotReady),
             Lookup::Unknown => return Err(FailOpen::UnknownModel),
         };
+        if loaded.check.mismatch() {
+            return Err(FailOpen::TokenMismatch);
+        }
         let t0 = host::now_nanos().unwrap_or(0);
-        let prepared = loaded
-            .prepare(endpoint_for_path(&self.path), &body)
-            .map_err(|e| {
-                hlog!(
-                    Debug,
-                    "kvroute: request {} not tokenised: {e}",
-                    self.request_id
-                );
-                match e {
-                    PrepareError::TooLong(_) => FailOpen::PromptTooLong,
-                    PrepareError::Invalid(_) => FailOpen::TokenizeError,
-                }
-            })?;
+        let endpoint = endpoint_for_path(&self.path);
+        let mut prepared = loaded.prepare(endpoint, &body).map_err(|e| {
+            hlog!(
+                Debug,
+                "kvroute: request {} not tokenised: {e}",
+                self.request_id
+            );
+            match e {
+                PrepareError::TooLong(_) => FailOpen::PromptTooLong,
+                PrepareError::Invalid(_) => FailOpen::TokenizeError,
+            }
+        })?;
         if let Ok(t1) = host::now_nanos() {
             shared
                 .metrics
                 .record(Histogram::PrepareUs, t1.saturating_sub(t0) / 1000);
         }
+        self.check = OnlineCheck::plan(
+            self.id,
+            shared,
+            &loaded,
+            &model,
+            endpoint,
+            &body,
+            &mut prepared,
+        );
         let callout = next_callout_id();
         let route = RouteRequest {
             model: model.clone(),
@@ -282,7 +297,8 @@ impl KvRouteHttp {
             started_ms: host::now_millis(),
         };
         self.unanswered_callout = Some(callout);
-        if shared.cfg.inject_kv_cache_report_mode {
+        let check_rewrites = self.check.as_ref().is_some_and(OnlineCheck::needs_rewrite);
+        if shared.cfg.inject_kv_cache_report_mode || check_rewrites {
             self.body = Some((raw, body));
         }
         Ok(())
@@ -371,8 +387,19 @@ impl KvRouteHttp {
 
     /// Adds `kv_cache_report_mode` to the body and fixes content-length; on any failure the
     /// original body and length are kept (the request is still routed).
-    fn rewrite_body(&self, shared: &Shared, raw: &[u8], parsed: &Value) {
-        let Some(new_body) = inject_kv_cache_report_mode(raw, parsed) else {
+    fn rewrite_body(&mut self, shared: &Shared, raw: &[u8], parsed: &Value) {
+        let report_mode = shared
+            .cfg
+            .inject_kv_cache_report_mode
+            .then(|| inject_kv_cache_report_mode(raw, parsed))
+            .flatten();
+        let new_body = match self.check.as_mut().filter(|c| c.needs_rewrite()) {
+            Some(check) => check
+                .rewrite(report_mode.as_deref().unwrap_or(raw))
+                .or(report_mode),
+            None => report_mode,
+        };
+        let Some(new_body) = new_body else {
             return;
         };
         let had_length = matches!(
@@ -674,6 +701,9 @@ impl HttpContext for KvRouteHttp {
                 let _ = host::set_header(Map::ResponseHeaders, DBG_FAIL_OPEN, f.as_str());
             }
         }
+        if let Some(check) = &mut self.check {
+            check.on_response_headers();
+        }
         if self.routed_to.is_some() && shared.cfg.report_completion {
             let streaming = host::get_header(Map::ResponseHeaders, "content-type")
                 .ok()
@@ -688,6 +718,15 @@ impl HttpContext for KvRouteHttp {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let body_size = match (&mut self.check, &self.shared) {
+            (Some(check), Some(shared)) => {
+                match check.on_response_body(shared, body_size, end_of_stream) {
+                    Some(size) => size,
+                    None => return Action::Pause,
+                }
+            }
+            _ => body_size,
+        };
         if end_of_stream {
             self.response_done = true;
         }

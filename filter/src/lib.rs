@@ -17,8 +17,10 @@ pub mod host;
 pub mod http_context;
 pub mod metrics;
 pub mod models;
+pub mod online_check;
 pub mod protocol;
 pub mod root_context;
+pub mod token_check;
 
 #[cfg(target_arch = "wasm32")]
 proxy_wasm::main! {{

@@ -18,6 +18,7 @@ use crate::host::{self, Buffer, Map};
 use crate::http_context::KvRouteHttp;
 use crate::metrics::{Counter, Metrics};
 use crate::models::{log_name, ModelRegistry, RegistryPolicy};
+use crate::online_check::send_report;
 use crate::protocol::{parse_status, parse_tokenizer_bundle, TokenizerBundle};
 
 /// How often the root context looks for tokenizer fetches to (re)start.
@@ -216,7 +217,13 @@ impl KvRouteRoot {
         match loaded {
             Ok(m) => {
                 let (block_size, cap) = (m.block_size, m.max_prompt_tokens);
+                let digest = m.digest().clone();
                 if shared.models.borrow_mut().loaded(&model, m) {
+                    let report = kvroute_core::api::AgreementReport {
+                        digest,
+                        check: None,
+                    };
+                    send_report(&shared, &model, &report, None);
                     hlog!(
                         Info,
                         "kvroute: tokenizer of model {} ready (block size {block_size}, max prompt tokens {cap})",

@@ -2,6 +2,7 @@
 
 pub mod index;
 
+pub mod agreement;
 pub mod api;
 pub mod assess;
 pub mod cli;

@@ -204,6 +204,7 @@ pub fn render(state: &AppState) -> String {
     }
     replica_rates(&mut out, state, &replicas, p);
     ttft_accuracy(&mut out, state, p);
+    token_agreement(&mut out, state, p);
     let full = format!("{p}_replica_healthy");
     header(
         &mut out,
@@ -516,6 +517,63 @@ fn replica_rates(out: &mut String, state: &AppState, replicas: &[Arc<Replica>], 
                 get(rates, *windows)
             );
         }
+    }
+}
+
+/// Per model: whether the filter's tokenizer digest differs from the indexer's, the online
+/// checks' outcomes, and whether the engine's tokens were found to differ.
+fn token_agreement(out: &mut String, state: &AppState, p: &str) {
+    let mut models: Vec<_> = state.models.values().collect();
+    models.sort_by(|a, b| a.name.cmp(&b.name));
+    let rows: Vec<(String, crate::agreement::AgreementView)> = models
+        .iter()
+        .map(|m| (escape(&m.name), lock(&m.agreement).view()))
+        .collect();
+    let full = format!("{p}_tokenizer_digest_mismatch");
+    header(
+        out,
+        &full,
+        "gauge",
+        "1 when the filter's tokenizer digest differs from the indexer's in this part.",
+    );
+    for (model, v) in &rows {
+        for part in ["tokenizer", "template", "options"] {
+            let on = v.digest_differs.contains(&part);
+            let _ = writeln!(
+                out,
+                "{full}{{model=\"{model}\",part=\"{part}\"}} {}",
+                u8::from(on)
+            );
+        }
+    }
+    let full = format!("{p}_token_checks_total");
+    header(
+        out,
+        &full,
+        "counter",
+        "Online checks of the filter's prompt tokens against the engine's, by result.",
+    );
+    for (model, v) in &rows {
+        let _ = writeln!(
+            out,
+            "{full}{{model=\"{model}\",result=\"agree\"}} {}",
+            v.agreed
+        );
+        let _ = writeln!(
+            out,
+            "{full}{{model=\"{model}\",result=\"disagree\"}} {}",
+            v.disagreed
+        );
+    }
+    let full = format!("{p}_token_mismatch");
+    header(
+        out,
+        &full,
+        "gauge",
+        "1 while the engine's prompt tokens are known to differ from the filter's (the model fails open).",
+    );
+    for (model, v) in &rows {
+        let _ = writeln!(out, "{full}{{model=\"{model}\"}} {}", u8::from(v.mismatch));
     }
 }
 

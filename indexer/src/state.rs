@@ -32,6 +32,13 @@ pub struct ModelRuntime {
     pub style: ExtraKeyStyle,
     /// Its recent arrival rate (route decisions per second).
     pub arrivals: Mutex<crate::load::RateMeter>,
+    /// The engines' chat-template flags (for the tokenizer digest).
+    pub tokenizer_options: kvroute_core::request::TokenizerOptions,
+    /// The indexer's tokenizer digest, computed on the first filter report (`None` inside: the
+    /// model has no usable `model_dir`).
+    pub own_digest: std::sync::OnceLock<Option<kvroute_core::api::TokenizerDigest>>,
+    /// Whether the filter and the engines agree with the indexer on this model's tokens.
+    pub agreement: Mutex<crate::agreement::Agreement>,
 }
 
 impl ModelRuntime {
@@ -207,6 +214,9 @@ impl AppState {
                     hash,
                     style,
                     arrivals: Mutex::new(crate::load::RateMeter::default()),
+                    tokenizer_options: m.tokenizer_options.clone().unwrap_or_default(),
+                    own_digest: std::sync::OnceLock::new(),
+                    agreement: Mutex::new(crate::agreement::Agreement::default()),
                 }),
             );
         }

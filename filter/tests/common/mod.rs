@@ -1048,12 +1048,22 @@ impl Indexer {
 
     /// Like [`Indexer::start`], with extra TOML tables (e.g. `[scoring]`) appended.
     pub fn start_with(sims: &[SimPlan], dir: &Path, extra_toml: &str) -> Indexer {
+        Self::start_with_model(sims, dir, &model_dir(), extra_toml)
+    }
+
+    /// Like [`Indexer::start_with`], serving the model's files from `model_files`.
+    pub fn start_with_model(
+        sims: &[SimPlan],
+        dir: &Path,
+        model_files: &Path,
+        extra_toml: &str,
+    ) -> Indexer {
         let port = free_port();
         let mut cfg = format!(
             "listen = {}\nadmin_token = {}\n\n[[models]]\nname = \"qwen3\"\nmodel_dir = {}\nblock_size = 16\n\n[models.hash]\nalgo = \"sha256\"\n\n",
             toml_str(&format!("127.0.0.1:{port}")),
             toml_str(ADMIN_TOKEN),
-            toml_str(&model_dir().display().to_string()),
+            toml_str(&model_files.display().to_string()),
         );
         for s in sims {
             cfg.push_str(&replica_toml(&s.replica_config()));
