@@ -65,7 +65,7 @@ impl ModelCheckState {
         if cfg.sample_one_in == 0 {
             return false;
         }
-        n < cfg.first_requests || n % cfg.sample_one_in == 0
+        n < cfg.first_requests || n.is_multiple_of(cfg.sample_one_in)
     }
 
     /// Marks the model's tokens as differing from the engine's.

@@ -247,9 +247,11 @@ async fn tokenizer_handler(
 /// `tokenizer_options` (`None`: no directory, or files that do not load, which the bundle
 /// endpoint reports).
 async fn own_digest(m: &crate::state::ModelRuntime) -> Option<TokenizerDigest> {
-    if let Some(d) = m.own_digest.get() {
-        return d.clone();
-    }
+    m.own_digest.get_or_init(|| build_digest(m)).await.clone()
+}
+
+/// Builds the model's tokenizer once to digest it (a second or more for a large vocabulary).
+async fn build_digest(m: &crate::state::ModelRuntime) -> Option<TokenizerDigest> {
     let dir = m.model_dir.clone()?;
     let opts = TokenizerOptions {
         // The digest needs no segment cache.
@@ -261,19 +263,19 @@ async fn own_digest(m: &crate::state::ModelRuntime) -> Option<TokenizerDigest> {
         ModelFiles::from_dir(dir).and_then(|f| ModelTokenizer::from_files(&f, opts))
     })
     .await;
-    let digest = match built {
+    match built {
         Ok(Ok(t)) => Some(t.digest().clone()),
         Ok(Err(e)) => {
             tracing::warn!(model = %m.name, error = %e, "model files do not load: no tokenizer digest");
             None
         }
         Err(_) => None,
-    };
-    m.own_digest.get_or_init(|| digest).clone()
+    }
 }
 
 /// `POST /v1/models/{model}/agreement`: a filter's tokenizer digest, with an online check's
-/// outcome when it has one.
+/// outcome when it has one. Answered at once; the report is taken in the background (the first
+/// one waits for the indexer's own digest, which must not depend on the caller's deadline).
 async fn agreement_handler(
     State(state): State<Arc<AppState>>,
     Path(model): Path<String>,
@@ -282,6 +284,16 @@ async fn agreement_handler(
     let Some(m) = state.models.get(&model).cloned() else {
         return error(StatusCode::NOT_FOUND, format!("unknown model {model:?}"));
     };
+    tokio::spawn(take_agreement(m, model, report));
+    StatusCode::NO_CONTENT.into_response()
+}
+
+/// Compares a filter's report with the indexer's digest, records it and logs what changed.
+async fn take_agreement(
+    m: Arc<crate::state::ModelRuntime>,
+    model: String,
+    report: AgreementReport,
+) {
     let own = own_digest(&m).await;
     let events = lock(&m.agreement).record(own.as_ref(), &report);
     for event in events {
@@ -309,7 +321,6 @@ async fn agreement_handler(
             ),
         }
     }
-    StatusCode::NO_CONTENT.into_response()
 }
 
 async fn metrics_handler(State(state): State<Arc<AppState>>) -> Response {

@@ -36,7 +36,7 @@ pub struct ModelRuntime {
     pub tokenizer_options: kvroute_core::request::TokenizerOptions,
     /// The indexer's tokenizer digest, computed on the first filter report (`None` inside: the
     /// model has no usable `model_dir`).
-    pub own_digest: std::sync::OnceLock<Option<kvroute_core::api::TokenizerDigest>>,
+    pub own_digest: tokio::sync::OnceCell<Option<kvroute_core::api::TokenizerDigest>>,
     /// Whether the filter and the engines agree with the indexer on this model's tokens.
     pub agreement: Mutex<crate::agreement::Agreement>,
 }
@@ -215,7 +215,7 @@ impl AppState {
                     style,
                     arrivals: Mutex::new(crate::load::RateMeter::default()),
                     tokenizer_options: m.tokenizer_options.clone().unwrap_or_default(),
-                    own_digest: std::sync::OnceLock::new(),
+                    own_digest: tokio::sync::OnceCell::new(),
                     agreement: Mutex::new(crate::agreement::Agreement::default()),
                 }),
             );
