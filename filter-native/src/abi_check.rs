@@ -10,8 +10,9 @@
 
 use std::ffi::{c_int, c_void};
 
-/// The Envoy 1.40.0 release commit the bindings in [`crate::abi`] were written against.
-pub const PINNED_ENVOY_BUILD: &str = "9e5580933739775e8bce696a57a2e1bc99368f23";
+/// The Envoy 1.40.0 release commit the bindings in [`crate::abi`] were written against
+/// (`filter-native/envoy-build.txt`, which `cargo xtask setup` checks the installed Envoy against).
+pub const PINNED_ENVOY_BUILD: &str = include_str!("../envoy-build.txt").trim_ascii();
 
 /// The dynamic-module ABI version string of that commit, returned to Envoy at program init.
 pub const ABI_VERSION: &std::ffi::CStr = c"v0.2.0";
@@ -20,10 +21,23 @@ pub const ABI_VERSION: &std::ffi::CStr = c"v0.2.0";
 /// volatile load so the compiler cannot fold it into the comparison. The e2e test of the ABI
 /// rule rewrites the 40 hex digits in a copy of the `.so` to get a module built for another Envoy.
 #[used]
-static PIN_MARKER: [u8; 60] = *b"kvroute-envoy-build:9e5580933739775e8bce696a57a2e1bc99368f23";
+static PIN_MARKER: [u8; 60] = pin_marker();
 
 /// The marker's prefix, before the 40 hex digits.
 pub const PIN_MARKER_PREFIX: &str = "kvroute-envoy-build:";
+
+/// `PIN_MARKER_PREFIX` + `PINNED_ENVOY_BUILD`, at compile time.
+const fn pin_marker() -> [u8; 60] {
+    let (prefix, pin) = (PIN_MARKER_PREFIX.as_bytes(), PINNED_ENVOY_BUILD.as_bytes());
+    assert!(prefix.len() == 20 && pin.len() == 40, "envoy-build.txt holds a 40-hex commit");
+    let mut out = [0u8; 60];
+    let mut i = 0;
+    while i < 60 {
+        out[i] = if i < 20 { prefix[i] } else { pin[i - 20] };
+        i += 1;
+    }
+    out
+}
 
 /// Why this process is not the Envoy the module was built for.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
