@@ -33,6 +33,7 @@ pub struct EngineMetrics {
 /// Parses Prometheus text exposition (only the series kvroute needs).
 pub fn parse_metrics(text: &str) -> EngineMetrics {
     let mut m = EngineMetrics::default();
+    let mut prefill_engines = std::collections::BTreeSet::new();
     for line in text.lines() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
@@ -78,7 +79,10 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
                 m.process_start = Some(m.process_start.map_or(value, |p: f64| p.min(value)))
             }
             "vllm:request_prefill_kv_computed_tokens_sum" => m.totals.prefill_tokens += value,
-            "vllm:request_prefill_time_seconds_sum" => m.totals.prefill_time_s += value,
+            "vllm:request_prefill_time_seconds_sum" => {
+                m.totals.prefill_time_s += value;
+                prefill_engines.insert(engine_label(labels));
+            }
             "vllm:request_prefill_time_seconds_count" => m.totals.prefills += value,
             "vllm:inter_token_latency_seconds_sum" => m.totals.itl_sum_s += value,
             "vllm:inter_token_latency_seconds_count" => m.totals.itl_count += value,
@@ -90,6 +94,7 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
             _ => {}
         }
     }
+    m.totals.engines = u32::try_from(prefill_engines.len()).unwrap_or(u32::MAX);
     m
 }
 
@@ -252,6 +257,7 @@ vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="32768"} 1.0
                 itl_sum_s: 1.5,
                 itl_count: 200.0,
                 kv_capacity_blocks: Some(32768),
+                engines: 1,
             }
         );
     }
