@@ -29,7 +29,10 @@ pub const PIN_MARKER_PREFIX: &str = "kvroute-envoy-build:";
 /// `PIN_MARKER_PREFIX` + `PINNED_ENVOY_BUILD`, at compile time.
 const fn pin_marker() -> [u8; 60] {
     let (prefix, pin) = (PIN_MARKER_PREFIX.as_bytes(), PINNED_ENVOY_BUILD.as_bytes());
-    assert!(prefix.len() == 20 && pin.len() == 40, "envoy-build.txt holds a 40-hex commit");
+    assert!(
+        prefix.len() == 20 && pin.len() == 40,
+        "envoy-build.txt holds a 40-hex commit"
+    );
     let mut out = [0u8; 60];
     let mut i = 0;
     while i < 60 {

@@ -29,20 +29,35 @@ fn the_native_module_strips_a_client_header_reaches_the_indexer_and_fails_open_t
     indexer.wait_ready();
     let attacker = TestServer::start(|_| Reply::text(200, "attacker reached"));
 
-    let mut opts = EnvoyOptions::new(indexer.port, vec![sim.addr()], json!({"route_timeout_ms": 1000}));
+    let mut opts = EnvoyOptions::new(
+        indexer.port,
+        vec![sim.addr()],
+        json!({"route_timeout_ms": 1000}),
+    );
     opts.native_module = Some(native_module_path());
     opts.concurrency = 2;
     let envoy = Envoy::start("native-probe", &opts, &dir);
     assert!(
-        envoy.log().contains("Dynamic module ABI version v0.2.0 matched"),
+        envoy
+            .log()
+            .contains("Dynamic module ABI version v0.2.0 matched"),
         "Envoy did not accept the module's ABI version:\n{}",
         envoy.log()
     );
 
     let body = json!({"model": "qwen3", "max_tokens": 4, "prompt": "the native module says hello"});
-    let response = post_json(envoy.port, "/v1/completions", &body, &[(DST, &attacker.addr())]);
+    let response = post_json(
+        envoy.port,
+        "/v1/completions",
+        &body,
+        &[(DST, &attacker.addr())],
+    );
     assert_eq!(response.status, 200, "{}", response.text());
-    assert!(response.json()["choices"].is_array(), "not a completion: {}", response.text());
+    assert!(
+        response.json()["choices"].is_array(),
+        "not a completion: {}",
+        response.text()
+    );
     assert_eq!(attacker.hits(), 0, "the client's header chose the upstream");
 
     assert_eq!(envoy.stat(&native("requests")), 1);
@@ -52,7 +67,13 @@ fn the_native_module_strips_a_client_header_reaches_the_indexer_and_fails_open_t
     assert_eq!(envoy.stat(&native("fail_open")), 1);
 
     // A path the filter does not route passes untouched (no body buffering, no callout).
-    let models = http(envoy.port, "GET", "/v1/models", &[(DST, &attacker.addr())], b"");
+    let models = http(
+        envoy.port,
+        "GET",
+        "/v1/models",
+        &[(DST, &attacker.addr())],
+        b"",
+    );
     assert_eq!(models.status, 200, "{}", models.text());
     assert_eq!(attacker.hits(), 0);
     assert_eq!(envoy.stat(&native("indexer_ok")), 1);
@@ -111,7 +132,10 @@ fn a_module_built_for_another_envoy_is_refused_at_start() {
         "no mismatch message:\n{text}"
     );
     assert!(
-        text.contains(&format!("Failed to initialize dynamic module: {}", other_path.display())),
+        text.contains(&format!(
+            "Failed to initialize dynamic module: {}",
+            other_path.display()
+        )),
         "Envoy did not refuse the module:\n{text}"
     );
 }

@@ -346,8 +346,8 @@ pub fn envoy_version(envoy: &Path) -> Result<String> {
 /// refuses to start in it (docs/filter.md, "Native build").
 fn check_native_abi(layout: &Layout) -> Result<String> {
     let pin_file = layout.root.join("filter-native/envoy-build.txt");
-    let pinned = fs::read_to_string(&pin_file)
-        .with_context(|| format!("reading {}", pin_file.display()))?;
+    let pinned =
+        fs::read_to_string(&pin_file).with_context(|| format!("reading {}", pin_file.display()))?;
     let pinned = pinned.trim();
     let text = cmd::stdout_of(Command::new(layout.envoy_bin()).arg("--version"))?;
     let build = envoy_build(&text)
@@ -365,7 +365,12 @@ fn check_native_abi(layout: &Layout) -> Result<String> {
 
 /// The build (commit) field of `envoy --version`: `envoy  version: <sha>/<version>/...`.
 fn envoy_build(version_text: &str) -> Option<&str> {
-    let build = version_text.split("version:").nth(1)?.trim().split('/').next()?;
+    let build = version_text
+        .split("version:")
+        .nth(1)?
+        .trim()
+        .split('/')
+        .next()?;
     (build.len() == 40 && build.bytes().all(|b| b.is_ascii_hexdigit())).then_some(build)
 }
 
@@ -473,7 +478,10 @@ mod tests {
     #[test]
     fn the_build_is_the_commit_field_of_envoy_version() {
         let text = "\nenvoy  version: 9e5580933739775e8bce696a57a2e1bc99368f23/1.40.0/Clean/RELEASE/BoringSSL\n";
-        assert_eq!(envoy_build(text), Some("9e5580933739775e8bce696a57a2e1bc99368f23"));
+        assert_eq!(
+            envoy_build(text),
+            Some("9e5580933739775e8bce696a57a2e1bc99368f23")
+        );
         assert_eq!(envoy_build("envoy  version: dev/1.40.0/Modified"), None);
         assert_eq!(envoy_build("no version here"), None);
     }
