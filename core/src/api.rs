@@ -1,5 +1,6 @@
 //! The filter <-> indexer HTTP contract, written once: the bodies of `POST /v1/route` and its
-//! answer, `POST /v1/complete`, and `GET /v1/models/{model}/tokenizer`. The filter serialises
+//! answer, `POST /v1/complete`, `GET /v1/models/{model}/tokenizer` and
+//! `POST /v1/models/{model}/agreement`. The filter serialises
 //! requests and parses answers with these types, the indexer does the opposite, and tests and the
 //! benchmark use them too, so the two sides cannot drift apart.
 //!
@@ -212,8 +213,94 @@ pub struct TokenizerBundle {
     pub extra_key_style: Option<ExtraKeyStyle>,
     /// `tokenizer.json`, as text.
     pub tokenizer_json: String,
-    /// `tokenizer_config.json`, as text.
+    /// The effective `tokenizer_config.json`, as text: the file with `chat_template.jinja`,
+    /// `chat_template.json` and `special_tokens_map.json` merged in (`ModelFiles`).
     pub tokenizer_config_json: String,
+}
+
+/// What one side loaded for a model, as short fingerprints (the first 16 hex digits of SHA-256):
+/// the filter and the indexer each compute it from the tokenizer they built
+/// (`ModelTokenizer::digest`), so equal digests mean both render and tokenise alike.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizerDigest {
+    /// `tokenizer.json` (vocabulary, normaliser, pre-tokeniser, added tokens).
+    pub tokenizer: String,
+    /// The chat template(s) in use and the special tokens templates see.
+    pub template: String,
+    /// The rendering options (trusted request templates, content format, default template
+    /// arguments, tools with `tool_choice: none`).
+    pub options: String,
+}
+
+impl TokenizerDigest {
+    /// The parts that differ between two digests (`tokenizer`, `template`, `options`).
+    pub fn differences(&self, other: &Self) -> Vec<&'static str> {
+        let mut parts = Vec::new();
+        if self.tokenizer != other.tokenizer {
+            parts.push("tokenizer");
+        }
+        if self.template != other.template {
+            parts.push("template");
+        }
+        if self.options != other.options {
+            parts.push("options");
+        }
+        parts
+    }
+}
+
+/// One online check of a routed request against its engine: the filter asked the engine for the
+/// prompt's token ids (vLLM's `return_token_ids`) and compared them with its own. Counts and a
+/// position only; never the tokens.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenCheck {
+    /// `chat` or `completions`.
+    pub endpoint: String,
+    /// Prompt tokens the filter computed.
+    pub own_tokens: u64,
+    /// Prompt tokens the engine reported.
+    pub engine_tokens: u64,
+    /// First position where they differ (`None`: identical).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_difference: Option<u64>,
+}
+
+impl TokenCheck {
+    /// Compares the filter's ids with the engine's.
+    pub fn compare(endpoint: &str, own: &[u32], engine: &[u32]) -> Self {
+        let first_difference = own
+            .iter()
+            .zip(engine)
+            .position(|(a, b)| a != b)
+            .or_else(|| (own.len() != engine.len()).then(|| own.len().min(engine.len())))
+            .map(|p| p as u64);
+        Self {
+            endpoint: endpoint.to_string(),
+            own_tokens: own.len() as u64,
+            engine_tokens: engine.len() as u64,
+            first_difference,
+        }
+    }
+
+    /// The engine saw the same tokens.
+    pub fn agrees(&self) -> bool {
+        self.first_difference.is_none()
+    }
+}
+
+/// Body of `POST /v1/models/{model}/agreement`: the filter's digest of what it loaded for the
+/// model (sent once per load), with the outcome of an online check when it has one. The indexer
+/// compares the digest with its own and keeps the checks' verdict; both show on `/readyz`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgreementReport {
+    /// The filter's digest of the model's tokenizer.
+    pub digest: TokenizerDigest,
+    /// An online check's outcome.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub check: Option<TokenCheck>,
 }
 
 #[cfg(test)]
@@ -262,6 +349,27 @@ mod tests {
         assert_eq!(v["extra_key_style"], "plain");
         let back: TokenizerBundle = serde_json::from_value(v).expect("parse");
         assert_eq!(back.extra_key_style, Some(ExtraKeyStyle::Plain));
+    }
+
+    #[test]
+    fn token_checks_find_the_first_difference() {
+        assert!(TokenCheck::compare("chat", &[1, 2, 3], &[1, 2, 3]).agrees());
+        let c = TokenCheck::compare("chat", &[1, 2, 3], &[1, 9, 3]);
+        assert_eq!((c.first_difference, c.own_tokens), (Some(1), 3));
+        let shorter = TokenCheck::compare("completions", &[1, 2], &[1, 2, 3]);
+        assert_eq!(shorter.first_difference, Some(2));
+        assert_eq!(shorter.engine_tokens, 3);
+        let a = TokenizerDigest {
+            tokenizer: "a".into(),
+            template: "t".into(),
+            options: "o".into(),
+        };
+        let b = TokenizerDigest {
+            template: "u".into(),
+            ..a.clone()
+        };
+        assert_eq!(a.differences(&b), vec!["template"]);
+        assert!(a.differences(&a).is_empty());
     }
 
     #[test]

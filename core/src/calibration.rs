@@ -7,8 +7,13 @@
 //!   (sum, count): the prompt tokens the requests that finished their prefill computed, and how
 //!   long those prefills took (first scheduled to first token). Their ratio is the prefill rate a
 //!   request sees there, chunking and the decodes it shares its steps with included: what a TTFT
-//!   prediction needs. (Prefills sharing one step each count that step, so many small concurrent
-//!   prefills read as a slower rate: a conservative error.)
+//!   prediction needs.
+//! * Prefills that run at the same time (vLLM packs every waiting prompt it can into one step's
+//!   token budget) each count the whole shared time, so the sum of prefill times can exceed the
+//!   time that passed: k prefills sharing every step would read the rate k times too slow, and
+//!   the replica that is busiest would look slowest. An engine cannot spend longer than the
+//!   window in prefill, so the time divided into the tokens is `min(sum of prefill times, window
+//!   x engines)`: exact when prefills never overlap and when the engine prefilled all the time.
 //! * `vllm:inter_token_latency_seconds` (sum, count): the mean gap between two tokens of a
 //!   decoding request, the step time a request decoding there sees.
 //!
@@ -101,6 +106,9 @@ pub struct EngineTotals {
     pub itl_count: f64,
     /// KV blocks of the replica (`vllm:cache_config_info{num_gpu_blocks}`), if exported.
     pub kv_capacity_blocks: Option<u32>,
+    /// Engines (data-parallel ranks) whose prefill times are summed here; 0 is read as 1.
+    #[serde(default)]
+    pub engines: u32,
 }
 
 impl EngineTotals {
@@ -114,14 +122,42 @@ impl EngineTotals {
 }
 
 /// A ratio of two sums, both faded by age, with a prior that never fades.
+///
+/// The denominator can be capped by a third faded sum, `cap` (the engine time the windows
+/// spanned, for prefill): the ratio then divides by `min(den, cap)`. A ratio fed no cap
+/// (`take`'s `cap` 0) is never capped.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 struct FadedRatio {
     num: f64,
     den: f64,
+    #[serde(default)]
+    cap: f64,
     /// Wall seconds since the last fold (fading applies at the next one).
     age_s: f64,
     /// Not yet folded: (num, den, count).
     partial: (f64, f64, f64),
+    /// Not yet folded: cap.
+    #[serde(default)]
+    partial_cap: f64,
+}
+
+/// One scrape's deltas for a [`FadedRatio`].
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+struct Window {
+    num: f64,
+    den: f64,
+    count: f64,
+    /// What bounds `den` (0: unbounded).
+    cap: f64,
+}
+
+/// `den` bounded by `cap` when a cap is kept.
+fn capped(den: f64, cap: f64) -> f64 {
+    if cap > 0.0 {
+        den.min(cap)
+    } else {
+        den
+    }
 }
 
 impl FadedRatio {
@@ -131,20 +167,22 @@ impl FadedRatio {
     fn take(
         &mut self,
         cfg: &CalibrationConfig,
-        d: (f64, f64, f64),
+        d: Window,
         min_count: f64,
         elapsed_s: f64,
         current: f64,
     ) -> Fold {
-        self.partial.0 += d.0.max(0.0);
-        self.partial.1 += d.1.max(0.0);
-        self.partial.2 += d.2.max(0.0);
+        self.partial.0 += d.num.max(0.0);
+        self.partial.1 += d.den.max(0.0);
+        self.partial.2 += d.count.max(0.0);
+        self.partial_cap += d.cap.max(0.0);
         self.age_s += elapsed_s;
         if self.partial.2 < min_count || self.partial.1 <= 0.0 {
             return Fold::Waits;
         }
         let (num, den, _) = std::mem::take(&mut self.partial);
-        let ratio = num / den;
+        let cap = std::mem::take(&mut self.partial_cap);
+        let ratio = num / capped(den, cap);
         if !ratio.is_finite()
             || (current > 0.0
                 && (ratio > current * cfg.outlier_factor || ratio < current / cfg.outlier_factor))
@@ -156,12 +194,13 @@ impl FadedRatio {
         let keep = 0.5f64.powf(age_s / cfg.half_life_s);
         self.num = self.num * keep + num;
         self.den = self.den * keep + den;
+        self.cap = self.cap * keep + cap;
         Fold::Folded
     }
 
     /// The ratio, with `prior` weighing `prior_den` of denominator.
     fn value(&self, prior: f64, prior_den: f64) -> f64 {
-        (self.num + prior * prior_den) / (self.den + prior_den)
+        (self.num + prior * prior_den) / (capped(self.den, self.cap) + prior_den)
     }
 }
 
@@ -237,11 +276,15 @@ impl ReplicaCalibration {
         let current = self.rates(cfg);
         let scale = cfg.engine_time_scale;
         // Engine-time rates: tokens per engine second, engine seconds per gap.
-        let prefill = (
-            totals.prefill_tokens - before.prefill_tokens,
-            totals.prefill_time_s - before.prefill_time_s,
-            totals.prefills - before.prefills,
-        );
+        // The engine time the window spanned, over every engine: no more prefill time can have
+        // passed there.
+        let engines = f64::from(totals.engines.max(1));
+        let prefill = Window {
+            num: totals.prefill_tokens - before.prefill_tokens,
+            den: totals.prefill_time_s - before.prefill_time_s,
+            count: totals.prefills - before.prefills,
+            cap: elapsed_s * scale * engines,
+        };
         let fold = self.prefill.take(
             cfg,
             prefill,
@@ -250,11 +293,12 @@ impl ReplicaCalibration {
             current.prefill_tokens_per_s / scale,
         );
         self.count(fold);
-        let step = (
-            totals.itl_sum_s - before.itl_sum_s,
-            totals.itl_count - before.itl_count,
-            totals.itl_count - before.itl_count,
-        );
+        let step = Window {
+            num: totals.itl_sum_s - before.itl_sum_s,
+            den: totals.itl_count - before.itl_count,
+            count: totals.itl_count - before.itl_count,
+            cap: 0.0,
+        };
         // The ratio folded is seconds per gap: numerator the time, denominator the gaps.
         let fold = self.step.take(
             cfg,

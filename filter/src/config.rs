@@ -139,6 +139,8 @@ pub struct FilterConfig {
     pub max_model_name_bytes: usize,
     /// Block size when neither the configuration nor the indexer gives one.
     pub default_block_size: usize,
+    /// The online check of the filter's prompt tokens against the engine's.
+    pub token_check: crate::token_check::TokenCheckConfig,
 }
 
 impl Default for FilterConfig {
@@ -166,6 +168,7 @@ impl Default for FilterConfig {
             unknown_model_cache_entries: 256,
             max_model_name_bytes: 256,
             default_block_size: 16,
+            token_check: crate::token_check::TokenCheckConfig::default(),
         }
     }
 }
@@ -263,6 +266,19 @@ impl FilterConfig {
         }
         if self.max_response_scan_bytes > MAX_BODY_LIMIT {
             return Err(invalid("max_response_scan_bytes", "is larger than 256 MiB"));
+        }
+        let tc = &self.token_check;
+        if tc.max_response_bytes == 0 || tc.max_response_bytes > MAX_BODY_LIMIT {
+            return Err(invalid(
+                "token_check.max_response_bytes",
+                format!("must be in 1..={MAX_BODY_LIMIT}"),
+            ));
+        }
+        if tc.max_prompt_tokens > MAX_SANE_MODEL_MAX_LENGTH {
+            return Err(invalid(
+                "token_check.max_prompt_tokens",
+                format!("must be at most {MAX_SANE_MODEL_MAX_LENGTH}"),
+            ));
         }
         if self.max_models == 0 {
             return Err(invalid("max_models", "must be at least 1"));

@@ -38,6 +38,8 @@ pub struct Prepared {
     pub num_tokens: usize,
     /// LoRA adapter name, if any.
     pub lora: Option<String>,
+    /// The prompt's token ids (`None` for a batch of prompts, which the online check skips).
+    pub tokens: Option<Vec<u32>>,
 }
 
 /// Why a request was not prepared.
@@ -60,6 +62,8 @@ pub struct LoadedModel {
     pub max_prompt_tokens: usize,
     style: ExtraKeyStyle,
     lora_paths: BTreeMap<String, String>,
+    /// The online check's state for this tokenizer (a reload starts afresh).
+    pub check: crate::token_check::ModelCheckState,
 }
 
 impl std::fmt::Debug for LoadedModel {
@@ -106,21 +110,27 @@ impl LoadedModel {
             max_prompt_tokens,
             style,
             lora_paths: model_cfg.map(|m| m.lora_paths.clone()).unwrap_or_default(),
+            check: crate::token_check::ModelCheckState::default(),
         })
+    }
+
+    /// Fingerprints of the tokenizer, template and options loaded (reported to the indexer).
+    pub fn digest(&self) -> &kvroute_core::api::TokenizerDigest {
+        self.tokenizer.digest()
     }
 
     /// Renders/tokenises the request (at most `max_prompt_tokens` per prompt) and computes its
     /// router keys. A batch of prompts routes by its first prompt.
     pub fn prepare(&self, endpoint: Endpoint, body: &Value) -> Result<Prepared, PrepareError> {
-        let tokens = match self
+        let (tokens, single) = match self
             .tokenizer
             .tokenize_request_capped(endpoint, body, self.max_prompt_tokens)
             .map_err(|e| match e {
                 RequestError::PromptTooLong { limit } => PrepareError::TooLong(limit),
                 other => PrepareError::Invalid(other.to_string()),
             })? {
-            PromptTokens::Single(t) => t,
-            PromptTokens::Batch(b) => b.into_iter().next().unwrap_or_default(),
+            PromptTokens::Single(t) => (t, true),
+            PromptTokens::Batch(b) => (b.into_iter().next().unwrap_or_default(), false),
         };
         let lookup = |name: &str| self.lora_paths.get(name).cloned();
         let extras = request_extras(body, &lookup);
@@ -129,6 +139,7 @@ impl LoadedModel {
             router_keys: keys.iter().map(|k| k.0).collect(),
             num_tokens: tokens.len(),
             lora: extras.lora.as_ref().map(|l| l.name.clone()),
+            tokens: single.then_some(tokens),
         })
     }
 }

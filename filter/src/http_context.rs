@@ -45,6 +45,13 @@ fn map(headers: Headers) -> Map {
     }
 }
 
+fn buffer(body: Body) -> Buffer {
+    match body {
+        Body::Request => Buffer::RequestBody,
+        Body::Response => Buffer::ResponseBody,
+    }
+}
+
 fn dispatch(call: &Callout<'_>) -> HostResult<CallId> {
     host::dispatch_http_call(call.cluster, call.headers.to_vec(), call.body, call.timeout)
         .map(|token| CallId(u64::from(token)))
@@ -112,15 +119,11 @@ impl StreamHost for WasmHost<'_> {
     }
 
     fn read_body(&self, body: Body, max: usize) -> HostResult<Vec<u8>> {
-        let buffer = match body {
-            Body::Request => Buffer::RequestBody,
-            Body::Response => Buffer::ResponseBody,
-        };
-        Ok(host::get_buffer(buffer, 0, max)?)
+        Ok(host::get_buffer(buffer(body), 0, max)?)
     }
 
-    fn replace_request_body(&mut self, current_len: usize, body: &[u8]) -> HostResult<()> {
-        Ok(host::set_buffer(Buffer::RequestBody, 0, current_len, body)?)
+    fn replace_body(&mut self, body: Body, current_len: usize, new: &[u8]) -> HostResult<()> {
+        Ok(host::set_buffer(buffer(body), 0, current_len, new)?)
     }
 
     fn dispatch_detached(&mut self, call: &Callout<'_>) -> HostResult<()> {

@@ -33,10 +33,18 @@ pub enum Counter {
     TokenizerLoaded,
     /// A tokenizer fetch or build failed.
     TokenizerLoadFailed,
+    /// An online check: the engine's prompt tokens equal the filter's.
+    TokenCheckAgreed,
+    /// An online check: the engine's prompt tokens differ (the model then fails open).
+    TokenCheckDisagreed,
+    /// A sampled request whose response carried no prompt ids (error, reset, too large).
+    TokenCheckIncomplete,
+    /// `POST /v1/models/{model}/agreement` could not be issued.
+    AgreementReportFailed,
 }
 
 impl Counter {
-    const ALL: [Counter; 12] = [
+    const ALL: [Counter; 16] = [
         Counter::Requests,
         Counter::Routed,
         Counter::NoBody,
@@ -49,6 +57,10 @@ impl Counter {
         Counter::Abandoned,
         Counter::TokenizerLoaded,
         Counter::TokenizerLoadFailed,
+        Counter::TokenCheckAgreed,
+        Counter::TokenCheckDisagreed,
+        Counter::TokenCheckIncomplete,
+        Counter::AgreementReportFailed,
     ];
 
     fn name(self) -> &'static str {
@@ -65,6 +77,10 @@ impl Counter {
             Counter::Abandoned => "kvroute.abandoned",
             Counter::TokenizerLoaded => "kvroute.tokenizer_loaded",
             Counter::TokenizerLoadFailed => "kvroute.tokenizer_load_failed",
+            Counter::TokenCheckAgreed => "kvroute.token_check.agreed",
+            Counter::TokenCheckDisagreed => "kvroute.token_check.disagreed",
+            Counter::TokenCheckIncomplete => "kvroute.token_check.incomplete",
+            Counter::AgreementReportFailed => "kvroute.agreement_report_failed",
         }
     }
 }
@@ -207,6 +223,7 @@ fn fail_open_name(r: FailOpen) -> &'static str {
         FailOpen::IndexerTimeout => "kvroute.fail_open.indexer_timeout",
         FailOpen::IndexerError => "kvroute.fail_open.indexer_error",
         FailOpen::BadAnswer => "kvroute.fail_open.bad_answer",
+        FailOpen::TokenMismatch => "kvroute.fail_open.token_mismatch",
         FailOpen::UnknownModel => "kvroute.fail_open.unknown_model",
         FailOpen::NotJson => "kvroute.fail_open.not_json",
         FailOpen::NoModel => "kvroute.fail_open.no_model",

@@ -9,7 +9,9 @@ use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use kvroute_core::api::{check_contract, ContractCheck, CONTRACT_HEADER, CONTRACT_VERSION_STR};
+use kvroute_core::api::{
+    check_contract, AgreementReport, ContractCheck, CONTRACT_HEADER, CONTRACT_VERSION_STR,
+};
 use serde_json::Value;
 
 use crate::config::{ConfigError, FilterConfig, TokenizerSource};
@@ -17,6 +19,7 @@ use crate::engine::LoadedModel;
 use crate::hlog;
 use crate::metrics::Counter;
 use crate::models::{log_name, Lookup, ModelRegistry, RegistryPolicy};
+use crate::online_check::send_report;
 use crate::protocol::{parse_tokenizer_bundle, TokenizerBundle};
 use crate::seam::{CallId, CallReply, Callout, Host};
 
@@ -157,8 +160,9 @@ impl Plugin {
     }
 
     /// Takes a callout answer; returns false when `id` is not one of the plugin's fetches (the
-    /// answer to a report, which needs nothing).
-    pub fn on_call_reply(&self, host: &impl Host, id: CallId, reply: &CallReply) -> bool {
+    /// answer to a report, which needs nothing). A tokenizer that loads is reported to the
+    /// indexer (`POST /v1/models/{model}/agreement`, its digest).
+    pub fn on_call_reply(&self, host: &mut impl Host, id: CallId, reply: &CallReply) -> bool {
         let Some(model) = self.fetches().remove(&id) else {
             return false;
         };
@@ -166,7 +170,7 @@ impl Plugin {
         true
     }
 
-    fn on_tokenizer_reply(&self, host: &impl Host, model: String, reply: &CallReply) {
+    fn on_tokenizer_reply(&self, host: &mut impl Host, model: String, reply: &CallReply) {
         let now = host.now_millis();
         let other_contract = matches!(
             check_contract(reply.contract.as_deref()),
@@ -213,7 +217,16 @@ impl Plugin {
         match loaded {
             Ok(m) => {
                 let (block_size, cap) = (m.block_size, m.max_prompt_tokens);
+                let digest = m.digest().clone();
                 if self.models().loaded(&model, m) {
+                    // The indexer compares this digest with its own tokenizer's.
+                    let report = AgreementReport {
+                        digest,
+                        check: None,
+                    };
+                    send_report(host, self, &model, &report, |h, call| {
+                        h.dispatch(call).map(|_| ())
+                    });
                     hlog!(
                         host,
                         Info,

@@ -36,11 +36,14 @@ pub enum FailOpen {
     ContractMismatch,
     /// A host call failed.
     HostcallError,
+    /// An online check found that the engine tokenises this model's prompts otherwise (the model
+    /// is not routed by prefix until its tokenizer is fixed and reloaded).
+    TokenMismatch,
 }
 
 impl FailOpen {
     /// Every reason, for metric definition.
-    pub const ALL: [FailOpen; 13] = [
+    pub const ALL: [FailOpen; 14] = [
         FailOpen::IndexerUnavailable,
         FailOpen::IndexerTimeout,
         FailOpen::IndexerError,
@@ -54,6 +57,7 @@ impl FailOpen {
         FailOpen::PromptTooLong,
         FailOpen::ContractMismatch,
         FailOpen::HostcallError,
+        FailOpen::TokenMismatch,
     ];
 
     /// Metric suffix and debug-header value.
@@ -72,6 +76,7 @@ impl FailOpen {
             FailOpen::PromptTooLong => "prompt_too_long",
             FailOpen::ContractMismatch => "contract_mismatch",
             FailOpen::HostcallError => "hostcall_error",
+            FailOpen::TokenMismatch => "token_mismatch",
         }
     }
 }

@@ -66,9 +66,10 @@ impl Context for KvRouteRoot {
             return;
         };
         let reply = call_reply(num_headers, body_size);
-        // Other tokens are `/v1/complete` reports issued on the root's behalf: nothing to do.
+        // Other tokens are reports (`/v1/complete`, agreement) issued on the root's behalf: nothing
+        // to do.
         plugin.on_call_reply(
-            &WasmHost::new(&self.vm, self.vm.root_id),
+            &mut WasmHost::new(&self.vm, self.vm.root_id),
             CallId(u64::from(token_id)),
             &reply,
         );

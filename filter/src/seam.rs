@@ -50,12 +50,13 @@ pub enum Headers {
     Response,
 }
 
-/// The bodies a stream can read.
+/// The bodies a stream can read and replace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Body {
     /// The request body buffered so far.
     Request,
-    /// The response body chunk of the current callback.
+    /// The response body chunk of the current callback (everything buffered after a
+    /// [`Flow::Pause`]).
     Response,
 }
 
@@ -66,7 +67,8 @@ pub enum Flow {
     Continue,
     /// Stop here: on request headers, hold them (the body is handled by the body callbacks); on
     /// the request body, keep buffering it. The stream goes on at [`StreamHost::resume_request`]
-    /// or after a local reply.
+    /// or after a local reply. On the response body, keep buffering it until its end (the host
+    /// then hands the whole body to the last body callback).
     Pause,
 }
 
@@ -132,9 +134,10 @@ pub trait StreamHost: Host {
     fn remove_header(&mut self, map: Headers, name: &str) -> HostResult<()>;
     /// Reads up to `max` bytes of a body from its start.
     fn read_body(&self, body: Body, max: usize) -> HostResult<Vec<u8>>;
-    /// Replaces the first `current_len` bytes of the buffered request body (all of it) with
-    /// `body`.
-    fn replace_request_body(&mut self, current_len: usize, body: &[u8]) -> HostResult<()>;
+    /// Replaces the first `current_len` bytes of `body` (all of the buffered request body, or the
+    /// current response chunk, which after a [`Flow::Pause`] holds everything buffered) with
+    /// `new`.
+    fn replace_body(&mut self, body: Body, current_len: usize, new: &[u8]) -> HostResult<()>;
     /// Starts a callout nobody waits for, which must outlive this stream (a report sent as the
     /// stream ends).
     fn dispatch_detached(&mut self, call: &Callout<'_>) -> HostResult<()>;

@@ -21,6 +21,7 @@ use crate::engine::{endpoint_for_path, PrepareError};
 use crate::hlog;
 use crate::metrics::{Counter, Histogram};
 use crate::models::Lookup;
+use crate::online_check::OnlineCheck;
 use crate::plugin::Plugin;
 use crate::protocol::{
     abandon_body, callout_id, complete_body, inject_kv_cache_report_mode, max_tokens_of,
@@ -89,6 +90,8 @@ pub struct Stream {
     sent_at_ns: Option<u64>,
     /// Time to first token of a streamed response, microseconds (reported with the completion).
     ttft_us: Option<u64>,
+    /// This request's online token check, when sampled.
+    check: Option<OnlineCheck>,
 }
 
 impl Stream {
@@ -113,6 +116,7 @@ impl Stream {
             reported: false,
             fail_open: None,
             scanner: None,
+            check: None,
         }
     }
 
@@ -310,6 +314,9 @@ impl Stream {
                 let _ = host.set_header(Headers::Response, DBG_FAIL_OPEN, f.as_str());
             }
         }
+        if let Some(check) = &mut self.check {
+            check.on_response_headers(host);
+        }
         if self.routed_to.is_some() && plugin.cfg.report_completion {
             let streaming = host
                 .header_text(Headers::Response, "content-type")
@@ -329,6 +336,15 @@ impl Stream {
         chunk_size: usize,
         end_of_stream: bool,
     ) -> Flow {
+        let chunk_size = match (&mut self.check, &self.plugin) {
+            (Some(check), Some(plugin)) => {
+                match check.on_response_body(host, plugin, chunk_size, end_of_stream) {
+                    (Flow::Continue, size) => size,
+                    (Flow::Pause, _) => return Flow::Pause,
+                }
+            }
+            _ => chunk_size,
+        };
         if end_of_stream {
             self.response_done = true;
         }
@@ -481,24 +497,27 @@ impl Stream {
             Lookup::NotReady => return Err(FailOpen::TokenizerNotReady),
             Lookup::Unknown => return Err(FailOpen::UnknownModel),
         };
+        if loaded.check.mismatch() {
+            return Err(FailOpen::TokenMismatch);
+        }
         let t0 = host.now_nanos().unwrap_or(0);
-        let prepared = loaded
-            .prepare(endpoint_for_path(&self.path), &body)
-            .map_err(|e| {
-                hlog!(
-                    host,
-                    Debug,
-                    "kvroute: request {} not tokenised: {e}",
-                    self.request_id
-                );
-                match e {
-                    PrepareError::TooLong(_) => FailOpen::PromptTooLong,
-                    PrepareError::Invalid(_) => FailOpen::TokenizeError,
-                }
-            })?;
+        let endpoint = endpoint_for_path(&self.path);
+        let mut prepared = loaded.prepare(endpoint, &body).map_err(|e| {
+            hlog!(
+                host,
+                Debug,
+                "kvroute: request {} not tokenised: {e}",
+                self.request_id
+            );
+            match e {
+                PrepareError::TooLong(_) => FailOpen::PromptTooLong,
+                PrepareError::Invalid(_) => FailOpen::TokenizeError,
+            }
+        })?;
         if let Some(t1) = host.now_nanos() {
             host.record(Histogram::PrepareUs, t1.saturating_sub(t0) / 1000);
         }
+        self.check = OnlineCheck::plan(plugin, &loaded, &model, endpoint, &body, &mut prepared);
         let callout = next_callout_id(host.now_nanos());
         let route = RouteRequest {
             model,
@@ -534,7 +553,8 @@ impl Stream {
             started_ms: host.now_millis(),
         };
         self.unanswered_callout = Some(callout);
-        if plugin.cfg.inject_kv_cache_report_mode {
+        let check_rewrites = self.check.as_ref().is_some_and(OnlineCheck::needs_rewrite);
+        if plugin.cfg.inject_kv_cache_report_mode || check_rewrites {
             self.body = Some((raw, body));
         }
         Ok(())
@@ -595,7 +615,7 @@ impl Stream {
         }
         self.decision = Some((answer.replica, answer.reason));
         if let Some((raw, parsed)) = self.body.take() {
-            rewrite_body(host, &raw, &parsed);
+            rewrite_body(host, plugin, self.check.as_mut(), &raw, &parsed);
         }
         Ok(())
     }
@@ -659,10 +679,28 @@ fn indexer_headers<'a>(plugin: &'a Plugin, path: &'a str) -> [(&'a str, &'a str)
     ]
 }
 
-/// Adds `kv_cache_report_mode` to the body and fixes content-length; on any failure the original
-/// body and length are kept (the request is still routed).
-fn rewrite_body(host: &mut impl StreamHost, raw: &[u8], parsed: &Value) {
-    let Some(new_body) = inject_kv_cache_report_mode(raw, parsed) else {
+/// Adds `kv_cache_report_mode` (when configured) and the online check's `return_token_ids` (when
+/// sampled) to the body and fixes content-length; on any failure the original body and length
+/// are kept (the request is still routed).
+fn rewrite_body(
+    host: &mut impl StreamHost,
+    plugin: &Plugin,
+    check: Option<&mut OnlineCheck>,
+    raw: &[u8],
+    parsed: &Value,
+) {
+    let report_mode = plugin
+        .cfg
+        .inject_kv_cache_report_mode
+        .then(|| inject_kv_cache_report_mode(raw, parsed))
+        .flatten();
+    let new_body = match check.filter(|c| c.needs_rewrite()) {
+        Some(check) => check
+            .rewrite(report_mode.as_deref().unwrap_or(raw))
+            .or(report_mode),
+        None => report_mode,
+    };
+    let Some(new_body) = new_body else {
         return;
     };
     let had_length = matches!(host.header(Headers::Request, "content-length"), Ok(Some(_)));
@@ -680,7 +718,7 @@ fn rewrite_body(host: &mut impl StreamHost, raw: &[u8], parsed: &Value) {
             return;
         }
     }
-    if let Err(e) = host.replace_request_body(raw.len(), &new_body) {
+    if let Err(e) = host.replace_body(Body::Request, raw.len(), &new_body) {
         hlog!(host, Warn, "kvroute: body not rewritten: {e}");
         if had_length {
             let _ = host.set_header(Headers::Request, "content-length", &raw.len().to_string());

@@ -38,6 +38,8 @@ fn full_example() -> Value {
         "discover_models": true, "max_models": 4,
         "tokenizer_retry": {"initial_ms": 500, "max_ms": 30000},
         "unknown_model_retry_ms": 30000, "default_block_size": 16,
+        "token_check": {"sample_one_in": 1000, "first_requests": 8, "max_prompt_tokens": 8192,
+            "max_response_bytes": 1048576},
         "models": {"qwen3": {"block_size": 16, "extra_key_style": "tagged",
             "tokenizer_source": "indexer", "lora_paths": {"sql-lora": "/adapters/sql"},
             "max_prompt_tokens": 40960,
@@ -80,7 +82,8 @@ fn field_name() -> impl Strategy<Value = String> {
             "unknown_model_cache_entries", "max_model_name_bytes", "default_block_size",
             "block_size", "extra_key_style", "tokenizer_source", "lora_paths",
             "max_prompt_tokens", "tokenizer_options", "initial_ms", "max_ms", "qwen3",
-            "segment_cache_max_bytes", "chat_template", "content_format",
+            "segment_cache_max_bytes", "chat_template", "content_format", "token_check",
+            "sample_one_in", "first_requests", "max_response_bytes",
         ])
         .prop_map(str::to_owned),
         1 => any::<String>(),

@@ -47,19 +47,36 @@ fn route_answer(endpoint: &str) -> CallReply {
     }
 }
 
-/// Streams a response of `chunks` through the stream.
-fn respond(stream: &mut Stream, host: &mut FakeHost, content_type: &str, chunks: &[&[u8]]) {
+/// Streams a response of `chunks` through the stream as Envoy does: a chunk held
+/// ([`Flow::Pause`]) stays buffered and the next callback sees everything buffered. Returns what
+/// the client receives.
+fn respond(
+    stream: &mut Stream,
+    host: &mut FakeHost,
+    content_type: &str,
+    chunks: &[&[u8]],
+) -> Vec<u8> {
     host.response_headers = vec![
         (":status".into(), "200".into()),
         ("content-type".into(), content_type.into()),
     ];
     assert_eq!(stream.on_response_headers(host, false), Flow::Continue);
+    let mut held = Vec::new();
+    let mut sent = Vec::new();
     for (i, c) in chunks.iter().enumerate() {
         host.advance_ms(5);
-        host.response_chunk = c.to_vec();
+        held.extend_from_slice(c);
+        host.response_chunk = held.clone();
         let last = i + 1 == chunks.len();
-        assert_eq!(stream.on_response_body(host, c.len(), last), Flow::Continue);
+        match stream.on_response_body(host, held.len(), last) {
+            Flow::Continue => {
+                sent.append(&mut host.response_chunk);
+                held.clear();
+            }
+            Flow::Pause => assert!(!last, "the last chunk is never held"),
+        }
     }
+    sent
 }
 
 const SSE_USAGE: &[u8] =
@@ -419,7 +436,7 @@ fn a_model_the_indexer_does_not_know_fails_open_and_is_remembered() {
     let fetch = root.last_call().clone();
     assert_eq!(fetch.header(":path"), Some("/v1/models/mystery/tokenizer"));
     assert!(plugin.on_call_reply(
-        &root,
+        &mut root,
         fetch.id,
         &CallReply {
             status: Some(404),
@@ -535,7 +552,7 @@ fn tokenizer_fetches_retry_and_refuse_another_contract() {
     plugin.on_tick(&mut host);
     let first = host.last_call().clone();
     assert!(plugin.on_call_reply(
-        &host,
+        &mut host,
         first.id,
         &CallReply {
             status: Some(200),
@@ -556,7 +573,7 @@ fn tokenizer_fetches_retry_and_refuse_another_contract() {
     plugin.on_tick(&mut host);
     let retry = host.last_call().clone();
     assert!(plugin.on_call_reply(
-        &host,
+        &mut host,
         retry.id,
         &CallReply {
             status: Some(200),
@@ -566,7 +583,7 @@ fn tokenizer_fetches_retry_and_refuse_another_contract() {
     ));
     assert_eq!(host.count("kvroute.tokenizer_loaded"), 1);
     assert!(
-        !plugin.on_call_reply(&host, retry.id, &CallReply::default()),
+        !plugin.on_call_reply(&mut host, retry.id, &CallReply::default()),
         "answered once"
     );
     assert!(Plugin::configure(&host, br#"{"no_such_field":1}"#, b"").is_err());

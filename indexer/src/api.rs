@@ -13,9 +13,12 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 
 use kvroute_core::api::{
-    check_contract, CompleteReport, ContractCheck, TokenizerBundle, CONTRACT_HEADER,
-    CONTRACT_VERSION,
+    check_contract, AgreementReport, CompleteReport, ContractCheck, TokenizerBundle,
+    TokenizerDigest, CONTRACT_HEADER, CONTRACT_VERSION,
 };
+use kvroute_core::request::{ModelFiles, ModelTokenizer, TokenizerOptions};
+
+use crate::agreement::AgreementEvent;
 
 use crate::config::ReplicaConfig;
 use crate::membership::lock;
@@ -31,6 +34,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/complete", post(complete_handler))
         .route("/v1/models", get(models_handler))
         .route("/v1/models/{model}/tokenizer", get(tokenizer_handler))
+        .route("/v1/models/{model}/agreement", post(agreement_handler))
         .route("/metrics", get(metrics_handler))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz_handler))
@@ -207,17 +211,17 @@ async fn tokenizer_handler(
             format!("model {model:?} has no model_dir configured"),
         );
     };
-    let read = |f: &'static str| {
-        let p = dir.join(f);
-        async move {
-            tokio::fs::read_to_string(&p)
-                .await
-                .map_err(|e| format!("{}: {e}", p.display()))
-        }
+    let files = match tokio::task::spawn_blocking(move || ModelFiles::from_dir(dir)).await {
+        Ok(Ok(f)) => f,
+        Ok(Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    };
+    let text = |bytes: Vec<u8>, name: &str| {
+        String::from_utf8(bytes).map_err(|_| format!("{name} of model {model:?} is not UTF-8"))
     };
     let (tok, cfg) = match (
-        read("tokenizer.json").await,
-        read("tokenizer_config.json").await,
+        text(files.tokenizer_json, "tokenizer.json"),
+        text(files.tokenizer_config_json, "tokenizer_config.json"),
     ) {
         (Ok(t), Ok(c)) => (t, c),
         (Err(e), _) | (_, Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
@@ -239,6 +243,86 @@ async fn tokenizer_handler(
     .into_response()
 }
 
+/// The indexer's digest of a model's tokenizer, built once from its `model_dir` with its
+/// `tokenizer_options` (`None`: no directory, or files that do not load, which the bundle
+/// endpoint reports).
+async fn own_digest(m: &crate::state::ModelRuntime) -> Option<TokenizerDigest> {
+    m.own_digest.get_or_init(|| build_digest(m)).await.clone()
+}
+
+/// Builds the model's tokenizer once to digest it (a second or more for a large vocabulary).
+async fn build_digest(m: &crate::state::ModelRuntime) -> Option<TokenizerDigest> {
+    let dir = m.model_dir.clone()?;
+    let opts = TokenizerOptions {
+        // The digest needs no segment cache.
+        segment_cache_max_bytes: 0,
+        segment_cache_max_entries: 0,
+        ..m.tokenizer_options.clone()
+    };
+    let built = tokio::task::spawn_blocking(move || {
+        ModelFiles::from_dir(dir).and_then(|f| ModelTokenizer::from_files(&f, opts))
+    })
+    .await;
+    match built {
+        Ok(Ok(t)) => Some(t.digest().clone()),
+        Ok(Err(e)) => {
+            tracing::warn!(model = %m.name, error = %e, "model files do not load: no tokenizer digest");
+            None
+        }
+        Err(_) => None,
+    }
+}
+
+/// `POST /v1/models/{model}/agreement`: a filter's tokenizer digest, with an online check's
+/// outcome when it has one. Answered at once; the report is taken in the background (the first
+/// one waits for the indexer's own digest, which must not depend on the caller's deadline).
+async fn agreement_handler(
+    State(state): State<Arc<AppState>>,
+    Path(model): Path<String>,
+    Json(report): Json<AgreementReport>,
+) -> Response {
+    let Some(m) = state.models.get(&model).cloned() else {
+        return error(StatusCode::NOT_FOUND, format!("unknown model {model:?}"));
+    };
+    tokio::spawn(take_agreement(m, model, report));
+    StatusCode::NO_CONTENT.into_response()
+}
+
+/// Compares a filter's report with the indexer's digest, records it and logs what changed.
+async fn take_agreement(
+    m: Arc<crate::state::ModelRuntime>,
+    model: String,
+    report: AgreementReport,
+) {
+    let own = own_digest(&m).await;
+    let events = lock(&m.agreement).record(own.as_ref(), &report);
+    for event in events {
+        match event {
+            AgreementEvent::DigestMismatch(parts) => tracing::warn!(
+                model = %model,
+                differs = %parts.join(","),
+                "the filter's tokenizer differs from the indexer's in: {}",
+                parts.join(", ")
+            ),
+            AgreementEvent::DigestAgrees => {
+                tracing::info!(model = %model, "the filter's tokenizer digest equals the indexer's")
+            }
+            AgreementEvent::TokensDisagree(c) => tracing::warn!(
+                model = %model,
+                endpoint = %c.endpoint,
+                own_tokens = c.own_tokens,
+                engine_tokens = c.engine_tokens,
+                first_difference = c.first_difference.unwrap_or_default(),
+                "the engine's prompt tokens differ from the filter's: the model fails open until its tokenizer is fixed"
+            ),
+            AgreementEvent::MismatchCleared => tracing::info!(
+                model = %model,
+                "a filter with another tokenizer reported: the token mismatch is cleared"
+            ),
+        }
+    }
+}
+
 async fn metrics_handler(State(state): State<Arc<AppState>>) -> Response {
     // Decisions past their deadline stop counting before the gauges are read.
     state.load.expire(std::time::Instant::now());
@@ -254,6 +338,7 @@ async fn readyz_handler(State(state): State<Arc<AppState>>) -> Response {
     let mut ready = true;
     let stale_after = state.stale_after();
     for m in state.models.values() {
+        problems.extend(lock(&m.agreement).problems(&m.name));
         let reps = state.fleet.of_model(&m.name);
         if !reps.iter().any(|r| r.healthy()) {
             ready = false;
@@ -511,10 +596,7 @@ async fn admin_remove(
     }
     match state.fleet.remove(&name) {
         Ok(r) => {
-            let mut idx = lock(&state.index);
-            for id in r.index_ids() {
-                idx.remove_replica(id);
-            }
+            state.index.remove_streams(r.index_ids());
             tracing::info!(replica = %name, "replica removed via admin API");
             StatusCode::NO_CONTENT.into_response()
         }

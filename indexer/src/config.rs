@@ -93,6 +93,9 @@ pub struct Config {
     /// How long routed requests count as in flight without a completion (`[inflight]`).
     #[serde(default)]
     pub inflight: crate::load::InflightConfig,
+    /// How recomputation after eviction is recognised (`[reuse]`).
+    #[serde(default)]
+    pub reuse: crate::reuse::ReuseConfig,
     /// Served models, each with its replicas.
     #[serde(default)]
     pub models: Vec<ModelConfig>,
@@ -394,9 +397,16 @@ fn default_approx_max_entries() -> usize {
 pub struct ModelConfig {
     /// Served model name (the `model` field of requests).
     pub name: String,
-    /// Directory with `tokenizer.json` and `tokenizer_config.json` (served to the filter).
+    /// The model's directory: `tokenizer.json`, and any of `tokenizer_config.json`,
+    /// `chat_template.jinja`, `chat_template.json`, `special_tokens_map.json` (served to the
+    /// filter, merged as transformers reads them).
     #[serde(default)]
     pub model_dir: Option<PathBuf>,
+    /// The engines' chat-template flags (`--chat-template`, `--chat-template-content-format`,
+    /// ...), as the filter's `models.<name>.tokenizer_options`: the indexer's tokenizer digest is
+    /// computed with them, so a filter configured otherwise shows as a digest mismatch.
+    #[serde(default)]
+    pub tokenizer_options: Option<kvroute_core::request::TokenizerOptions>,
     /// Tokens per KV block; learned from the first BlockStored when not given.
     #[serde(default)]
     pub block_size: Option<u32>,
@@ -506,6 +516,9 @@ impl Config {
         self.inflight
             .validate()
             .map_err(|(f, msg)| invalid(format!("inflight.{f}"), msg))?;
+        self.reuse
+            .validate()
+            .map_err(|(f, msg)| invalid(format!("reuse.{f}"), msg))?;
         self.scoring
             .validate()
             .map_err(|(f, msg)| invalid(format!("scoring.{f}"), msg))?;

@@ -28,7 +28,7 @@ pub fn render(state: &AppState) -> String {
     // Per-stream counters.
     let replicas = state.fleet.all();
     type Getter = fn(&crate::membership::StreamStats) -> u64;
-    let stream_counters: [(&str, &str, Getter); 13] = [
+    let stream_counters: [(&str, &str, Getter); 16] = [
         ("event_batches_total", "Event batches applied.", |s| {
             s.batches.load(Ordering::Relaxed)
         }),
@@ -83,6 +83,21 @@ pub fn render(state: &AppState) -> String {
             "replays_too_large_total",
             "Replays abandoned for exceeding events.replay_max_batches or events.replay_max_bytes.",
             |s| s.replays_too_large.load(Ordering::Relaxed),
+        ),
+        (
+            "blocks_stored_total",
+            "New block holdings from the stream's events (re-announced hits and replayed history excluded).",
+            |s| s.stored_blocks.load(Ordering::Relaxed),
+        ),
+        (
+            "blocks_duplicated_total",
+            "GPU blocks stored while another replica held them on GPU: prefill computed twice.",
+            |s| s.duplicated_blocks.load(Ordering::Relaxed),
+        ),
+        (
+            "blocks_recomputed_total",
+            "GPU blocks stored again within reuse.recompute_window_s of their removal: recomputation after eviction.",
+            |s| s.recomputed_blocks.load(Ordering::Relaxed),
         ),
     ];
     for (name, help, get) in stream_counters {
@@ -150,7 +165,7 @@ pub fn render(state: &AppState) -> String {
     // Per-replica gauges.
     let stale_after = state.stale_after();
     let entries_by_stream: std::collections::HashMap<u32, u64> =
-        lock(&state.index).replicas().into_iter().collect();
+        state.index.entries_by_stream().into_iter().collect();
     let full = format!("{p}_replica_index_entries");
     header(
         &mut out,
@@ -189,6 +204,7 @@ pub fn render(state: &AppState) -> String {
     }
     replica_rates(&mut out, state, &replicas, p);
     ttft_accuracy(&mut out, state, p);
+    token_agreement(&mut out, state, p);
     let full = format!("{p}_replica_healthy");
     header(
         &mut out,
@@ -269,7 +285,7 @@ pub fn render(state: &AppState) -> String {
     }
 
     // Index.
-    let stats = lock(&state.index).stats();
+    let stats = state.index.stats();
     for (name, help, v) in [
         (
             "index_entries",
@@ -501,6 +517,63 @@ fn replica_rates(out: &mut String, state: &AppState, replicas: &[Arc<Replica>], 
                 get(rates, *windows)
             );
         }
+    }
+}
+
+/// Per model: whether the filter's tokenizer digest differs from the indexer's, the online
+/// checks' outcomes, and whether the engine's tokens were found to differ.
+fn token_agreement(out: &mut String, state: &AppState, p: &str) {
+    let mut models: Vec<_> = state.models.values().collect();
+    models.sort_by(|a, b| a.name.cmp(&b.name));
+    let rows: Vec<(String, crate::agreement::AgreementView)> = models
+        .iter()
+        .map(|m| (escape(&m.name), lock(&m.agreement).view()))
+        .collect();
+    let full = format!("{p}_tokenizer_digest_mismatch");
+    header(
+        out,
+        &full,
+        "gauge",
+        "1 when the filter's tokenizer digest differs from the indexer's in this part.",
+    );
+    for (model, v) in &rows {
+        for part in ["tokenizer", "template", "options"] {
+            let on = v.digest_differs.contains(&part);
+            let _ = writeln!(
+                out,
+                "{full}{{model=\"{model}\",part=\"{part}\"}} {}",
+                u8::from(on)
+            );
+        }
+    }
+    let full = format!("{p}_token_checks_total");
+    header(
+        out,
+        &full,
+        "counter",
+        "Online checks of the filter's prompt tokens against the engine's, by result.",
+    );
+    for (model, v) in &rows {
+        let _ = writeln!(
+            out,
+            "{full}{{model=\"{model}\",result=\"agree\"}} {}",
+            v.agreed
+        );
+        let _ = writeln!(
+            out,
+            "{full}{{model=\"{model}\",result=\"disagree\"}} {}",
+            v.disagreed
+        );
+    }
+    let full = format!("{p}_token_mismatch");
+    header(
+        out,
+        &full,
+        "gauge",
+        "1 while the engine's prompt tokens are known to differ from the filter's (the model fails open).",
+    );
+    for (model, v) in &rows {
+        let _ = writeln!(out, "{full}{{model=\"{model}\"}} {}", u8::from(v.mismatch));
     }
 }
 

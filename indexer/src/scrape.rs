@@ -28,11 +28,25 @@ pub struct EngineMetrics {
     pub busy_by_engine: std::collections::BTreeMap<u32, f64>,
     /// Calibration inputs, summed over engines.
     pub totals: EngineTotals,
+    /// Prefix-cache and preemption counters, summed over engines.
+    pub reuse: EngineReuse,
+}
+
+/// The engine's own reuse counters (totals since it started), read by `assess`.
+#[derive(Debug, Default, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct EngineReuse {
+    /// `vllm:prefix_cache_hits_total`: prompt tokens served from the prefix cache.
+    pub cache_hit_tokens: f64,
+    /// `vllm:prefix_cache_queries_total`: prompt tokens looked up in it.
+    pub cache_query_tokens: f64,
+    /// `vllm:num_preemptions_total`.
+    pub preemptions: f64,
 }
 
 /// Parses Prometheus text exposition (only the series kvroute needs).
 pub fn parse_metrics(text: &str) -> EngineMetrics {
     let mut m = EngineMetrics::default();
+    let mut prefill_engines = std::collections::BTreeSet::new();
     for line in text.lines() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
@@ -78,8 +92,14 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
                 m.process_start = Some(m.process_start.map_or(value, |p: f64| p.min(value)))
             }
             "vllm:request_prefill_kv_computed_tokens_sum" => m.totals.prefill_tokens += value,
-            "vllm:request_prefill_time_seconds_sum" => m.totals.prefill_time_s += value,
+            "vllm:request_prefill_time_seconds_sum" => {
+                m.totals.prefill_time_s += value;
+                prefill_engines.insert(engine_label(labels));
+            }
             "vllm:request_prefill_time_seconds_count" => m.totals.prefills += value,
+            "vllm:prefix_cache_hits_total" => m.reuse.cache_hit_tokens += value,
+            "vllm:prefix_cache_queries_total" => m.reuse.cache_query_tokens += value,
+            "vllm:num_preemptions_total" => m.reuse.preemptions += value,
             "vllm:inter_token_latency_seconds_sum" => m.totals.itl_sum_s += value,
             "vllm:inter_token_latency_seconds_count" => m.totals.itl_count += value,
             "vllm:cache_config_info" => {
@@ -90,6 +110,7 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
             _ => {}
         }
     }
+    m.totals.engines = u32::try_from(prefill_engines.len()).unwrap_or(u32::MAX);
     m
 }
 
@@ -154,6 +175,7 @@ async fn scrape_one(state: Arc<AppState>, replica: Arc<Replica>, timeout: Durati
                     .map_or(0.0, |t| now.duration_since(t).as_secs_f64());
                 calibrate(&state, &replica, &m.totals, elapsed, restarted);
                 s.totals = m.totals;
+                s.reuse = m.reuse;
                 s.waiting = m.waiting;
                 s.running = m.running;
                 s.kv_usage = m.kv_usage;
@@ -252,6 +274,7 @@ vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="32768"} 1.0
                 itl_sum_s: 1.5,
                 itl_count: 200.0,
                 kv_capacity_blocks: Some(32768),
+                engines: 1,
             }
         );
     }

@@ -96,6 +96,8 @@ pub struct GenParams {
     pub report_full: bool,
     /// `session_id` (body, `X-Session-ID` header, or `vllm_xargs.session_id`).
     pub session_id: Option<String>,
+    /// `return_token_ids` (vLLM >= 0.10.2): the prompt's and the output's token ids in the answer.
+    pub return_token_ids: bool,
 }
 
 fn opt_u64(body: &Value, field: &'static str) -> Result<Option<u64>, ApiError> {
@@ -153,6 +155,7 @@ pub fn gen_params(
         }
     }
     let stream = opt_bool(body, "stream")?;
+    let return_token_ids = opt_bool(body, "return_token_ids")?;
     let include_usage = body
         .get("stream_options")
         .and_then(|o| o.get("include_usage"))
@@ -202,6 +205,7 @@ pub fn gen_params(
         seed,
         report_full,
         session_id,
+        return_token_ids,
     })
 }
 
@@ -266,6 +270,49 @@ pub fn completion_chunk(
                      "finish_reason": if finish { Value::from("length") } else { Value::Null },
                      "stop_reason": null}],
     })
+}
+
+/// Adds the token ids of `return_token_ids` to a stream chunk as vLLM does (only when asked:
+/// chunks are written with `exclude_unset`): chat's `prompt_token_ids` at the top of the first
+/// chunk, completions' in the first chunk's choice; `token_ids` (the new output ids) in the choice.
+pub fn add_token_ids(
+    chunk: &mut Value,
+    chat: bool,
+    prompt: Option<&[u32]>,
+    output: Option<&[u32]>,
+) {
+    if let (true, Some(p)) = (chat, prompt) {
+        chunk["prompt_token_ids"] = Value::from(p.to_vec());
+    }
+    if let Some(choice) = chunk
+        .get_mut("choices")
+        .and_then(|c| c.get_mut(0))
+        .and_then(Value::as_object_mut)
+    {
+        if let (false, Some(p)) = (chat, prompt) {
+            choice.insert("prompt_token_ids".into(), Value::from(p.to_vec()));
+        }
+        if let Some(o) = output {
+            choice.insert("token_ids".into(), Value::from(o.to_vec()));
+        }
+    }
+}
+
+/// The token-id fields of a whole answer's choice (`null` when not asked): completions carry
+/// `prompt_token_ids` there (chat carries it at the top of the answer), both `token_ids`.
+pub fn add_choice_token_ids(
+    choice: &mut Value,
+    chat: bool,
+    prompt: Option<&[u32]>,
+    output: Option<&[u32]>,
+) {
+    let ids = |v: Option<&[u32]>| v.map_or(Value::Null, |ids| Value::from(ids.to_vec()));
+    if let Some(c) = choice.as_object_mut() {
+        if !chat {
+            c.insert("prompt_token_ids".into(), ids(prompt));
+        }
+        c.insert("token_ids".into(), ids(output));
+    }
 }
 
 /// A streaming chat chunk; `role` only on the first.

@@ -327,17 +327,22 @@ async fn collect_response(
             return ApiError::unavailable("the engine stopped").into_response();
         };
         let text = s.decode(&ids);
-        choices.push(if chat {
+        let mut choice = if chat {
             openai::chat_choice(&text)
         } else {
             openai::completion_choice(i, &text)
-        });
+        };
+        let asked = prep.params.return_token_ids;
+        let prompt_ids = prep.prompts.get(i).map(Vec::as_slice).filter(|_| asked);
+        let output_ids = Some(ids.as_slice()).filter(|_| asked);
+        openai::add_choice_token_ids(&mut choice, chat, prompt_ids, output_ids);
+        choices.push(choice);
         prompt += f.prompt_tokens;
         completion += f.completion_tokens;
         cached += f.cached_tokens;
         infos.push(openai::sim_info(&f));
     }
-    let body = json!({
+    let mut body = json!({
         "id": id,
         "object": if chat { "chat.completion" } else { "text_completion" },
         "created": unix_now(),
@@ -346,6 +351,13 @@ async fn collect_response(
         "usage": openai::usage(prompt, completion, cached),
         "kvroute_sim": if infos.len() == 1 { infos[0].clone() } else { Value::from(infos) },
     });
+    if chat {
+        let prompt_ids = prep
+            .prompts
+            .first()
+            .filter(|_| prep.params.return_token_ids);
+        body["prompt_token_ids"] = prompt_ids.map_or(Value::Null, |p| Value::from(p.clone()));
+    }
     Json(body).into_response()
 }
 
@@ -386,6 +398,8 @@ fn stream_response(
     let created = unix_now();
     let model = prep.model.clone();
     let include_usage = prep.params.include_usage;
+    let return_token_ids = prep.params.return_token_ids;
+    let prompts = prep.prompts.clone();
     let total = receivers.len();
     let merged = stream::select_all(receivers.into_iter().enumerate().map(|(i, rx)| {
         stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|o| (o, rx)) })
@@ -408,13 +422,24 @@ fn stream_response(
             match out {
                 SeqOutput::Token(t) => {
                     let delta = st.push(t, |ids| s.decode(ids));
+                    let prompt_ids = prompts.get(i).map(Vec::as_slice).filter(|_| return_token_ids);
+                    let new_ids = [t];
+                    let output = Some(&new_ids[..]).filter(|_| return_token_ids);
                     if chat {
                         if st.first {
-                            evs.push(openai::chat_chunk(&id, created, &model, Some(""), true, false));
+                            let mut role =
+                                openai::chat_chunk(&id, created, &model, Some(""), true, false);
+                            openai::add_token_ids(&mut role, true, prompt_ids, None);
+                            evs.push(role);
                         }
-                        evs.push(openai::chat_chunk(&id, created, &model, Some(&delta), false, false));
+                        let mut c = openai::chat_chunk(&id, created, &model, Some(&delta), false, false);
+                        openai::add_token_ids(&mut c, true, None, output);
+                        evs.push(c);
                     } else {
-                        evs.push(openai::completion_chunk(&id, created, &model, i, &delta, false));
+                        let mut c = openai::completion_chunk(&id, created, &model, i, &delta, false);
+                        let first_prompt = prompt_ids.filter(|_| st.first);
+                        openai::add_token_ids(&mut c, false, first_prompt, output);
+                        evs.push(c);
                     }
                     st.first = false;
                 }

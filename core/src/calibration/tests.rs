@@ -223,3 +223,62 @@ fn kv_capacity_comes_from_the_engine() {
     };
     assert_eq!(bad.validate().map_err(|e| e.0), Err("half_life_s"));
 }
+
+/// vLLM packs every waiting prompt that fits the step's token budget into one step: each of
+/// those prefills records the whole step as its prefill time. On a saturated replica the rate a
+/// queued request sees is the engine's throughput, not one prefill's share of a step.
+#[test]
+fn prefills_sharing_steps_read_the_engines_throughput_not_their_share() {
+    let cfg = CalibrationConfig::default();
+    let mut cal = ReplicaCalibration::new(prior());
+    let (rate, step, per_seq) = (30_000.0, 0.006, 0.000_03);
+    let (budget, decoders) = (8192.0f64, 24.0);
+    let prompt = 400.0;
+    let per_step = ((budget - decoders) / prompt).floor();
+    let dt = step + per_step * prompt / rate + decoders * per_seq;
+    let throughput = per_step * prompt / dt;
+    let mut totals = EngineTotals::default();
+    let scrape = 0.5;
+    let mut clock = 0.0;
+    for window in 1..=120 {
+        let until = f64::from(window) * scrape;
+        while clock + dt <= until {
+            totals.prefill_tokens += per_step * prompt;
+            totals.prefill_time_s += per_step * dt;
+            totals.prefills += per_step;
+            totals.itl_sum_s += decoders * dt;
+            totals.itl_count += decoders;
+            clock += dt;
+        }
+        // The engine never idles: a step that crosses the scrape lands in the next window.
+        cal.observe(&cfg, &totals, scrape);
+    }
+    let r = cal.rates(&cfg);
+    // One prefill's share of a step would read `prompt / dt`, `per_step` (20) times slower.
+    assert!(per_step >= 10.0);
+    assert!(
+        within(r.prefill_tokens_per_s, throughput, 0.10),
+        "{r:?} vs {throughput}"
+    );
+}
+
+/// Data-parallel engines each spend the window: the bound is the window times the engines.
+#[test]
+fn the_prefill_time_bound_counts_every_engine() {
+    let cfg = CalibrationConfig::default();
+    let mut cal = ReplicaCalibration::new(prior());
+    let mut totals = EngineTotals {
+        engines: 2,
+        ..EngineTotals::default()
+    };
+    // Two engines, each prefilling one 3,000-token prompt per 0.1 s without overlap: 60k tokens
+    // per second of time in all, 1.0 prefill second per 0.5 s window (twice the window).
+    for _ in 0..120 {
+        totals.prefill_tokens += 30_000.0;
+        totals.prefill_time_s += 1.0;
+        totals.prefills += 10.0;
+        cal.observe(&cfg, &totals, 0.5);
+    }
+    let r = cal.rates(&cfg);
+    assert!(within(r.prefill_tokens_per_s, 30_000.0, 0.05), "{r:?}");
+}

@@ -95,6 +95,11 @@ impl ChatTemplates {
         )))
     }
 
+    /// Every template, by name.
+    pub(crate) fn sources(&self) -> &BTreeMap<String, String> {
+        &self.sources
+    }
+
     /// The source of a template returned by [`Self::select`].
     pub(crate) fn source(&self, name: &str) -> &str {
         self.sources.get(name).map(String::as_str).unwrap_or("")

@@ -17,13 +17,14 @@
 //! tokeniser's working set stays proportional to the cap, not to the body.
 
 mod chat_template;
+mod digest;
 mod model_files;
 mod openai;
 mod segment_cache;
 mod segmenter;
 mod tokenizer;
 
-pub use model_files::ModelFiles;
+pub use model_files::{ModelFileSet, ModelFiles, MODEL_FILE_NAMES};
 pub use segment_cache::SegmentCacheStats;
 pub use tokenizer::{ModelTokenizer, TokenizerOptions};
 

@@ -90,6 +90,7 @@ pub struct ModelTokenizer {
     cache: Mutex<SegmentCache>,
     opts: TokenizerOptions,
     model_max_length: Option<usize>,
+    digest: crate::api::TokenizerDigest,
 }
 
 impl std::fmt::Debug for ModelTokenizer {
@@ -164,6 +165,8 @@ impl ModelTokenizer {
             .and_then(Value::as_u64)
             .and_then(|n| usize::try_from(n).ok())
             .filter(|n| (1..=MAX_SANE_MODEL_MAX_LENGTH).contains(n));
+        let digest =
+            super::digest::digest(&tokenizer_json, templates.as_ref(), &special_tokens, &opts);
         Ok(Self {
             tokenizer,
             templates,
@@ -172,7 +175,13 @@ impl ModelTokenizer {
             cache,
             opts,
             model_max_length,
+            digest,
         })
+    }
+
+    /// Fingerprints of what this tokenizer was built from (see [`crate::api::TokenizerDigest`]).
+    pub fn digest(&self) -> &crate::api::TokenizerDigest {
+        &self.digest
     }
 
     /// `model_max_length` from `tokenizer_config.json`, when it is a plausible context length

@@ -66,7 +66,7 @@ pub struct FakeHost {
     pub fail_remove: bool,
     /// `dispatch` fails with this.
     pub fail_dispatch: Option<HostError>,
-    /// Replacing the request body fails.
+    /// Replacing a body fails.
     pub fail_body_replace: bool,
 }
 
@@ -220,15 +220,17 @@ impl StreamHost for FakeHost {
         Ok(b[..max.min(b.len())].to_vec())
     }
 
-    fn replace_request_body(&mut self, current_len: usize, body: &[u8]) -> HostResult<()> {
+    fn replace_body(&mut self, body: Body, current_len: usize, new: &[u8]) -> HostResult<()> {
         if self.fail_body_replace {
             return Err(HostError::Failed("refused".into()));
         }
-        let keep = self
-            .request_body
-            .split_off(current_len.min(self.request_body.len()));
-        self.request_body = body.to_vec();
-        self.request_body.extend_from_slice(&keep);
+        let target = match body {
+            Body::Request => &mut self.request_body,
+            Body::Response => &mut self.response_chunk,
+        };
+        let keep = target.split_off(current_len.min(target.len()));
+        *target = new.to_vec();
+        target.extend_from_slice(&keep);
         Ok(())
     }
 
@@ -306,7 +308,7 @@ pub fn plugin_with_qwen3(config: Value) -> Arc<Plugin> {
         contract: None,
         body: qwen3_bundle_json(),
     };
-    assert!(plugin.on_call_reply(&host, fetch.id, &reply));
+    assert!(plugin.on_call_reply(&mut host, fetch.id, &reply));
     assert_eq!(host.count("kvroute.tokenizer_loaded"), 1);
     Arc::new(plugin)
 }
