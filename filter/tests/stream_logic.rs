@@ -7,6 +7,8 @@ mod fake_host;
 use std::sync::Arc;
 
 use fake_host::*;
+use kvroute_core::request::Endpoint;
+use kvroute_filter::models::Lookup;
 use kvroute_filter::plugin::Plugin;
 use kvroute_filter::protocol::FailOpen;
 use kvroute_filter::seam::{CallReply, Flow, HostError};
@@ -587,4 +589,130 @@ fn tokenizer_fetches_retry_and_refuse_another_contract() {
         "answered once"
     );
     assert!(Plugin::configure(&host, br#"{"no_such_field":1}"#, b"").is_err());
+}
+
+/// Routes one chat request with `body` through a new stream; returns the stream.
+fn routed(plugin: &Arc<Plugin>, host: &mut FakeHost, id: u64) -> Stream {
+    let mut stream = Stream::new(id, Some(Arc::clone(plugin)));
+    assert_eq!(send_request(&mut stream, host), Flow::Pause);
+    let route = host.last_call().id;
+    stream.on_call_reply(host, route, &route_answer("10.0.0.7:8000"));
+    assert_eq!(host.request_header(DST_HEADER), Some("10.0.0.7:8000"));
+    stream
+}
+
+fn agreement_reports(host: &FakeHost) -> Vec<Value> {
+    host.detached_calls()
+        .into_iter()
+        .filter(|c| c.header(":path") == Some("/v1/models/qwen3/agreement"))
+        .map(Call::json)
+        .collect()
+}
+
+#[test]
+fn the_online_check_asks_for_token_ids_strips_them_and_reports_a_mismatch() {
+    let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}},
+        "token_check": {"sample_one_in": 1000, "first_requests": 2}}));
+    let body = chat_body("short");
+    let parsed: Value = serde_json::from_slice(&body).expect("json");
+    let own = match plugin.lookup("qwen3", 0) {
+        Lookup::Ready(m) => m
+            .prepare(Endpoint::ChatCompletions, &parsed)
+            .expect("prepared")
+            .tokens
+            .expect("one prompt"),
+        other => panic!("qwen3 not ready: {other:?}"),
+    };
+
+    // 1. A streamed response carrying the engine's ids (the same as the filter's): they are
+    // taken out of every chunk and the agreement reported.
+    let mut host = FakeHost::post(CHAT, &[], &body);
+    let mut stream = routed(&plugin, &mut host, 1);
+    let sent: Value = serde_json::from_slice(&host.request_body).expect("rewritten body is JSON");
+    assert_eq!(
+        sent["return_token_ids"], true,
+        "the engine is asked for the ids"
+    );
+    assert_eq!(
+        host.request_header("content-length"),
+        Some(host.request_body.len().to_string().as_str())
+    );
+    let first = json!({"choices": [{"index": 0, "delta": {"content": "KV"}, "token_ids": [42]}],
+        "prompt_token_ids": own});
+    let second = json!({"choices": [{"index": 0, "delta": {"content": "!"}, "token_ids": [43]}]});
+    let sse = format!("data: {first}\n\ndata: {second}\n\ndata: [DONE]\n\n");
+    let (a, b) = sse.as_bytes().split_at(25);
+    let out = respond(&mut stream, &mut host, "text/event-stream", &[a, b]);
+    let out = String::from_utf8(out).expect("utf8");
+    assert!(!out.contains("token_ids"), "ids taken out: {out}");
+    assert!(
+        out.contains("\"KV\"") && out.ends_with("data: [DONE]\n\n"),
+        "{out}"
+    );
+    assert_eq!(host.count("kvroute.token_check.agreed"), 1);
+    let reports = agreement_reports(&host);
+    assert_eq!(reports.len(), 1);
+    assert_eq!(reports[0]["check"]["own_tokens"], own.len());
+    assert_eq!(reports[0]["check"]["first_difference"], Value::Null);
+
+    // 2. A whole JSON body whose ids differ: held to its end, restored (the added fields null, as
+    // vLLM writes them when not asked), the mismatch counted and reported.
+    let mut host = FakeHost::post(CHAT, &[], &body);
+    let mut stream = routed(&plugin, &mut host, 2);
+    let mut wrong = own.clone();
+    wrong[1] += 1;
+    let answer = json!({"id": "c", "choices": [{"index": 0, "message": {"content": "hi"},
+        "token_ids": [7, 8]}], "prompt_token_ids": wrong,
+        "usage": {"prompt_tokens": own.len(), "prompt_tokens_details": {"cached_tokens": 16}}})
+    .to_string();
+    host.response_headers = vec![
+        (":status".into(), "200".into()),
+        ("content-type".into(), "application/json".into()),
+        ("content-length".into(), answer.len().to_string()),
+    ];
+    stream.on_response_headers(&mut host, false);
+    assert_eq!(
+        host.response_header("content-length"),
+        None,
+        "the body will change"
+    );
+    let (a, b) = answer.as_bytes().split_at(30);
+    host.response_chunk = a.to_vec();
+    assert_eq!(
+        stream.on_response_body(&mut host, a.len(), false),
+        Flow::Pause
+    );
+    host.response_chunk = answer.as_bytes().to_vec();
+    assert_eq!(
+        stream.on_response_body(&mut host, a.len() + b.len(), true),
+        Flow::Continue
+    );
+    let out: Value = serde_json::from_slice(&host.response_chunk).expect("restored body");
+    assert_eq!(out["prompt_token_ids"], Value::Null);
+    assert_eq!(out["choices"][0]["token_ids"], Value::Null);
+    assert_eq!(out["choices"][0]["message"]["content"], "hi");
+    assert_eq!(host.count("kvroute.token_check.disagreed"), 1);
+    let reports = agreement_reports(&host);
+    assert_eq!(reports.len(), 1);
+    assert_eq!(reports[0]["check"]["first_difference"], 1);
+    assert_eq!(reports[0]["check"]["endpoint"], "chat");
+    stream.on_stream_end(&mut host);
+    let complete = host
+        .detached_calls()
+        .into_iter()
+        .find(|c| c.header(":path") == Some("/v1/complete"))
+        .expect("completion reported")
+        .json();
+    assert_eq!(
+        complete["cached_tokens"], 16,
+        "usage read from the restored body"
+    );
+
+    // 3. The model now fails open until its tokenizer is reloaded.
+    let mut host = FakeHost::post(CHAT, &[], &body);
+    let mut stream = Stream::new(3, Some(Arc::clone(&plugin)));
+    assert_eq!(send_request(&mut stream, &mut host), Flow::Continue);
+    assert_eq!(stream.fail_open_reason(), Some(FailOpen::TokenMismatch));
+    assert_eq!(host.fail_open_count(FailOpen::TokenMismatch), 1);
+    assert_eq!(host.request_body, body, "not rewritten");
 }
