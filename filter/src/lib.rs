@@ -14,15 +14,17 @@
 pub mod config;
 pub mod engine;
 pub mod host;
+#[cfg(feature = "wasm-host")]
 pub mod http_context;
 pub mod metrics;
 pub mod models;
 pub mod online_check;
 pub mod protocol;
+#[cfg(feature = "wasm-host")]
 pub mod root_context;
 pub mod token_check;
 
-#[cfg(target_arch = "wasm32")]
+#[cfg(all(target_arch = "wasm32", feature = "wasm-host"))]
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
     proxy_wasm::set_root_context(|context_id| -> Box<dyn proxy_wasm::traits::RootContext> {

@@ -596,10 +596,7 @@ async fn admin_remove(
     }
     match state.fleet.remove(&name) {
         Ok(r) => {
-            let mut idx = lock(&state.index);
-            for id in r.index_ids() {
-                idx.remove_replica(id);
-            }
+            state.index.remove_streams(r.index_ids());
             tracing::info!(replica = %name, "replica removed via admin API");
             StatusCode::NO_CONTENT.into_response()
         }

@@ -93,6 +93,9 @@ pub struct Config {
     /// How long routed requests count as in flight without a completion (`[inflight]`).
     #[serde(default)]
     pub inflight: crate::load::InflightConfig,
+    /// How recomputation after eviction is recognised (`[reuse]`).
+    #[serde(default)]
+    pub reuse: crate::reuse::ReuseConfig,
     /// Served models, each with its replicas.
     #[serde(default)]
     pub models: Vec<ModelConfig>,
@@ -513,6 +516,9 @@ impl Config {
         self.inflight
             .validate()
             .map_err(|(f, msg)| invalid(format!("inflight.{f}"), msg))?;
+        self.reuse
+            .validate()
+            .map_err(|(f, msg)| invalid(format!("reuse.{f}"), msg))?;
         self.scoring
             .validate()
             .map_err(|(f, msg)| invalid(format!("scoring.{f}"), msg))?;

@@ -4,12 +4,14 @@ pub mod index;
 
 pub mod agreement;
 pub mod api;
+pub mod assess;
 pub mod cli;
 pub mod config;
 pub mod load;
 pub mod membership;
 pub mod metrics;
 pub mod policies;
+pub mod reuse;
 pub mod route;
 pub mod scrape;
 pub mod selfcheck;

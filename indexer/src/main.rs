@@ -1,4 +1,5 @@
-//! `kvroute-indexer`: the kvroute sidecar (`serve`) and two operator tools (`hash`, `tokenize`).
+//! `kvroute-indexer`: the kvroute sidecar (`serve`) and three operator tools (`assess`, `hash`,
+//! `tokenize`).
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -7,7 +8,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use kvroute_indexer::config::Config;
 use kvroute_indexer::policies::Policy;
-use kvroute_indexer::{cli, server};
+use kvroute_indexer::{assess, cli, server};
 
 /// mimalloc: faster than the system allocator for the index's many small allocations and
 /// large random-access tables (`cargo bench -p kvroute-indexer --bench index`).
@@ -42,6 +43,19 @@ enum Command {
         #[arg(long)]
         check_config: bool,
     },
+    /// Follow every replica's KV events and metrics without routing anything, then report what
+    /// the traffic reuses and whether prefix-aware routing would pay (docs/assess.md).
+    Assess {
+        /// TOML configuration file (the same as `serve`'s).
+        #[arg(long)]
+        config: PathBuf,
+        /// How long to watch, e.g. `90s`, `10m`, `1h` (Ctrl-C reports early).
+        #[arg(long, default_value = "10m", value_parser = parse_duration)]
+        duration: std::time::Duration,
+        /// Also write the report as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Read a JSON object (algo, block_size, token_ids, seed, lora_name, lora_path, cache_salt,
     /// mm_features) on stdin; print vLLM's block hashes, wire values and kvroute's router keys.
     Hash,
@@ -51,6 +65,44 @@ enum Command {
         #[arg(long)]
         model_dir: PathBuf,
     },
+}
+
+/// `90`, `90s`, `10m`, `1h`.
+fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let (num, unit) = match s.find(|c: char| !c.is_ascii_digit() && c != '.') {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a number and s, m or h"))?;
+    let secs = match unit {
+        "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("{s:?}: the unit must be s, m or h")),
+    };
+    if !(secs.is_finite() && secs > 0.0 && secs < 1e9) {
+        return Err(format!("{s:?}: must be a positive duration"));
+    }
+    Ok(std::time::Duration::from_secs_f64(secs))
+}
+
+fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")
 }
 
 fn read_stdin() -> anyhow::Result<String> {
@@ -70,13 +122,7 @@ fn main() -> anyhow::Result<()> {
             policy,
             check_config,
         } => {
-            tracing_subscriber::fmt()
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_default_env()
-                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-                )
-                .with_writer(std::io::stderr)
-                .init();
+            init_logging();
             let policy: Policy = policy.parse().map_err(|e: String| anyhow::anyhow!(e))?;
             let cfg = Config::load(&config)?;
             if check_config {
@@ -88,11 +134,29 @@ fn main() -> anyhow::Result<()> {
                 );
                 return Ok(());
             }
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-                .context("starting the tokio runtime")?;
-            rt.block_on(server::serve(cfg, policy, listen))
+            runtime()?.block_on(server::serve(cfg, policy, listen))
+        }
+        Command::Assess {
+            config,
+            duration,
+            json,
+        } => {
+            init_logging();
+            let cfg = Config::load(&config)?;
+            let stop = async {
+                let _ = tokio::signal::ctrl_c().await;
+            };
+            let rt = runtime()?;
+            let report = rt.block_on(assess::run(cfg, duration, stop))?;
+            // The subscribers block in their sockets: do not wait for them.
+            rt.shutdown_timeout(std::time::Duration::from_millis(500));
+            if let Some(path) = json {
+                let text = serde_json::to_string_pretty(&report)?;
+                std::fs::write(&path, text)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            print!("{}", assess::render::text(&report));
+            Ok(())
         }
         Command::Hash => {
             let out = cli::hash(&read_stdin()?)?;

@@ -62,6 +62,15 @@ pub struct StreamStats {
     pub duplicates: AtomicU64,
     /// Events the index refused (e.g. unknown parent).
     pub rejected_events: AtomicU64,
+    /// New block holdings this stream stored (any medium; re-announced hits excluded).
+    pub stored_blocks: AtomicU64,
+    /// Of those, blocks another replica already held on GPU (prefill computed twice).
+    pub duplicated_blocks: AtomicU64,
+    /// Of those, blocks this replica had removed within `reuse.recompute_window_s` (computed
+    /// again after an eviction).
+    pub recomputed_blocks: AtomicU64,
+    /// Recent GPU removals, to tell recomputation after eviction from new work.
+    pub removals: Mutex<crate::reuse::RecentRemovals>,
     /// Connections made.
     pub connects: AtomicU64,
     /// Hash self-check candidates seen (for sampling).
@@ -146,6 +155,8 @@ pub struct ScrapedLoad {
     pub failures: u32,
     /// Running + waiting requests per engine (DP rank), from the `engine` label.
     pub busy_by_engine: std::collections::BTreeMap<u32, f64>,
+    /// The engine's reuse counters of the last successful scrape.
+    pub reuse: crate::scrape::EngineReuse,
 }
 
 /// A replica of one model.

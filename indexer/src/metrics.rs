@@ -28,7 +28,7 @@ pub fn render(state: &AppState) -> String {
     // Per-stream counters.
     let replicas = state.fleet.all();
     type Getter = fn(&crate::membership::StreamStats) -> u64;
-    let stream_counters: [(&str, &str, Getter); 13] = [
+    let stream_counters: [(&str, &str, Getter); 16] = [
         ("event_batches_total", "Event batches applied.", |s| {
             s.batches.load(Ordering::Relaxed)
         }),
@@ -83,6 +83,21 @@ pub fn render(state: &AppState) -> String {
             "replays_too_large_total",
             "Replays abandoned for exceeding events.replay_max_batches or events.replay_max_bytes.",
             |s| s.replays_too_large.load(Ordering::Relaxed),
+        ),
+        (
+            "blocks_stored_total",
+            "New block holdings from the stream's events (re-announced hits and replayed history excluded).",
+            |s| s.stored_blocks.load(Ordering::Relaxed),
+        ),
+        (
+            "blocks_duplicated_total",
+            "GPU blocks stored while another replica held them on GPU: prefill computed twice.",
+            |s| s.duplicated_blocks.load(Ordering::Relaxed),
+        ),
+        (
+            "blocks_recomputed_total",
+            "GPU blocks stored again within reuse.recompute_window_s of their removal: recomputation after eviction.",
+            |s| s.recomputed_blocks.load(Ordering::Relaxed),
         ),
     ];
     for (name, help, get) in stream_counters {
@@ -150,7 +165,7 @@ pub fn render(state: &AppState) -> String {
     // Per-replica gauges.
     let stale_after = state.stale_after();
     let entries_by_stream: std::collections::HashMap<u32, u64> =
-        lock(&state.index).replicas().into_iter().collect();
+        state.index.entries_by_stream().into_iter().collect();
     let full = format!("{p}_replica_index_entries");
     header(
         &mut out,
@@ -270,7 +285,7 @@ pub fn render(state: &AppState) -> String {
     }
 
     // Index.
-    let stats = lock(&state.index).stats();
+    let stats = state.index.stats();
     for (name, help, v) in [
         (
             "index_entries",

@@ -310,8 +310,10 @@ impl RoutePolicy for KvPolicy {
         }
         if let Some(first) = chosen.streams().first() {
             let ttl = l.state.config.index.predicted_ttl_ms;
-            if let Err(e) =
-                lock(&l.state.index).insert_predicted(first.index_id, usable, now_ms(), ttl)
+            if let Err(e) = l
+                .state
+                .index
+                .insert_predicted(first.index_id, usable, now_ms(), ttl)
             {
                 tracing::debug!(error = %e, "predicted entries not written");
             }

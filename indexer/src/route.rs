@@ -135,11 +135,7 @@ pub fn exact_matches(
     replicas: &[Arc<Replica>],
     keys: &[RouterKey],
 ) -> Vec<MatchedBlocks> {
-    let found = if keys.is_empty() {
-        Vec::new()
-    } else {
-        lock(&state.index).lookup(keys, now_ms())
-    };
+    let found = state.index.lookup(keys, now_ms());
     replicas
         .iter()
         .map(|r| {

@@ -28,6 +28,19 @@ pub struct EngineMetrics {
     pub busy_by_engine: std::collections::BTreeMap<u32, f64>,
     /// Calibration inputs, summed over engines.
     pub totals: EngineTotals,
+    /// Prefix-cache and preemption counters, summed over engines.
+    pub reuse: EngineReuse,
+}
+
+/// The engine's own reuse counters (totals since it started), read by `assess`.
+#[derive(Debug, Default, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct EngineReuse {
+    /// `vllm:prefix_cache_hits_total`: prompt tokens served from the prefix cache.
+    pub cache_hit_tokens: f64,
+    /// `vllm:prefix_cache_queries_total`: prompt tokens looked up in it.
+    pub cache_query_tokens: f64,
+    /// `vllm:num_preemptions_total`.
+    pub preemptions: f64,
 }
 
 /// Parses Prometheus text exposition (only the series kvroute needs).
@@ -84,6 +97,9 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
                 prefill_engines.insert(engine_label(labels));
             }
             "vllm:request_prefill_time_seconds_count" => m.totals.prefills += value,
+            "vllm:prefix_cache_hits_total" => m.reuse.cache_hit_tokens += value,
+            "vllm:prefix_cache_queries_total" => m.reuse.cache_query_tokens += value,
+            "vllm:num_preemptions_total" => m.reuse.preemptions += value,
             "vllm:inter_token_latency_seconds_sum" => m.totals.itl_sum_s += value,
             "vllm:inter_token_latency_seconds_count" => m.totals.itl_count += value,
             "vllm:cache_config_info" => {
@@ -159,6 +175,7 @@ async fn scrape_one(state: Arc<AppState>, replica: Arc<Replica>, timeout: Durati
                     .map_or(0.0, |t| now.duration_since(t).as_secs_f64());
                 calibrate(&state, &replica, &m.totals, elapsed, restarted);
                 s.totals = m.totals;
+                s.reuse = m.reuse;
                 s.waiting = m.waiting;
                 s.running = m.running;
                 s.kv_usage = m.kv_usage;

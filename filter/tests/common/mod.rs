@@ -104,6 +104,18 @@ fn newest_mtime(dir: &Path) -> Option<std::time::SystemTime> {
 }
 
 /// A workspace binary built by `cargo build --workspace --bins`.
+/// The native dynamic module (`KVROUTE_FILTER_NATIVE`, or the release build in the target
+/// directory: `cargo build -p kvroute-filter-native --release`, which `cargo xtask test` runs).
+pub fn native_module_path() -> PathBuf {
+    let path = std::env::var_os("KVROUTE_FILTER_NATIVE")
+        .filter(|v| !v.is_empty())
+        .map_or_else(
+            || target_dir().join("release/libkvroute_filter_native.so"),
+            PathBuf::from,
+        );
+    need(path, "libkvroute_filter_native.so")
+}
+
 pub fn bin(name: &str) -> PathBuf {
     let var = format!("KVROUTE_{}_BIN", name.replace('-', "_").to_uppercase());
     need(env_or(&var, target_dir().join("debug").join(name)), name)
@@ -509,6 +521,9 @@ pub struct EnvoyOptions {
     /// Text replacements applied to the rendered envoy.yaml (e.g. a shorter timeout for a test);
     /// each `from` must occur.
     pub yaml_edits: Vec<(String, String)>,
+    /// Run the native dynamic-module build (envoy/envoy-native.yaml with this `.so`) instead of
+    /// the Wasm filter.
+    pub native_module: Option<PathBuf>,
 }
 
 impl EnvoyOptions {
@@ -521,6 +536,7 @@ impl EnvoyOptions {
             concurrency: 1,
             vm_config: Value::Null,
             yaml_edits: Vec::new(),
+            native_module: None,
         }
     }
 }
@@ -570,8 +586,11 @@ fn has_placeholder(yaml: &str) -> bool {
 }
 
 pub fn render_envoy(opts: &EnvoyOptions, listen: u16, admin: u16) -> String {
-    let template = std::fs::read_to_string(workspace().join("envoy/envoy.yaml"))
-        .expect("read envoy/envoy.yaml");
+    let file = match opts.native_module {
+        Some(_) => "envoy/envoy-native.yaml",
+        None => "envoy/envoy.yaml",
+    };
+    let template = std::fs::read_to_string(workspace().join(file)).expect("read envoy template");
     let mut text = template;
     if !opts.with_filter {
         text = cut_wasm_filter(&text);
@@ -596,6 +615,13 @@ pub fn render_envoy(opts: &EnvoyOptions, listen: u16, admin: u16) -> String {
     text.replace("{{LISTEN_PORT}}", &listen.to_string())
         .replace("{{ADMIN_PORT}}", &admin.to_string())
         .replace("{{WASM_PATH}}", &wasm)
+        .replace(
+            "{{MODULE_PATH}}",
+            &opts
+                .native_module
+                .as_ref()
+                .map_or_else(String::new, |p| p.display().to_string()),
+        )
         .replace("{{INDEXER_PORT}}", &opts.indexer_port.to_string())
         .replace(
             "{{FALLBACK_LB_ENDPOINTS}}",
@@ -637,7 +663,7 @@ impl Envoy {
                 .arg("--log-level")
                 .arg("info")
                 .arg("--component-log-level")
-                .arg("wasm:debug"),
+                .arg("wasm:debug,dynamic_modules:debug"),
             dir,
         );
         let start = Instant::now();

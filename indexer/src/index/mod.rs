@@ -64,6 +64,7 @@
 //! separately in [`ReplicaMatch::predicted`].
 
 mod predicted;
+mod shared;
 mod slab;
 mod snapshot;
 
@@ -79,6 +80,7 @@ use kvroute_core::router_key::{event_keys, RouterKey, RouterKeyError, ROOT};
 use serde::{Deserialize, Serialize};
 
 use predicted::{PredictedChange, PredictedStore};
+pub use shared::{BatchOutcome, SharedIndex};
 use slab::{media_of, pack, slot_of, Slab, FLAG_ALIASED, MAX_SLOTS};
 pub use snapshot::{IndexSnapshot, SNAPSHOT_VERSION};
 
@@ -185,6 +187,9 @@ pub struct ApplyOutcome {
     pub stored: u32,
     /// Holdings that already existed (re-announced hits): recency refreshed, not counted twice.
     pub refreshed: u32,
+    /// New GPU holdings of blocks another replica already held on GPU: prefill computed twice,
+    /// what a prefix-aware router would have saved.
+    pub duplicated: u32,
     /// Holdings removed.
     pub removed: u32,
     /// `BlockRemoved` hashes this replica did not hold on that medium.
@@ -710,6 +715,11 @@ impl KvIndex {
         };
         let node = self.slab.get(idx);
         node.touch();
+        let held_elsewhere = bit == MEDIA_GPU
+            && node
+                .holders()
+                .any(|h| slot_of(h) != slot && media_of(h) & MEDIA_GPU != 0);
+        let stored_before = out.stored;
         match node.find_slot(slot) {
             Some(pos) => {
                 let h = node.holder(pos);
@@ -740,6 +750,9 @@ impl KvIndex {
                 out.stored += 1;
                 self.stats.stored += 1;
             }
+        }
+        if held_elsewhere && out.stored > stored_before {
+            out.duplicated += 1;
         }
         if !self.predicted.is_empty() && self.predicted.remove(key, slot) {
             out.predicted_replaced += 1;

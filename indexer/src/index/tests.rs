@@ -574,3 +574,47 @@ fn budget_holds_for_long_unique_chains_from_many_replicas() {
     // The shared prefix is hot and held by every replica: it survives the churn.
     assert_eq!(ix.lookup(&keys(0, 128), 0).len(), 64);
 }
+
+#[test]
+fn the_shared_handle_applies_a_batch_and_runs_the_follow_up_under_its_lock() {
+    let ix = SharedIndex::new(IndexConfig::default());
+    // One chain from the root, one whose parent nobody stored.
+    let batch = [
+        stored(1, 0..3, Medium::Gpu, 0),
+        stored(2, 5..6, Medium::Gpu, 0),
+    ];
+    let (out, seen) = ix.apply_batch(7, &batch, |o| (o.applied, o.rejected));
+    assert_eq!((out.applied, out.rejected), (1, 1));
+    assert_eq!(seen, (1, 1), "the follow-up sees the batch's outcome");
+    assert!(matches!(
+        out.first_error,
+        Some(IndexError::ParentUnknown { .. })
+    ));
+    let found = ix.lookup(&keys(1, 3), 0);
+    assert_eq!(
+        found.iter().map(|m| (m.replica, m.gpu)).collect::<Vec<_>>(),
+        [(7, 3)]
+    );
+    assert!(ix.lookup(&[], 0).is_empty());
+    assert_eq!(out.duplicated, 0);
+
+    // Another replica computes the same blocks: each is prefill computed twice; storing them
+    // again there (a re-announced hit) or on CPU is not.
+    let (again, ()) = ix.apply_batch(8, &[stored(1, 0..3, Medium::Gpu, 0)], |_| ());
+    assert_eq!((again.stored, again.duplicated), (3, 3));
+    let (refreshed, ()) = ix.apply_batch(8, &[stored(1, 0..3, Medium::Gpu, 0)], |_| ());
+    assert_eq!((refreshed.stored, refreshed.duplicated), (0, 0));
+    let (cpu, ()) = ix.apply_batch(9, &[stored(1, 0..3, Medium::Cpu, 0)], |_| ());
+    assert_eq!((cpu.stored, cpu.duplicated), (3, 0));
+    ix.remove_streams([8, 9]);
+
+    // Export, clear, import: the entries come back.
+    let (snap, ()) = ix.export(|| ());
+    let (dropped, ()) = ix.clear_stream(7, || ());
+    assert_eq!(dropped, 3);
+    assert!(ix.lookup(&keys(1, 3), 0).iter().all(|m| m.total() == 0));
+    ix.import(&snap, || ()).expect("import");
+    assert_eq!(ix.lookup(&keys(1, 3), 0)[0].gpu, 3);
+    ix.remove_streams([7]);
+    assert!(ix.entries_by_stream().is_empty());
+}

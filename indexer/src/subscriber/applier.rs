@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use kvroute_core::events::{decode_batch, KvEvent};
+use kvroute_core::events::{decode_batch, KvEvent, Medium};
 
 use crate::membership::{lock, Replica, Stream};
 use crate::selfcheck;
@@ -83,48 +83,92 @@ impl Applier {
             }
         }
         let now = now_unix();
-        let mut idx = lock(&self.state.index);
+        let events = batch.as_ref().map_or(&[][..], |b| &b.events[..]);
+        // The position is recorded under the index lock so a snapshot sees entries and seq
+        // together.
+        let (outcome, ()) = self
+            .state
+            .index
+            .apply_batch(self.stream.index_id, events, |_| {
+                let mut s = lock(&self.stream.state);
+                s.last_seq = Some(seq);
+                s.last_fingerprint = Some(fp);
+                s.last_message = Some(std::time::Instant::now());
+                if let Some(batch) = &batch {
+                    s.last_batch_ts = Some(batch.ts);
+                    s.lag_seconds = Some((now - batch.ts).max(0.0));
+                }
+            });
+        let stats = &self.stream.stats;
+        stats.events.fetch_add(outcome.applied, Ordering::Relaxed);
+        if outcome.rejected > 0 {
+            let before = stats
+                .rejected_events
+                .fetch_add(outcome.rejected, Ordering::Relaxed);
+            if let (true, Some(e)) = (before < 10, &outcome.first_error) {
+                tracing::debug!(replica = %self.replica.name, error = %e, "index rejected an event");
+            }
+        }
         if let Some(batch) = &batch {
-            for ev in &batch.events {
-                match idx.apply(self.stream.index_id, ev) {
-                    Ok(_) => {
-                        self.stream.stats.events.fetch_add(1, Ordering::Relaxed);
+            stats.batches.fetch_add(1, Ordering::Relaxed);
+            let counted_from = self.state.reuse_counted_from_ms.load(Ordering::Relaxed);
+            let in_window = batch.ts * 1000.0 >= counted_from as f64;
+            self.note_recomputation(&batch.events, in_window);
+            if !in_window {
+                return;
+            }
+            stats
+                .stored_blocks
+                .fetch_add(outcome.stored, Ordering::Relaxed);
+            stats
+                .duplicated_blocks
+                .fetch_add(outcome.duplicated, Ordering::Relaxed);
+        }
+    }
+
+    /// Remembers this stream's GPU removals and counts (when `counted`) the blocks it stores
+    /// again soon after removing them (recomputation after eviction).
+    fn note_recomputation(&self, events: &[KvEvent], counted: bool) {
+        let cfg = &self.state.config.reuse;
+        let now_ms = (now_unix() * 1000.0) as u64;
+        let on_gpu = |m: Option<Medium>| matches!(m.unwrap_or_default(), Medium::Gpu);
+        let mut recomputed = 0u64;
+        let mut removals = lock(&self.stream.stats.removals);
+        for ev in events {
+            match ev {
+                KvEvent::BlockRemoved(r) if on_gpu(r.medium) => {
+                    for h in &r.block_hashes {
+                        removals.removed(cfg, h.as_u64(), now_ms);
                     }
-                    Err(e) => {
-                        let n = self
-                            .stream
-                            .stats
-                            .rejected_events
-                            .fetch_add(1, Ordering::Relaxed);
-                        if n < 10 {
-                            tracing::debug!(replica = %self.replica.name, error = %e, "index rejected an event");
+                }
+                KvEvent::BlockStored(s) if on_gpu(s.medium) => {
+                    for h in &s.block_hashes {
+                        if removals.stored_again(cfg, h.as_u64(), now_ms) {
+                            recomputed += 1;
                         }
                     }
                 }
+                _ => {}
             }
-            self.stream.stats.batches.fetch_add(1, Ordering::Relaxed);
         }
-        // Updated under the index lock so a snapshot sees entries and seq together.
-        let mut s = lock(&self.stream.state);
-        s.last_seq = Some(seq);
-        s.last_fingerprint = Some(fp);
-        s.last_message = Some(std::time::Instant::now());
-        if let Some(batch) = &batch {
-            s.last_batch_ts = Some(batch.ts);
-            s.lag_seconds = Some((now - batch.ts).max(0.0));
+        drop(removals);
+        if !counted {
+            return;
         }
+        self.stream
+            .stats
+            .recomputed_blocks
+            .fetch_add(recomputed, Ordering::Relaxed);
     }
 
     /// Drops this stream's index entries and sequence state; counts and logs it when `counted`
     /// (something was known).
     pub fn reset(&self, counted: bool, why: &str) {
-        {
-            let mut idx = lock(&self.state.index);
-            idx.clear_replica(self.stream.index_id);
+        self.state.index.clear_stream(self.stream.index_id, || {
             let mut s = lock(&self.stream.state);
             s.last_seq = None;
             s.last_fingerprint = None;
-        }
+        });
         if counted {
             self.stream.stats.resets.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(replica = %self.replica.name, rank = self.stream.rank, reason = why, "dropped this stream's index entries");

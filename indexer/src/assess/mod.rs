@@ -1,0 +1,126 @@
+//! `kvroute-indexer assess`: follows every replica's KV events and metrics for a while **without
+//! routing anything** (the fleet stays behind whatever balancer it has) and reports what its
+//! traffic reuses, what it computes twice across replicas, what the engines recompute after
+//! evicting, and whether prefix-aware routing would pay (see docs/assess.md).
+
+pub mod render;
+pub mod report;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+use crate::config::Config;
+use crate::membership::lock;
+use crate::policies::Policy;
+use crate::route::replica_rates;
+use crate::state::AppState;
+
+pub use report::{build, ModelReport, ReplicaReading, Report, Thresholds, Verdict};
+
+/// Reads every replica's counters now.
+pub fn read_replicas(state: &AppState) -> Vec<ReplicaReading> {
+    state
+        .fleet
+        .all()
+        .iter()
+        .map(|r| {
+            let scraped = lock(&r.scraped).clone();
+            let streams = r.streams();
+            let sum = |f: fn(&crate::membership::StreamStats) -> &std::sync::atomic::AtomicU64| {
+                streams
+                    .iter()
+                    .map(|s| f(&s.stats).load(Ordering::Relaxed))
+                    .sum::<u64>()
+            };
+            ReplicaReading {
+                replica: r.name.clone(),
+                model: r.model.clone(),
+                cache_hit_tokens: scraped.reuse.cache_hit_tokens,
+                cache_query_tokens: scraped.reuse.cache_query_tokens,
+                computed_tokens: scraped.totals.prefill_tokens,
+                preemptions: scraped.reuse.preemptions,
+                stored_blocks: sum(|s| &s.stored_blocks),
+                duplicated_blocks: sum(|s| &s.duplicated_blocks),
+                recomputed_blocks: sum(|s| &s.recomputed_blocks),
+                prefill_tokens_per_s: replica_rates(
+                    &state.config.scoring,
+                    r,
+                    &state.config.calibration,
+                )
+                .prefill_tokens_per_s,
+            }
+        })
+        .collect()
+}
+
+/// The block size of every model (learned from events or configured).
+fn block_sizes(state: &AppState) -> Vec<(String, u32)> {
+    state
+        .models
+        .values()
+        .map(|m| (m.name.clone(), m.block_size().unwrap_or(0)))
+        .collect()
+}
+
+/// Follows the fleet for `duration` (or until `stop` resolves) and reports. Writes no snapshot
+/// and serves nothing. Prints one line to stdout when the window starts (scripts and tests wait
+/// for it).
+pub async fn run(
+    mut config: Config,
+    duration: Duration,
+    stop: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<Report> {
+    anyhow::ensure!(
+        config.scrape_interval_ms > 0,
+        "assess reads the engines' metrics: scrape_interval_ms must be > 0"
+    );
+    // Never overwrite a serving indexer's snapshot.
+    config.snapshot = None;
+    let interval = Duration::from_millis(config.scrape_interval_ms);
+    let state = crate::server::start(config, Policy::RoundRobin).context("starting")?;
+    wait_first_scrape(&state, interval * 3 + Duration::from_secs(2)).await;
+    state
+        .reuse_counted_from_ms
+        .store(crate::state::unix_ms(), Ordering::Relaxed);
+    let start = read_replicas(&state);
+    let started = Instant::now();
+    println!(
+        "assess: watching {} replica(s) for {:.0} s",
+        start.len(),
+        duration.as_secs_f64()
+    );
+    tokio::select! {
+        _ = tokio::time::sleep(duration) => {}
+        _ = stop => tracing::info!("stopped early; reporting the window so far"),
+    }
+    // One more scrape so the engines' counters cover the whole window.
+    tokio::time::sleep(interval + Duration::from_millis(100)).await;
+    let end = read_replicas(&state);
+    Ok(build(
+        &start,
+        &end,
+        &block_sizes(&state),
+        started.elapsed().as_secs_f64(),
+        Thresholds::default(),
+    ))
+}
+
+/// Waits until every replica was scraped once (or `timeout`).
+async fn wait_first_scrape(state: &Arc<AppState>, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if state
+            .fleet
+            .all()
+            .iter()
+            .all(|r| lock(&r.scraped).last_ok.is_some())
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tracing::warn!("not every replica answered its first scrape; their counters start at zero");
+}

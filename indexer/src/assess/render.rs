@@ -1,0 +1,51 @@
+//! The terminal form of an assessment.
+
+use std::fmt::Write;
+
+use super::report::Report;
+
+/// A plain-text report: one table per model, then its verdict.
+pub fn text(r: &Report) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "kvroute assess: {:.0} s window; thresholds: low reuse below {:.0} % of computed prompt \
+         tokens computed twice, thrash above {:.0} % recomputed after eviction or any preemption",
+        r.window_s,
+        r.thresholds.low_reuse_share * 100.0,
+        r.thresholds.thrash_share * 100.0
+    );
+    for m in &r.models {
+        let _ = writeln!(out, "\nmodel {} (block size {})", m.model, m.block_size);
+        let _ = writeln!(
+            out,
+            "  {:<20} {:>12} {:>8} {:>12} {:>12} {:>12} {:>8}",
+            "replica", "queried tok", "hit", "computed", "dup tokens", "recomputed", "preempt"
+        );
+        for x in &m.replicas {
+            let _ = writeln!(
+                out,
+                "  {:<20} {:>12.0} {:>7.1}% {:>12.0} {:>12.0} {:>12.0} {:>8.0}",
+                x.replica,
+                x.query_tokens,
+                x.hit_rate * 100.0,
+                x.computed_tokens,
+                x.duplicated_tokens,
+                x.recomputed_tokens,
+                x.preemptions
+            );
+        }
+        let _ = writeln!(
+            out,
+            "  fleet: hit {:.1} %, routed by prefix ~{:.1} %, without recomputation ~{:.1} %; \
+             computed twice {:.1} %, recomputed {:.1} %",
+            m.hit_rate * 100.0,
+            m.predicted_hit_rate * 100.0,
+            m.hit_rate_without_recompute * 100.0,
+            m.duplicated_share * 100.0,
+            m.recomputed_share * 100.0
+        );
+        let _ = writeln!(out, "  verdict: {}", m.summary);
+    }
+    out
+}

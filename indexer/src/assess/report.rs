@@ -1,0 +1,309 @@
+//! The assessment itself: from two readings of every replica's counters, what the fleet's traffic
+//! reuses, what it computes twice, what it recomputes after evicting, and a verdict in words.
+//! Pure: no clocks, no I/O.
+
+use serde::Serialize;
+
+/// One replica's counters at one moment (totals since its engine started).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ReplicaReading {
+    /// Replica name.
+    pub replica: String,
+    /// Model it serves.
+    pub model: String,
+    /// `vllm:prefix_cache_hits_total`.
+    pub cache_hit_tokens: f64,
+    /// `vllm:prefix_cache_queries_total`.
+    pub cache_query_tokens: f64,
+    /// Prompt tokens the engine computed (`vllm:request_prefill_kv_computed_tokens_sum`).
+    pub computed_tokens: f64,
+    /// `vllm:num_preemptions_total`.
+    pub preemptions: f64,
+    /// New block holdings from its KV events.
+    pub stored_blocks: u64,
+    /// GPU blocks it stored that another replica held on GPU already.
+    pub duplicated_blocks: u64,
+    /// GPU blocks it stored again soon after removing them.
+    pub recomputed_blocks: u64,
+    /// Its prefill rate (calibrated from its metrics, else the prior), tokens per second.
+    pub prefill_tokens_per_s: f64,
+}
+
+/// What makes the verdict; each threshold is printed with the report.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Thresholds {
+    /// Below this share of computed prompt tokens computed twice, reuse across replicas is too
+    /// low for prefix-aware routing to pay.
+    pub low_reuse_share: f64,
+    /// Above this share of computed prompt tokens recomputed after eviction (or any
+    /// preemption), the engines thrash.
+    pub thrash_share: f64,
+}
+
+impl Default for Thresholds {
+    fn default() -> Self {
+        Thresholds {
+            low_reuse_share: 0.05,
+            thrash_share: 0.05,
+        }
+    }
+}
+
+/// One replica over the window.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ReplicaReport {
+    /// Replica name.
+    pub replica: String,
+    /// Prompt tokens looked up in its prefix cache.
+    pub query_tokens: f64,
+    /// Of those, served from it.
+    pub hit_tokens: f64,
+    /// `hit_tokens / query_tokens` (0 without queries).
+    pub hit_rate: f64,
+    /// Prompt tokens it computed.
+    pub computed_tokens: f64,
+    /// Of those, tokens another replica held already.
+    pub duplicated_tokens: f64,
+    /// Of those, tokens it had evicted within the recompute window.
+    pub recomputed_tokens: f64,
+    /// Preemptions.
+    pub preemptions: f64,
+    /// Its prefill rate, tokens per second.
+    pub prefill_tokens_per_s: f64,
+}
+
+/// The verdict for one model's fleet.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Verdict {
+    /// One replica: there is no choice to make.
+    NothingToRoute,
+    /// No prompt reached the replicas in the window.
+    NoTraffic,
+    /// Too little prefill is computed twice for routing by prefix to pay.
+    LowReuse,
+    /// Prefix-aware routing would save this share of prefill.
+    WouldSave,
+}
+
+/// One model's fleet over the window.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelReport {
+    /// Model name.
+    pub model: String,
+    /// Block size in tokens (from the events or the config; 0 if unknown).
+    pub block_size: u32,
+    /// Per replica.
+    pub replicas: Vec<ReplicaReport>,
+    /// The fleet's prefix-cache hit rate as it is routed today.
+    pub hit_rate: f64,
+    /// The hit rate had every prefix computed twice been found where it was cached.
+    pub predicted_hit_rate: f64,
+    /// The hit rate had nothing been evicted and recomputed.
+    pub hit_rate_without_recompute: f64,
+    /// Share of computed prompt tokens another replica held already.
+    pub duplicated_share: f64,
+    /// Share of computed prompt tokens recomputed after an eviction.
+    pub recomputed_share: f64,
+    /// Prefill seconds computed twice, per hour of this traffic, at the replicas' rates.
+    pub duplicated_gpu_seconds_per_hour: f64,
+    /// Preemptions in the window.
+    pub preemptions: f64,
+    /// True when the engines evict and recompute (or preempt) more than the threshold.
+    pub thrash: bool,
+    /// The verdict.
+    pub verdict: Verdict,
+    /// The verdict in words, with its numbers and thresholds.
+    pub summary: String,
+}
+
+/// The whole assessment.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Report {
+    /// Seconds between the two readings.
+    pub window_s: f64,
+    /// The thresholds used.
+    pub thresholds: Thresholds,
+    /// Per model.
+    pub models: Vec<ModelReport>,
+}
+
+/// Builds the report from the readings at the start and the end of the window (matched by
+/// replica name; a replica missing from the start counts from zero).
+pub fn build(
+    start: &[ReplicaReading],
+    end: &[ReplicaReading],
+    block_sizes: &[(String, u32)],
+    window_s: f64,
+    thresholds: Thresholds,
+) -> Report {
+    let mut models: Vec<String> = end.iter().map(|r| r.model.clone()).collect();
+    models.sort();
+    models.dedup();
+    let models = models
+        .into_iter()
+        .map(|model| {
+            let bs = block_sizes
+                .iter()
+                .find(|(m, _)| *m == model)
+                .map_or(0, |(_, b)| *b);
+            let replicas: Vec<ReplicaReport> = end
+                .iter()
+                .filter(|r| r.model == model)
+                .map(|e| {
+                    let s = start
+                        .iter()
+                        .find(|s| s.replica == e.replica)
+                        .cloned()
+                        .unwrap_or_default();
+                    replica_window(&s, e, bs)
+                })
+                .collect();
+            model_report(model, bs, replicas, window_s, thresholds)
+        })
+        .collect();
+    Report {
+        window_s,
+        thresholds,
+        models,
+    }
+}
+
+fn delta(a: f64, b: f64) -> f64 {
+    // A counter that went back (an engine restarted) counts from zero.
+    if b >= a {
+        b - a
+    } else {
+        b
+    }
+}
+
+fn delta_u(a: u64, b: u64) -> f64 {
+    b.checked_sub(a).unwrap_or(b) as f64
+}
+
+fn ratio(num: f64, den: f64) -> f64 {
+    if den > 0.0 {
+        (num / den).min(1.0)
+    } else {
+        0.0
+    }
+}
+
+fn replica_window(s: &ReplicaReading, e: &ReplicaReading, bs: u32) -> ReplicaReport {
+    let bs = f64::from(bs);
+    let query_tokens = delta(s.cache_query_tokens, e.cache_query_tokens);
+    let hit_tokens = delta(s.cache_hit_tokens, e.cache_hit_tokens);
+    let mut computed_tokens = delta(s.computed_tokens, e.computed_tokens);
+    if computed_tokens <= 0.0 {
+        // Engines without the computed-tokens histogram: what the cache did not serve.
+        computed_tokens = (query_tokens - hit_tokens).max(0.0);
+    }
+    ReplicaReport {
+        replica: e.replica.clone(),
+        query_tokens,
+        hit_tokens,
+        hit_rate: ratio(hit_tokens, query_tokens),
+        computed_tokens,
+        duplicated_tokens: (delta_u(s.duplicated_blocks, e.duplicated_blocks) * bs)
+            .min(computed_tokens),
+        recomputed_tokens: (delta_u(s.recomputed_blocks, e.recomputed_blocks) * bs)
+            .min(computed_tokens),
+        preemptions: delta(s.preemptions, e.preemptions),
+        prefill_tokens_per_s: e.prefill_tokens_per_s,
+    }
+}
+
+fn model_report(
+    model: String,
+    block_size: u32,
+    replicas: Vec<ReplicaReport>,
+    window_s: f64,
+    t: Thresholds,
+) -> ModelReport {
+    let sum = |f: fn(&ReplicaReport) -> f64| replicas.iter().map(f).sum::<f64>();
+    let queries = sum(|r| r.query_tokens);
+    let hits = sum(|r| r.hit_tokens);
+    let computed = sum(|r| r.computed_tokens);
+    let duplicated = sum(|r| r.duplicated_tokens);
+    let recomputed = sum(|r| r.recomputed_tokens);
+    let preemptions = sum(|r| r.preemptions);
+    let duplicated_seconds: f64 = replicas
+        .iter()
+        .filter(|r| r.prefill_tokens_per_s > 0.0)
+        .map(|r| r.duplicated_tokens / r.prefill_tokens_per_s)
+        .sum();
+    let per_hour = if window_s > 0.0 {
+        3600.0 / window_s
+    } else {
+        0.0
+    };
+    let hit_rate = ratio(hits, queries);
+    let predicted_hit_rate = ratio(hits + duplicated, queries);
+    let duplicated_share = ratio(duplicated, computed);
+    let recomputed_share = ratio(recomputed, computed);
+    let thrash = recomputed_share > t.thrash_share || preemptions > 0.0;
+    let verdict = if replicas.len() < 2 {
+        Verdict::NothingToRoute
+    } else if queries <= 0.0 {
+        Verdict::NoTraffic
+    } else if duplicated_share < t.low_reuse_share {
+        Verdict::LowReuse
+    } else {
+        Verdict::WouldSave
+    };
+    let mut summary = match verdict {
+        Verdict::NothingToRoute => format!(
+            "{model}: {} replica, nothing to route: every request can only go there.",
+            replicas.len()
+        ),
+        Verdict::NoTraffic => format!("{model}: no prompts reached the replicas in the window."),
+        Verdict::LowReuse => format!(
+            "{model}: low reuse. {:.1} % of the prompt tokens computed were already cached on \
+             another replica (below the {:.0} % threshold): prefix-aware routing would save \
+             little here; load balancing is what matters.",
+            duplicated_share * 100.0,
+            t.low_reuse_share * 100.0
+        ),
+        Verdict::WouldSave => format!(
+            "{model}: kvroute would save ~{:.0} % of prefill tokens ({:.1} % were computed on one \
+             replica while another held them, at or above the {:.0} % threshold), ~{:.0} \
+             GPU-seconds per hour at the replicas' measured prefill rates; hit rate {:.1} % \
+             today, ~{:.1} % routed by prefix.",
+            duplicated_share * 100.0,
+            duplicated_share * 100.0,
+            t.low_reuse_share * 100.0,
+            duplicated_seconds * per_hour,
+            hit_rate * 100.0,
+            predicted_hit_rate * 100.0
+        ),
+    };
+    if thrash {
+        summary.push_str(&format!(
+            " The engines thrash: {:.1} % of computed tokens were recomputed after an eviction \
+             (threshold {:.0} %), {preemptions:.0} preemptions; more KV capacity per replica \
+             would raise the hit rate to ~{:.1} %.",
+            recomputed_share * 100.0,
+            t.thrash_share * 100.0,
+            ratio(hits + recomputed, queries) * 100.0
+        ));
+    }
+    ModelReport {
+        model,
+        block_size,
+        hit_rate,
+        predicted_hit_rate,
+        hit_rate_without_recompute: ratio(hits + recomputed, queries),
+        duplicated_share,
+        recomputed_share,
+        duplicated_gpu_seconds_per_hour: duplicated_seconds * per_hour,
+        preemptions,
+        thrash,
+        verdict,
+        summary,
+        replicas,
+    }
+}
+
+#[cfg(test)]
+mod tests;

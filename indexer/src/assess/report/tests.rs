@@ -1,0 +1,116 @@
+use super::*;
+
+fn reading(replica: &str, queries: f64, hits: f64, dup: u64, recomputed: u64) -> ReplicaReading {
+    ReplicaReading {
+        replica: replica.into(),
+        model: "m".into(),
+        cache_query_tokens: queries,
+        cache_hit_tokens: hits,
+        computed_tokens: queries - hits,
+        duplicated_blocks: dup,
+        recomputed_blocks: recomputed,
+        prefill_tokens_per_s: 10_000.0,
+        ..ReplicaReading::default()
+    }
+}
+
+fn zero(r: &ReplicaReading) -> ReplicaReading {
+    ReplicaReading {
+        replica: r.replica.clone(),
+        model: r.model.clone(),
+        ..ReplicaReading::default()
+    }
+}
+
+fn one_model(end: &[ReplicaReading]) -> ModelReport {
+    let start: Vec<_> = end.iter().map(zero).collect();
+    let r = build(
+        &start,
+        end,
+        &[("m".into(), 16)],
+        60.0,
+        Thresholds::default(),
+    );
+    assert_eq!(r.models.len(), 1);
+    r.models[0].clone()
+}
+
+#[test]
+fn prefixes_computed_on_several_replicas_would_be_saved() {
+    // Two replicas each computed the same 1,600-token prefix (100 blocks) 10 times over.
+    let end = [
+        reading("a", 20_000.0, 4_000.0, 0, 0),
+        reading("b", 20_000.0, 4_000.0, 500, 0),
+    ];
+    let m = one_model(&end);
+    assert_eq!(m.verdict, Verdict::WouldSave);
+    assert!((m.hit_rate - 0.2).abs() < 1e-9);
+    // 8,000 duplicated tokens of 32,000 computed; 40,000 queried, 8,000 hit today.
+    assert!((m.duplicated_share - 0.25).abs() < 1e-9, "{m:?}");
+    assert!((m.predicted_hit_rate - 0.4).abs() < 1e-9, "{m:?}");
+    // 8,000 tokens at 10k/s = 0.8 s per minute = 48 s per hour.
+    assert!((m.duplicated_gpu_seconds_per_hour - 48.0).abs() < 1e-6);
+    assert!(!m.thrash);
+    assert!(m.summary.contains("would save ~25 %"), "{}", m.summary);
+}
+
+#[test]
+fn unique_prompts_are_low_reuse() {
+    let end = [
+        reading("a", 20_000.0, 0.0, 10, 0),
+        reading("b", 20_000.0, 0.0, 0, 0),
+    ];
+    let m = one_model(&end);
+    assert_eq!(m.verdict, Verdict::LowReuse);
+    assert!(m.summary.contains("low reuse"), "{}", m.summary);
+}
+
+#[test]
+fn one_replica_has_nothing_to_route_and_no_traffic_is_said() {
+    assert_eq!(
+        one_model(&[reading("a", 20_000.0, 0.0, 0, 0)]).verdict,
+        Verdict::NothingToRoute
+    );
+    assert_eq!(
+        one_model(&[reading("a", 0.0, 0.0, 0, 0), reading("b", 0.0, 0.0, 0, 0)]).verdict,
+        Verdict::NoTraffic
+    );
+}
+
+#[test]
+fn recomputation_after_eviction_is_thrash_and_bounds_the_hit_rate() {
+    let end = [
+        reading("a", 10_000.0, 5_000.0, 0, 100),
+        reading("b", 10_000.0, 5_000.0, 0, 0),
+    ];
+    let m = one_model(&end);
+    assert!(m.thrash);
+    // 1,600 of 10,000 computed tokens recomputed.
+    assert!((m.recomputed_share - 0.16).abs() < 1e-9);
+    assert!((m.hit_rate_without_recompute - 0.58).abs() < 1e-9);
+    assert!(m.summary.contains("thrash"), "{}", m.summary);
+}
+
+#[test]
+fn the_window_counts_from_the_start_reading_and_survives_a_restart() {
+    let start = [
+        reading("a", 10_000.0, 1_000.0, 50, 0),
+        reading("b", 50_000.0, 0.0, 0, 0),
+    ];
+    // `b` restarted: its counters went back, so they count from zero.
+    let end = [
+        reading("a", 30_000.0, 1_000.0, 550, 0),
+        reading("b", 20_000.0, 0.0, 0, 0),
+    ];
+    let r = build(
+        &start,
+        &end,
+        &[("m".into(), 16)],
+        60.0,
+        Thresholds::default(),
+    );
+    let m = &r.models[0];
+    assert_eq!(m.replicas[0].query_tokens, 20_000.0);
+    assert_eq!(m.replicas[0].duplicated_tokens, 8_000.0);
+    assert_eq!(m.replicas[1].query_tokens, 20_000.0);
+}
