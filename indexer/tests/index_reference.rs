@@ -291,12 +291,20 @@ impl Reference {
             }
         }
         for (b, &key) in keys[conv].iter().enumerate().skip(start).take(len) {
+            // A new GPU copy of a block another replica holds on GPU: prefill computed twice.
+            let held_elsewhere = bit(medium) == MEDIA_GPU
+                && (0..REPLICAS).any(|o| {
+                    o != r && self.held.get(&(o, key)).is_some_and(|m| m & MEDIA_GPU != 0)
+                });
             let media = self.held.entry((r, key)).or_insert(0);
             if *media & bit(medium) != 0 {
                 out.refreshed += 1;
             } else {
                 *media |= bit(medium);
                 out.stored += 1;
+                if held_elsewhere {
+                    out.duplicated += 1;
+                }
             }
             self.names.insert(eh(conv, b, self.salts[r]), key);
             if self.predicted.remove(&(r, key)).is_some() {
