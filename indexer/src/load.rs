@@ -190,6 +190,9 @@ pub struct Pending {
     pub deadline: Instant,
     /// Uncached prompt blocks still counted as pending prefill on the replica (0 once released).
     pub prefill_blocks: u32,
+    /// Uncached prompt blocks it was routed with (counted in the replica's in-flight uncached
+    /// blocks until it ends).
+    pub uncached_blocks: u32,
     /// Output tokens it is expected to generate (counted in the replica's remaining output).
     pub output_tokens: u64,
     /// The time to first token the model predicted, seconds (0 for policies that do not predict).
@@ -326,6 +329,9 @@ impl LoadTracker {
         }
         let replica = d.replica;
         replica.in_flight.fetch_add(1, Ordering::Relaxed);
+        replica
+            .in_flight_uncached_blocks
+            .fetch_add(i64::from(d.prefill_blocks), Ordering::Relaxed);
         if d.prefill_blocks > 0 {
             replica
                 .pending_prefill_blocks
@@ -365,6 +371,7 @@ impl LoadTracker {
                 at: now,
                 deadline,
                 prefill_blocks: d.prefill_blocks,
+                uncached_blocks: d.prefill_blocks,
                 output_tokens: d.output_tokens,
                 predicted_ttft_s: d.predicted_ttft_s,
                 callout,
@@ -441,6 +448,10 @@ impl LoadTracker {
 /// holds.
 fn release(p: &Pending) {
     subtract(&p.replica.in_flight, 1);
+    subtract(
+        &p.replica.in_flight_uncached_blocks,
+        i64::from(p.uncached_blocks),
+    );
     subtract(
         &p.replica.remaining_output_tokens,
         i64::try_from(p.output_tokens).unwrap_or(i64::MAX),

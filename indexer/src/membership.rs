@@ -182,6 +182,8 @@ pub struct Replica {
     pub pending_prefill_requests: AtomicI64,
     /// Output tokens the requests routed here are still expected to generate.
     pub remaining_output_tokens: AtomicI64,
+    /// Uncached prompt blocks of kvroute's requests in flight here (prefill done or not).
+    pub in_flight_uncached_blocks: AtomicI64,
     /// Its rates learned from its metrics (`None` until the first scrape: the priors apply).
     pub calibration: Mutex<Option<kvroute_core::calibration::ReplicaCalibration>>,
     /// Scraped load.
@@ -290,6 +292,7 @@ impl Fleet {
             pending_prefill_blocks: AtomicI64::new(0),
             pending_prefill_requests: AtomicI64::new(0),
             remaining_output_tokens: AtomicI64::new(0),
+            in_flight_uncached_blocks: AtomicI64::new(0),
             calibration: Mutex::new(None),
             scraped: Mutex::new(ScrapedLoad::default()),
             tasks: Mutex::new(Vec::new()),

@@ -233,6 +233,8 @@ impl Lookup<'_> {
                         pending_prefill_tokens: (get(&r.pending_prefill_blocks) as u64)
                             .saturating_mul(bs),
                         pending_prefill_requests: clamp_u32(get(&r.pending_prefill_requests)),
+                        in_flight_uncached_tokens: (get(&r.in_flight_uncached_blocks) as u64)
+                            .saturating_mul(bs),
                         // Requests in flight are on average half way through their output.
                         remaining_output_tokens: get(&r.remaining_output_tokens) as u64 / 2,
                         arrival_rate_per_s: self.arrival_rate_per_replica,

@@ -53,6 +53,10 @@ pub struct Load {
     /// How many requests those tokens belong to.
     #[serde(default)]
     pub pending_prefill_requests: u32,
+    /// Uncached prompt tokens of every request kvroute routed here that has not completed (its
+    /// prefill done or not): with `in_flight`, the typical size of what kvroute sends here.
+    #[serde(default)]
+    pub in_flight_uncached_tokens: u64,
     /// Output tokens the requests kvroute routed here are still expected to generate (sum).
     #[serde(default)]
     pub remaining_output_tokens: u64,
@@ -68,6 +72,18 @@ impl Load {
     pub fn decoding(&self) -> u32 {
         let own = self.in_flight.saturating_sub(self.pending_prefill_requests);
         self.running.max(own)
+    }
+
+    /// Mean uncached prompt tokens of kvroute's requests here: of those whose prefill is pending,
+    /// else of those in flight; `None` when kvroute has none here.
+    pub fn mean_routed_uncached_tokens(&self) -> Option<u64> {
+        if self.pending_prefill_requests > 0 {
+            Some(self.pending_prefill_tokens / u64::from(self.pending_prefill_requests))
+        } else if self.in_flight > 0 && self.in_flight_uncached_tokens > 0 {
+            Some(self.in_flight_uncached_tokens / u64::from(self.in_flight))
+        } else {
+            None
+        }
     }
 
     /// The KV usage as a fraction in 0..=1 (0 when the engine reported nonsense).

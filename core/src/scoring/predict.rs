@@ -4,11 +4,12 @@
 //! ```text
 //! chunk        = max(max_num_batched_tokens - decoding, block_size)      prefill tokens per step
 //! compute(x)   = x / prefill_rate + ceil(x / chunk) * step               x prompt tokens, chunked
-//! ahead        = pending_prefill_tokens + foreign_waiting * mean pending request
+//! ahead        = pending_prefill_tokens + foreign_waiting * mean routed request (uncached)
 //! queue_wait   = compute(ahead)
 //! prefill      = compute(ahead + uncached) - compute(ahead)
 //! tier_load    = cpu_tokens / cpu_load_rate + storage_tokens / storage_load_rate
-//! kv_pressure  = deficit_blocks / used_blocks * remaining_per_running * step       (0 if it fits)
+//! kv_pressure  = deficit_blocks / used_blocks * remaining_per_running * step       (0 if it fits;
+//!                used counts the blocks of the queue ahead)
 //! ttft         = queue_wait + prefill + tier_load + kv_pressure
 //! harm         = decoding * weight * (uncached / prefill_rate + min(output, remaining) * per_seq_step)
 //!              + arrival_rate * prefill * (queue_wait + prefill / 2)
@@ -96,14 +97,12 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
         tokens as f64 / rate + tokens.div_ceil(chunk) as f64 * step
     };
 
-    // Requests the engine holds waiting that kvroute did not route there (another gateway, a
-    // direct client) are assumed the size of kvroute's own pending ones, or of this one.
+    // Requests the engine holds waiting beyond kvroute's pending ones (another gateway, a direct
+    // client, or kvroute's own whose prefill was estimated done but which wait for KV blocks) are
+    // assumed the size of what kvroute sends there (its pending requests, else its requests in
+    // flight), or of this one's uncached part when kvroute has none there.
     let foreign = load.waiting.saturating_sub(load.pending_prefill_requests);
-    let mean_pending = if load.pending_prefill_requests > 0 {
-        load.pending_prefill_tokens / u64::from(load.pending_prefill_requests)
-    } else {
-        prompt
-    };
+    let mean_pending = load.mean_routed_uncached_tokens().unwrap_or(uncached);
     let ahead = load
         .pending_prefill_tokens
         .saturating_add(u64::from(foreign).saturating_mul(mean_pending));
@@ -117,7 +116,7 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
     } else {
         f64::from(cfg.default_remaining_output_tokens.max(1))
     };
-    let kv_pressure_s = kv_pressure(req, c, uncached, bs, remaining_per_running * step);
+    let kv_pressure_s = kv_pressure(req, c, uncached, ahead, bs, remaining_per_running * step);
     let ttft_s = queue_wait_s + prefill_s + tier_load_s + kv_pressure_s;
 
     let weight = cfg.ttft_objective_s / (remaining_per_running * cfg.itl_objective_s);
@@ -152,15 +151,23 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
 /// Expected wait for KV blocks: when the request's new blocks (its uncached prompt and its output)
 /// do not fit the replica's free blocks, it waits for running requests to finish and free theirs.
 /// Those free `used` blocks over the time the running requests still decode (`drain_s`), so the
-/// deficit takes `deficit / used * drain_s`.
-fn kv_pressure(req: &RequestShape, c: &Candidate, uncached: u64, bs: u64, drain_s: f64) -> f64 {
+/// deficit takes `deficit / used * drain_s`. The prefill queued ahead (`ahead` tokens: kvroute's
+/// pending requests and the engine's other waiting ones) takes its blocks first.
+fn kv_pressure(
+    req: &RequestShape,
+    c: &Candidate,
+    uncached: u64,
+    ahead: u64,
+    bs: u64,
+    drain_s: f64,
+) -> f64 {
     let capacity = u64::from(c.rates.kv_capacity_blocks);
     if capacity == 0 {
         return 0.0;
     }
     let need = uncached.div_ceil(bs) + u64::from(req.output_tokens).div_ceil(bs);
     let scraped = (c.load.kv_fraction() * capacity as f64).round() as u64;
-    let queued = c.load.pending_prefill_tokens.div_ceil(bs);
+    let queued = ahead.div_ceil(bs);
     let used = scraped.saturating_add(queued).min(capacity);
     let free = capacity - used;
     if need <= free {

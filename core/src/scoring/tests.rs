@@ -462,3 +462,33 @@ fn at_a_high_arrival_rate_recomputing_a_prefix_delays_the_requests_that_follow()
     assert_eq!(d.replica, 0, "{:?}", d.candidates);
     assert!(d.candidates[1].terms.arrivals_harm_s > d.candidates[0].terms.arrivals_harm_s);
 }
+
+#[test]
+fn a_kv_bound_holders_waiting_queue_is_sized_like_what_kvroute_sends_it() {
+    // Both replicas are KV-bound (99 % used): their engines hold requests waiting for blocks whose
+    // prefill kvroute already estimated done. Those are kvroute's own requests, mostly hits of
+    // 75 uncached blocks; sizing each as a whole 450-block prompt made the holder's queue look
+    // six times longer than it is, and gave its 375-block hit away to a replica just as full
+    // (seen at 18 req/s on shared-prefix).
+    let cfg = ScoringConfig::default();
+    let busy = |replica: u32, gpu: u32, waiting: u32| {
+        let mut c = cand(replica, gpu, 180);
+        c.load.waiting = waiting;
+        c.load.kv_usage = 0.99;
+        c.load.in_flight_uncached_tokens = 180 * 75 * u64::from(BS);
+        c.load.remaining_output_tokens = 180 * 500;
+        c.rates.kv_capacity_blocks = 32_768;
+        c
+    };
+    let holder = busy(0, 375, 27);
+    let other = busy(1, 0, 20);
+    let d = choose(&cfg, &req(450), &[holder, other], 5).expect("decision");
+    assert_eq!(d.replica, 0, "{:#?}", d.candidates);
+    assert_eq!(d.reason, DecisionReason::PrefixHit);
+    assert_eq!(d.candidates[0].terms.ahead_tokens, 27 * 75 * u64::from(BS));
+    // Without anything routed there, a waiting request is assumed this request's uncached size.
+    let mut unknown = busy(1, 0, 20);
+    unknown.load.in_flight_uncached_tokens = 0;
+    let t = predict(&cfg, &req(450), &unknown);
+    assert_eq!(t.ahead_tokens, 20 * 450 * u64::from(BS));
+}
