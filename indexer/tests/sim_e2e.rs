@@ -152,7 +152,7 @@ impl SimSpec {
                 .env_remove("PYTHONHASHSEED")
                 .env("RUST_LOG", "warn");
             let log = dir.join(format!("{}-{attempt_tag}-{attempt}.log", self.name));
-            let mut p = Proc::spawn(self.name, cmd, log, false);
+            let mut p = Proc::spawn_piped(self.name, cmd, log, false);
             // The sim prints its address once every socket is bound.
             let deadline = Instant::now() + Duration::from_secs(60);
             let mut started = false;
@@ -693,7 +693,7 @@ where
         .args(["--duration", &format!("{seconds}s"), "--json"])
         .arg(&json_path)
         .env("RUST_LOG", "info");
-    let mut p = Proc::spawn(
+    let mut p = Proc::spawn_piped(
         &format!("assess-{tag}"),
         cmd,
         dir.join(format!("assess-{tag}.log")),

@@ -212,7 +212,7 @@ async fn indexer_follows_legacy_publisher(version: &str) {
         .arg("--vllm-dir")
         .arg(&pkg)
         .args(["--linger", "120"]);
-    let mut publisher = Proc::spawn(
+    let mut publisher = Proc::spawn_piped(
         &format!("vllm_publisher.py {version}"),
         cmd,
         dir.0.join("publisher.log"),

@@ -147,7 +147,8 @@ async fn indexer_follows_vllms_own_publisher_live_and_through_replay() {
         .arg("--vllm-dir")
         .arg(&pkg)
         .args(["--linger", "120"]);
-    let mut publisher = Proc::spawn("vllm_publisher.py", cmd, dir.0.join("publisher.log"), true);
+    let mut publisher =
+        Proc::spawn_piped("vllm_publisher.py", cmd, dir.0.join("publisher.log"), true);
     let ready: Value = serde_json::from_str(
         &publisher.wait_line(Duration::from_secs(30), |l| l.contains("\"ready\"")),
     )

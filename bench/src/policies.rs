@@ -12,11 +12,11 @@ use anyhow::{bail, Context, Result};
 use serde_json::json;
 
 use super::workloads::Workload;
-use crate::procs::Supervisor;
 use crate::stack::{self, Stack};
+use crate::supervisor::Supervisor;
 
 /// Envoy with header session affinity (RING_HASH on `x-session-id`).
-const SESSION_TEMPLATE: &str = include_str!("../../templates/envoy-session.yaml");
+const SESSION_TEMPLATE: &str = include_str!("../templates/envoy-session.yaml");
 
 /// A started router: where clients send, and any process the benchmark owns directly.
 pub struct Router {
