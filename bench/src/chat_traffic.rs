@@ -251,19 +251,13 @@ fn stream_chat(
         ("x-session-id", session_id),
     ];
     headers.extend(target.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())));
-    let mut resp = http::request(
-        "POST",
+    let mut resp = http::post_ok(
         &target.addr,
         "/v1/chat/completions",
         &headers,
         body.as_bytes(),
         target.io_timeout,
     )?;
-    if resp.status != 200 {
-        let status = resp.status;
-        let text = resp.text(4096).unwrap_or_default();
-        bail!("HTTP {status}: {}", text.trim());
-    }
     let mut content_chunks = 0u64;
     let mut usage_tokens = None;
     let mut finished = false;

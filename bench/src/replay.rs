@@ -320,19 +320,13 @@ fn stream(
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str())),
     );
-    let mut resp = http::request(
-        "POST",
+    let mut resp = http::post_ok(
         &cfg.addr,
         "/v1/completions",
         &headers,
         body.as_bytes(),
         cfg.io_timeout,
     )?;
-    if resp.status != 200 {
-        let status = resp.status;
-        let text = resp.text(4096).unwrap_or_default();
-        bail!("HTTP {status}: {}", text.trim());
-    }
     let mut tally = StreamTally::default();
     let mut line = String::new();
     // A stream can be long (1,000 tokens), but not unbounded.

@@ -150,6 +150,24 @@ pub fn request(
     })
 }
 
+/// POSTs `body` to `addr` and fails, showing the status and the start of the body, unless the
+/// answer is 200; the body is left to read (a stream).
+pub fn post_ok(
+    addr: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    timeout: Duration,
+) -> Result<Response> {
+    let resp = request("POST", addr, path, headers, body, timeout)?;
+    if resp.status != 200 {
+        let status = resp.status;
+        let text = resp.text(4096).unwrap_or_default();
+        bail!("HTTP {status}: {}", text.trim());
+    }
+    Ok(resp)
+}
+
 /// `GET addr path`, returning status and body text (at most 8 MiB).
 pub fn get(addr: &str, path: &str, timeout: Duration) -> Result<(u16, String)> {
     let resp = request("GET", addr, path, &[], &[], timeout)?;
@@ -288,20 +306,12 @@ impl Body {
         self.pos = 0;
         match &mut self.mode {
             Mode::Length(0) => Ok(()),
-            Mode::Length(remaining) => {
-                let want = (*remaining).min(64 * 1024) as usize;
-                self.buf.resize(want, 0);
-                let n = self.inner.read(&mut self.buf)?;
-                if n == 0 {
-                    return Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "connection closed inside the response body",
-                    ));
-                }
-                self.buf.truncate(n);
-                *remaining -= n as u64;
-                Ok(())
-            }
+            Mode::Length(remaining) => read_counted(
+                &mut self.inner,
+                &mut self.buf,
+                remaining,
+                "the response body",
+            ),
             Mode::UntilClose => {
                 self.buf.resize(64 * 1024, 0);
                 let n = self.inner.read(&mut self.buf)?;
@@ -334,17 +344,7 @@ impl Body {
                     }
                     *remaining = size;
                 }
-                let want = (*remaining).min(64 * 1024) as usize;
-                self.buf.resize(want, 0);
-                let n = self.inner.read(&mut self.buf)?;
-                if n == 0 {
-                    return Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "connection closed inside a chunk",
-                    ));
-                }
-                self.buf.truncate(n);
-                *remaining -= n as u64;
+                read_counted(&mut self.inner, &mut self.buf, remaining, "a chunk")?;
                 if *remaining == 0 {
                     let crlf = read_line(&mut self.inner).map_err(io::Error::other)?;
                     if !crlf.is_empty() {
@@ -358,6 +358,27 @@ impl Body {
             }
         }
     }
+}
+
+/// Reads at most 64 KiB of the `remaining` bytes into `buf`, counting them off; the connection
+/// closing first is an error naming what it was `inside`.
+fn read_counted(
+    inner: &mut BufReader<TcpStream>,
+    buf: &mut Vec<u8>,
+    remaining: &mut u64,
+    inside: &str,
+) -> io::Result<()> {
+    buf.resize((*remaining).min(64 * 1024) as usize, 0);
+    let n = inner.read(buf)?;
+    if n == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!("connection closed inside {inside}"),
+        ));
+    }
+    buf.truncate(n);
+    *remaining -= n as u64;
+    Ok(())
 }
 
 impl Read for Body {

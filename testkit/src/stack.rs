@@ -384,7 +384,8 @@ impl Stack {
         Ok(toml)
     }
 
-    fn lb_endpoints(&self) -> String {
+    /// Every replica as an Envoy `lb_endpoints` list (JSON).
+    pub fn lb_endpoints(&self) -> String {
         let endpoints: Vec<_> = self
             .ports
             .replicas

@@ -221,6 +221,17 @@ pub async fn serve_http(state: Arc<AppState>) -> String {
     format!("http://{addr}")
 }
 
+/// The text of `GET {base}/metrics`.
+pub async fn metrics_text(c: &reqwest::Client, base: &str) -> String {
+    c.get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("GET {base}/metrics: {e}"))
+        .text()
+        .await
+        .unwrap_or_else(|e| panic!("GET {base}/metrics body: {e}"))
+}
+
 /// Polls `f` until it returns true or `timeout` passes.
 pub async fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     let start = Instant::now();

@@ -10,6 +10,7 @@ use serde_json::Value;
 
 use kvroute_testkit::paths::{env_or, Layout};
 pub use kvroute_testkit::paths::{model_dir, python, target_dir, workspace, TempDir};
+pub use kvroute_testkit::ports::{free_port, free_port_run};
 pub use kvroute_testkit::process::{proc_status_bytes, Proc};
 pub use kvroute_testkit::prom::sum as metric_sum;
 
