@@ -3,7 +3,7 @@
 //! * `cargo xtask setup`: installs the tokenizer, the Python venv and Envoy into the cache.
 //! * `cargo xtask test`: setup, fmt, clippy, the wasm32 builds and every test (what CI runs).
 //! * `cargo xtask demo`: the whole stack on loopback, kvroute against round robin.
-//! * `cargo xtask bench routing`: the routing benchmark.
+//! * `cargo xtask bench routing`: the routing benchmark (the `kvroute-bench` crate).
 //! * `cargo xtask chaos`: attacks and faults against a local stack, each with pass criteria.
 
 mod chaos;
@@ -11,14 +11,13 @@ mod demo;
 mod setup;
 mod test;
 
-// The test kit's modules, under the names xtask's code uses.
-use kvroute_bench::{chat_traffic, stats};
-use kvroute_testkit::{cmd, http, paths, stack, supervisor, toolchain};
-
 use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
+// The benchmark's traffic and the test kit's modules, under the names xtask's code uses.
+use kvroute_bench::{chat_traffic, stats};
+use kvroute_testkit::{cmd, http, paths, stack, supervisor, toolchain};
 
 use crate::paths::Layout;
 
