@@ -11,15 +11,8 @@ use std::path::PathBuf;
 
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion};
 use kvroute_core::request::{Endpoint, ModelFiles, ModelTokenizer, PromptTokens, TokenizerOptions};
+use kvroute_testkit::paths::model_dir;
 use serde_json::{json, Value};
-
-fn model_dir() -> PathBuf {
-    std::env::var_os("KVROUTE_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/kvroute-cache/models/qwen3")
-        })
-}
 
 /// Deterministic English-like text with code and lists, ~`words` words.
 fn text(seed: u64, words: usize) -> String {

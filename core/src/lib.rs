@@ -9,11 +9,18 @@
 //! * [`scoring`]: the replica choice: predicted time to first token and harm, in seconds.
 //! * [`calibration`]: each replica's prefill rate and step time, learned from its metrics.
 //! * [`api`]: the filter <-> indexer HTTP contract (route, complete, tokenizer bundle), versioned.
+//! * [`prometheus`]: reading Prometheus text exposition (engine metrics; tests read ours).
+//! * [`rng`]: SplitMix64, the one small deterministic generator of the workspace.
+//! * `shutdown` (feature `shutdown`, needs tokio): waiting for Ctrl-C or SIGTERM in a server.
 
 pub mod api;
 pub mod calibration;
 pub mod events;
 pub mod hashing;
+pub mod prometheus;
 pub mod request;
+pub mod rng;
 pub mod router_key;
 pub mod scoring;
+#[cfg(feature = "shutdown")]
+pub mod shutdown;

@@ -21,6 +21,7 @@ use kvroute_core::request::{
 };
 use kvroute_core::router_key::request_keys;
 use kvroute_testkit::mutate::{apply, byte_mutation};
+use kvroute_testkit::paths::model_dir;
 use proptest::prelude::*;
 use proptest::test_runner::Config as ProptestConfig;
 use serde_json::{json, Map, Value};
@@ -36,21 +37,6 @@ static MARKER: LazyLock<String> = LazyLock::new(|| {
 
 /// Stands for an escaped lone surrogate: replaced by `\ud800` in the JSON text.
 const SURROGATE: &str = "\u{E000}SURR\u{E001}";
-
-fn model_dir() -> PathBuf {
-    let dir = std::env::var_os("KVROUTE_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/kvroute-cache/models/qwen3")
-        });
-    assert!(
-        dir.join("tokenizer.json").is_file() && dir.join("tokenizer_config.json").is_file(),
-        "the Qwen3 tokenizer is not at {} (KVROUTE_MODEL_DIR): run `cargo xtask setup` and \
-         `source target/kvroute-env.sh`",
-        dir.display()
-    );
-    dir
-}
 
 fn load(opts: TokenizerOptions) -> ModelTokenizer {
     let files = ModelFiles::from_dir(model_dir()).expect("Qwen3 model files");

@@ -13,45 +13,8 @@ use std::process::Command;
 use kvroute_core::request::{
     Endpoint, ModelFiles, ModelTokenizer, PromptTokens, RequestError, TokenizerOptions,
 };
+use kvroute_testkit::paths::{model_dir, python, workspace};
 use serde_json::Value;
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."))
-}
-
-fn setup_hint(what: &str, path: &Path) -> String {
-    format!(
-        "{what} not found at {} (set it via the environment or run `cargo xtask setup`)",
-        path.display()
-    )
-}
-
-fn model_dir() -> PathBuf {
-    let dir = std::env::var_os("KVROUTE_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("target/kvroute-cache/models/qwen3"));
-    assert!(
-        dir.join("tokenizer.json").is_file(),
-        "{}",
-        setup_hint("Qwen3 tokenizer (KVROUTE_MODEL_DIR)", &dir)
-    );
-    dir
-}
-
-fn python() -> PathBuf {
-    let py = std::env::var_os("KVROUTE_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("target/kvroute-cache/venv/bin/python"));
-    assert!(
-        py.exists(),
-        "{}",
-        setup_hint("Python venv (KVROUTE_PYTHON)", &py)
-    );
-    py
-}
 
 /// Runs the reference script, caching its output in target/ keyed by the inputs' hash.
 fn reference(cases_path: &Path, model: &Path) -> Value {
@@ -62,7 +25,7 @@ fn reference(cases_path: &Path, model: &Path) -> Value {
     key_bytes.extend(std::fs::read(model.join("tokenizer.json")).expect("tokenizer.json"));
     key_bytes.extend(std::fs::read(model.join("tokenizer_config.json")).unwrap_or_default());
     let key = xxhash_rust::xxh3::xxh3_64(&key_bytes);
-    let cache_dir = workspace_root().join("target/kvroute-cache/parity");
+    let cache_dir = workspace().join("target/kvroute-cache/parity");
     let cache_file = cache_dir.join(format!("reference-{key:016x}.json"));
     if let Ok(bytes) = std::fs::read(&cache_file) {
         if let Ok(v) = serde_json::from_slice(&bytes) {

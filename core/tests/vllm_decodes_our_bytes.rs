@@ -13,26 +13,8 @@ use kvroute_core::events::{
     encode_batch, BlockRemoved, BlockStored, EventBatch, ExtraKeyValue, KvEvent, Medium,
     WireBlockHash, WireLayout,
 };
+use kvroute_testkit::paths::{python, workspace};
 use serde_json::{json, Value};
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("core/ has a parent")
-        .to_path_buf()
-}
-
-fn python() -> PathBuf {
-    let p = std::env::var_os("KVROUTE_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace().join("target/kvroute-cache/venv/bin/python"));
-    assert!(
-        p.exists(),
-        "Python venv not found at {} (KVROUTE_PYTHON): run `cargo xtask setup`",
-        p.display()
-    );
-    p
-}
 
 fn kit(script: &str) -> PathBuf {
     workspace().join("tests/vllm_reference").join(script)

@@ -10,15 +10,15 @@
 //! The logic is host-independent and reaches the proxy only through [`seam`]'s traits:
 //! [`plugin`] (configuration, per-model tokenizers), [`stream`] (one request), with [`config`],
 //! [`protocol`] (pure wire logic), [`usage`] (the response's `cached_tokens`), [`models`]
-//! (tokenizer registry), [`engine`] (bridge to `kvroute_core`) and [`metrics`] (names). The
+//! (tokenizer registry), [`loaded_model`] (a model turning a request into router keys) and [`metrics`] (names). The
 //! proxy-wasm build is the thin adapter in [`root_context`] and [`http_context`] over [`host`]
 //! (panic-free host calls); a native build implements the same traits.
 
 pub mod config;
-pub mod engine;
 pub mod host;
 #[cfg(feature = "wasm-host")]
 pub mod http_context;
+pub mod loaded_model;
 pub mod metrics;
 pub mod models;
 pub mod online_check;

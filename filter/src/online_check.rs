@@ -11,8 +11,8 @@ use kvroute_core::api::{AgreementReport, TokenCheck, CONTRACT_HEADER, CONTRACT_V
 use kvroute_core::request::Endpoint;
 use serde_json::Value;
 
-use crate::engine::{LoadedModel, Prepared};
 use crate::hlog;
+use crate::loaded_model::{LoadedModel, Prepared};
 use crate::metrics::Counter;
 use crate::models::log_name;
 use crate::plugin::{percent_encode, Plugin};

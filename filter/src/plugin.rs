@@ -15,8 +15,8 @@ use kvroute_core::api::{
 use serde_json::Value;
 
 use crate::config::{ConfigError, FilterConfig, TokenizerSource};
-use crate::engine::LoadedModel;
 use crate::hlog;
+use crate::loaded_model::LoadedModel;
 use crate::metrics::Counter;
 use crate::models::{log_name, Lookup, ModelRegistry, RegistryPolicy};
 use crate::online_check::send_report;

@@ -17,8 +17,8 @@ use kvroute_core::api::{CONTRACT_HEADER, CONTRACT_VERSION_STR};
 use serde_json::Value;
 
 use crate::config::OversizedBody;
-use crate::engine::{endpoint_for_path, PrepareError};
 use crate::hlog;
+use crate::loaded_model::{endpoint_for_path, PrepareError};
 use crate::metrics::{Counter, Histogram};
 use crate::models::Lookup;
 use crate::online_check::OnlineCheck;
@@ -59,6 +59,15 @@ enum Phase {
     Rejected,
 }
 
+/// The indexer's answer as the debug response headers show it.
+#[derive(Debug)]
+struct DecisionShown {
+    /// The chosen replica's name.
+    replica: Option<String>,
+    /// Why it was chosen.
+    reason: Option<String>,
+}
+
 /// One request.
 #[derive(Debug)]
 pub struct Stream {
@@ -74,7 +83,8 @@ pub struct Stream {
     body: Option<(Vec<u8>, Value)>,
     /// The replica the indexer chose (also when setting the header then failed).
     routed_to: Option<String>,
-    decision: Option<(Option<String>, Option<String>)>,
+    /// What the indexer said it chose and why, shown in the debug response headers.
+    decision: Option<DecisionShown>,
     /// The indexer's id of the applied decision, echoed in `/v1/complete`.
     decision_id: Option<String>,
     /// This request's route call id while the indexer may count its decision without this
@@ -302,7 +312,7 @@ impl Stream {
             return Flow::Continue;
         };
         if plugin.cfg.debug_headers {
-            if let Some((replica, reason)) = &self.decision {
+            if let Some(DecisionShown { replica, reason }) = &self.decision {
                 if let Some(r) = replica {
                     let _ = host.set_header(Headers::Response, DBG_REPLICA, r);
                 }
@@ -613,7 +623,10 @@ impl Stream {
                 let _ = host.set_header(Headers::Request, DBG_MATCHED, &m.to_string());
             }
         }
-        self.decision = Some((answer.replica, answer.reason));
+        self.decision = Some(DecisionShown {
+            replica: answer.replica,
+            reason: answer.reason,
+        });
         if let Some((raw, parsed)) = self.body.take() {
             rewrite_body(host, plugin, self.check.as_mut(), &raw, &parsed);
         }

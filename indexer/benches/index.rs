@@ -9,6 +9,7 @@
 //!
 //! Set `KVROUTE_BENCH_ENTRIES=1000000` for a quick run.
 
+use kvroute_core::rng::SplitMix64;
 use std::time::{Duration, Instant};
 
 /// The allocator `kvroute-indexer` ships with, so the numbers are the binary's.
@@ -29,14 +30,10 @@ const QUERY_BLOCKS: usize = 2048;
 const SYSTEM_BLOCKS: usize = 128;
 
 /// SplitMix64, for reproducible workloads.
-struct Rng(u64);
+struct Rng(SplitMix64);
 impl Rng {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n
@@ -46,8 +43,8 @@ impl Rng {
 /// Token ids of document `doc` (block `b` of every document < SYSTEM_BLOCKS is the shared
 /// system prompt).
 fn doc_tokens(doc: u64, blocks: usize) -> Vec<u32> {
-    let mut rng = Rng(doc.wrapping_mul(0x2545_F491_4F6C_DD1D));
-    let mut sys = Rng(7);
+    let mut rng = Rng(SplitMix64::new(doc.wrapping_mul(0x2545_F491_4F6C_DD1D)));
+    let mut sys = Rng(SplitMix64::new(7));
     (0..blocks * BS)
         .map(|i| {
             if i < SYSTEM_BLOCKS * BS {
@@ -187,7 +184,7 @@ fn build_fleet(target: u64) -> (KvIndex, Vec<Vec<RouterKey>>) {
         max_bytes: 8 << 30,
         ..IndexConfig::default()
     });
-    let mut rng = Rng(42);
+    let mut rng = Rng(SplitMix64::new(42));
     let mut queries = Vec::new();
     let rss0 = rss_bytes();
     let t0 = Instant::now();

@@ -141,11 +141,9 @@ fn load_trace(s: &Settings) -> Vec<TraceRequest> {
 
 /// SplitMix64 step.
 fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    let next = kvroute_core::rng::mix(*state);
+    *state = state.wrapping_add(kvroute_core::rng::GOLDEN_GAMMA);
+    next
 }
 
 /// The prompt's tokens: 512 tokens per hash id from a PRNG seeded by the id, cut to

@@ -402,7 +402,7 @@ async fn debug_replicas(State(state): State<Arc<AppState>>) -> Response {
                         "gaps": st.stats.gaps.load(Ordering::Relaxed),
                         "replays": st.stats.replays.load(Ordering::Relaxed),
                         "resets": st.stats.resets.load(Ordering::Relaxed),
-                        "decode_errors": st.stats.garbage.load(Ordering::Relaxed),
+                        "decode_errors": st.stats.event_decode_errors.load(Ordering::Relaxed),
                         "duplicates": st.stats.duplicates.load(Ordering::Relaxed),
                         "rejected_events": st.stats.rejected_events.load(Ordering::Relaxed),
                         "connects": st.stats.connects.load(Ordering::Relaxed),

@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use kvroute_indexer::config::Config;
 use kvroute_indexer::policies::Policy;
-use kvroute_indexer::{assess, cli, server};
+use kvroute_indexer::{assess, server, tools};
 
 /// mimalloc: faster than the system allocator for the index's many small allocations and
 /// large random-access tables (`cargo bench -p kvroute-indexer --bench index`).
@@ -159,12 +159,12 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Hash => {
-            let out = cli::hash(&read_stdin()?)?;
+            let out = tools::hash(&read_stdin()?)?;
             println!("{}", serde_json::to_string_pretty(&out)?);
             Ok(())
         }
         Command::Tokenize { model_dir } => {
-            let out = cli::tokenize(&model_dir, &read_stdin()?)?;
+            let out = tools::tokenize(&model_dir, &read_stdin()?)?;
             println!("{}", serde_json::to_string(&out)?);
             Ok(())
         }

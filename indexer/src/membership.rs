@@ -57,7 +57,7 @@ pub struct StreamStats {
     /// Times this stream's entries were dropped (restart, uncoverable gap, AllBlocksCleared excluded).
     pub resets: AtomicU64,
     /// Payloads that failed to decode (skipped).
-    pub garbage: AtomicU64,
+    pub event_decode_errors: AtomicU64,
     /// Duplicate batches skipped (seen live and in a replay).
     pub duplicates: AtomicU64,
     /// Events the index refused (e.g. unknown parent).

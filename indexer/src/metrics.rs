@@ -54,7 +54,7 @@ pub fn render(state: &AppState) -> String {
         (
             "event_decode_errors_total",
             "Undecodable event messages skipped.",
-            |s| s.garbage.load(Ordering::Relaxed),
+            |s| s.event_decode_errors.load(Ordering::Relaxed),
         ),
         (
             "event_duplicates_total",

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_core::calibration::{EngineTotals, ReplicaCalibration};
+use kvroute_core::prometheus;
 
 use crate::membership::{lock, Replica};
 use crate::state::AppState;
@@ -47,30 +48,8 @@ pub struct EngineReuse {
 pub fn parse_metrics(text: &str) -> EngineMetrics {
     let mut m = EngineMetrics::default();
     let mut prefill_engines = std::collections::BTreeSet::new();
-    for line in text.lines() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let (name, rest) = match line.find(['{', ' ']) {
-            Some(i) => (&line[..i], &line[i..]),
-            None => continue,
-        };
-        let (labels, rest) = if rest.starts_with('{') {
-            match rest.rfind('}') {
-                Some(j) => (&rest[1..j], &rest[j + 1..]),
-                None => continue,
-            }
-        } else {
-            ("", rest)
-        };
-        let Some(value) = rest
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse::<f64>().ok())
-        else {
-            continue;
-        };
+    for sample in prometheus::samples(text) {
+        let (name, labels, value) = (sample.name, sample.labels, sample.value);
         if !value.is_finite() {
             continue;
         }
@@ -103,7 +82,9 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
             "vllm:inter_token_latency_seconds_sum" => m.totals.itl_sum_s += value,
             "vllm:inter_token_latency_seconds_count" => m.totals.itl_count += value,
             "vllm:cache_config_info" => {
-                if let Some(blocks) = label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok()) {
+                if let Some(blocks) =
+                    prometheus::label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok())
+                {
                     m.totals.kv_capacity_blocks = Some(blocks);
                 }
             }
@@ -114,20 +95,9 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
     m
 }
 
-/// The value of label `name` in a label list (`a="x",b="y"`), if present.
-fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
-    let key = format!("{name}=\"");
-    let start = labels
-        .match_indices(&key)
-        .find(|(i, _)| *i == 0 || labels.as_bytes()[i - 1] == b',')
-        .map(|(i, m)| i + m.len())?;
-    let rest = &labels[start..];
-    Some(&rest[..rest.find('"')?])
-}
-
 /// The value of an `engine="N"` label, if present and numeric.
 fn engine_label(labels: &str) -> Option<u32> {
-    label(labels, "engine")?.parse().ok()
+    prometheus::label(labels, "engine")?.parse().ok()
 }
 
 /// Runs forever: scrapes every replica every `scrape_interval_ms`.

@@ -60,24 +60,8 @@ pub async fn serve(config: Config, policy: Policy, listen: Option<String>) -> an
     Ok(())
 }
 
+/// Ctrl-C or SIGTERM, logged.
 async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
-    }
+    kvroute_core::shutdown::signal().await;
     tracing::info!("shutting down");
 }

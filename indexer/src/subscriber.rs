@@ -335,7 +335,7 @@ impl StreamCtx {
         let live = match frames::decode_live(frames) {
             Ok(l) => l,
             Err(e) => {
-                self.applier.garbage(&e.to_string());
+                self.applier.decode_error(&e.to_string());
                 return;
             }
         };

@@ -165,14 +165,7 @@ async fn complete_releases_in_flight_and_compares_hits() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 400);
-    let metrics = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics_text(&c, &base).await;
     assert!(
         metrics.contains("kvroute_indexer_hit_prediction_exact_total 1"),
         "{metrics}"
@@ -544,14 +537,7 @@ async fn explain_gives_every_candidate_in_seconds_and_completions_grade_the_pred
         .await
         .unwrap();
     assert_eq!(resp.status(), 204);
-    let metrics = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics_text(&c, &base).await;
     let line = |prefix: &str| {
         metrics
             .lines()

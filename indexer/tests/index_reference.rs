@@ -64,12 +64,7 @@ fn block_tokens(c: usize, b: usize) -> Vec<u32> {
     (0..BS as u32).map(|t| base + t).collect()
 }
 
-fn splitmix(x: u64) -> u64 {
-    let x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    let x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
+use kvroute_core::rng::mix as splitmix;
 
 /// The engine hash a replica with `salt` reports for block `b` of conversation `c`: a hash of the
 /// whole prefix, so shared blocks have one hash per salt.

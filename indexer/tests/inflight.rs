@@ -130,14 +130,7 @@ async fn colliding_request_ids_and_abandoned_callouts() {
     )
     .await;
     assert_eq!(s, 400, "an absurd callout id is refused");
-    let m = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = metrics_text(&c, &base).await;
     for line in [
         "kvroute_indexer_decisions_abandoned_total 1",
         "kvroute_indexer_decisions_abandoned_before_route_total 1",

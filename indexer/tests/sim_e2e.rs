@@ -79,25 +79,6 @@ fn sim_binary() -> PathBuf {
     bin
 }
 
-/// `n` consecutive free loopback ports (DP rank r publishes on port + r, as vLLM does).
-fn free_port_run(n: u16) -> u16 {
-    for _ in 0..200 {
-        let Ok(base) = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-        else {
-            continue;
-        };
-        if base > 65000 {
-            continue;
-        }
-        if (0..n).all(|i| std::net::TcpListener::bind(("127.0.0.1", base + i)).is_ok()) {
-            return base;
-        }
-    }
-    panic!("no run of {n} free ports");
-}
-
 /// One simulated replica: fixed ports so it can be restarted in place.
 struct SimSpec {
     name: &'static str,
@@ -152,7 +133,7 @@ impl SimSpec {
                 .env_remove("PYTHONHASHSEED")
                 .env("RUST_LOG", "warn");
             let log = dir.join(format!("{}-{attempt_tag}-{attempt}.log", self.name));
-            let mut p = Proc::spawn(self.name, cmd, log, false);
+            let mut p = Proc::spawn_piped(self.name, cmd, log, false);
             // The sim prints its address once every socket is bound.
             let deadline = Instant::now() + Duration::from_secs(60);
             let mut started = false;
@@ -545,14 +526,7 @@ async fn indexer_routes_a_simulated_fleet_found_through_kv_event_sources() {
 
 /// The gauge `name` in the indexer's metrics (the test's one replica).
 async fn replica_gauge(c: &reqwest::Client, base: &str, name: &str) -> f64 {
-    let text = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = get_text(&c, &format!("{base}/metrics")).await;
     metric_sum(&text, name).unwrap_or_else(|| panic!("{name} in\n{text}"))
 }
 
@@ -693,7 +667,7 @@ where
         .args(["--duration", &format!("{seconds}s"), "--json"])
         .arg(&json_path)
         .env("RUST_LOG", "info");
-    let mut p = Proc::spawn(
+    let mut p = Proc::spawn_piped(
         &format!("assess-{tag}"),
         cmd,
         dir.join(format!("assess-{tag}.log")),

@@ -156,7 +156,7 @@ async fn garbage_payload_is_counted_and_skipped() {
     );
     assert_eq!(
         stat(&state, "r0", |s| s
-            .garbage
+            .event_decode_errors
             .load(std::sync::atomic::Ordering::Relaxed)),
         1
     );

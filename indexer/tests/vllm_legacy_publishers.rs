@@ -93,13 +93,6 @@ fn config_text(sources: &Value, dp: usize, bs: u64, topic: &str) -> String {
     )
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
-
 /// Waits until every rank's `last_seq` in `/debug/replicas` equals the publisher's.
 async fn wait_seqs(c: &reqwest::Client, base: &str, want: &Value, idx: &Proc) {
     let url = format!("{base}/debug/replicas");
@@ -212,7 +205,7 @@ async fn indexer_follows_legacy_publisher(version: &str) {
         .arg("--vllm-dir")
         .arg(&pkg)
         .args(["--linger", "120"]);
-    let mut publisher = Proc::spawn(
+    let mut publisher = Proc::spawn_piped(
         &format!("vllm_publisher.py {version}"),
         cmd,
         dir.0.join("publisher.log"),

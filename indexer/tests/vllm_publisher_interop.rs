@@ -54,13 +54,6 @@ fn config_text(sources: &Value, dp: usize, bs: u64, topic: &str) -> String {
     )
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
-
 /// Waits until every rank's `last_seq` in `/debug/replicas` equals the publisher's.
 async fn wait_seqs(c: &reqwest::Client, base: &str, want: &Value, idx: &Proc) {
     let url = format!("{base}/debug/replicas");
@@ -147,7 +140,8 @@ async fn indexer_follows_vllms_own_publisher_live_and_through_replay() {
         .arg("--vllm-dir")
         .arg(&pkg)
         .args(["--linger", "120"]);
-    let mut publisher = Proc::spawn("vllm_publisher.py", cmd, dir.0.join("publisher.log"), true);
+    let mut publisher =
+        Proc::spawn_piped("vllm_publisher.py", cmd, dir.0.join("publisher.log"), true);
     let ready: Value = serde_json::from_str(
         &publisher.wait_line(Duration::from_secs(30), |l| l.contains("\"ready\"")),
     )

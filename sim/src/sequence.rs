@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use kvroute_core::events::ExtraKeyValue;
+use kvroute_core::rng::SplitMix64;
 
 /// A block's full prefix-cache digest (16 or 32 bytes), the key of the block pool's cache map.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
@@ -90,7 +91,7 @@ pub type SeqId = u64;
 /// Deterministic pseudo-random output tokens (splitmix64), seeded per request.
 #[derive(Clone, Debug)]
 pub struct TokenSource {
-    state: u64,
+    rng: SplitMix64,
     vocab: u32,
 }
 
@@ -98,19 +99,14 @@ impl TokenSource {
     /// A source drawing ids in `0..vocab` (vocab must exclude special tokens).
     pub fn new(seed: u64, vocab: u32) -> Self {
         TokenSource {
-            state: seed,
+            rng: SplitMix64::new(seed),
             vocab: vocab.max(1),
         }
     }
 
     /// The next token id.
     pub fn next_token(&mut self) -> u32 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z % u64::from(self.vocab)) as u32
+        (self.rng.next_u64() % u64::from(self.vocab)) as u32
     }
 }
 

@@ -418,7 +418,7 @@ async fn a_prompt_over_the_context_is_refused_without_tokenising_all_of_it() {
             .contains("maximum context length is 4096 tokens"),
         "{v}"
     );
-    let peak = peak_rss_mib(s.child.id());
+    let peak = peak_rss_mib(s.pid());
     assert!(peak < 600.0, "the simulator peaked at {peak:.0} MiB");
     let ok = json!({"model": "qwen3", "prompt": "hello", "max_tokens": 2});
     assert_eq!(post(&c, &s.url("/v1/completions"), &ok).await.0, 200);

@@ -66,7 +66,7 @@ async fn sustained_load_8k_prompts_time_scale_10() {
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     let c = reqwest::Client::new();
-    let cpu0 = cpu_seconds(s.child.id());
+    let cpu0 = cpu_seconds(s.pid());
     let start = Instant::now();
     let deadline = start + Duration::from_secs(secs);
     let done = Arc::new(AtomicU64::new(0));
@@ -113,7 +113,7 @@ async fn sustained_load_8k_prompts_time_scale_10() {
         let _ = t.await;
     }
     let wall = start.elapsed().as_secs_f64();
-    let cpu = cpu_seconds(s.child.id()) - cpu0;
+    let cpu = cpu_seconds(s.pid()) - cpu0;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let m = c
         .get(s.url("/metrics"))

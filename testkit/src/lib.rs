@@ -1,10 +1,32 @@
-//! Test helpers shared by kvroute's crates (a dev-dependency only, never shipped).
+//! kvroute's test kit (never shipped): what the tests of every crate, `cargo xtask` and the
+//! routing benchmark need to run kvroute's processes on loopback, written once.
 //!
-//! * [`cases`]: the proptest configuration every property test uses.
-//! * [`json`]: arbitrary JSON values biased by the caller's strings and keys.
-//! * [`mutate`]: byte-level edits of a valid input (JSON bodies, configuration files), the
-//!   proptest strategy that makes them and the function that applies them.
+//! * [`paths`]: the workspace, target directory, download cache, model, binaries.
+//! * [`ports`]: free loopback ports.
+//! * [`process`]: one test child process, killed on drop ([`process::Proc`]).
+//! * [`supervisor`]: the process groups of a local stack, stopped on drop and on Ctrl-C.
+//! * [`cmd`]: running build tools with readable failures; [`toolchain`]: the wasm32 target.
+//! * [`http`]: the one loopback HTTP/1.1 client; [`fake_server`]: a tiny server for fakes;
+//!   [`fake_indexer`]: a programmable indexer API.
+//! * [`prom`]: Prometheus metrics of running processes (kvroute-core's parser).
+//! * [`fleet`]: `kvroute-sim` replicas and `kvroute-indexer` for end-to-end tests;
+//!   [`stack`]: the whole stack (replicas, indexer, Envoy) for xtask and the benchmark.
+//! * [`text`]: deterministic filler prompts.
+//! * [`cases`], [`json`], [`mutate`]: proptest configuration and hostile-input strategies.
 
 pub mod cases;
+pub mod cmd;
+pub mod fake_indexer;
+pub mod fake_server;
+pub mod fleet;
+pub mod http;
 pub mod json;
 pub mod mutate;
+pub mod paths;
+pub mod ports;
+pub mod process;
+pub mod prom;
+pub mod stack;
+pub mod supervisor;
+pub mod text;
+pub mod toolchain;

@@ -20,13 +20,13 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::json;
 
+use crate::chat_traffic::{self, ChatWorkload, Progress, Target};
 use crate::cmd;
 use crate::paths::{cargo_bin, Layout};
-use crate::procs;
 use crate::setup;
 use crate::stack::{Binaries, Stack, StackConfig};
 use crate::stats::PolicySummary;
-use crate::workload::{self, ChatWorkload, Progress, Target};
+use crate::supervisor;
 
 /// Options of `cargo xtask demo`.
 #[derive(Debug, Clone, Args)]
@@ -86,7 +86,7 @@ pub struct DemoOptions {
 
 /// Runs the demo.
 pub fn run(layout: &Layout, opts: &DemoOptions) -> Result<()> {
-    procs::install_ctrl_c()?;
+    supervisor::install_ctrl_c()?;
     if opts.replicas == 0 || opts.groups == 0 || opts.users == 0 || opts.turns == 0 {
         bail!("--replicas, --groups, --users and --turns must be at least 1");
     }
@@ -341,13 +341,13 @@ fn run_policy(
     let started = Instant::now();
     let (records, wall) = thread::scope(|scope| {
         let runner = scope.spawn(|| {
-            workload::replay(
+            chat_traffic::replay(
                 &target,
                 workload,
                 workload.sessions(),
                 opts.clients,
                 &progress,
-                &procs::interrupted,
+                &supervisor::interrupted,
             )
         });
         let mut last_line = Instant::now();
@@ -368,7 +368,7 @@ fn run_policy(
         runner.join()
     })
     .map_err(|_| anyhow::anyhow!("the workload thread panicked"))?;
-    if procs::interrupted() {
+    if supervisor::interrupted() {
         bail!("interrupted");
     }
     stack.check_alive()?;
@@ -410,7 +410,7 @@ fn draw_progress(policy: &str, progress: &Progress, total: usize, elapsed: Durat
     let _ = err.flush();
 }
 
-fn write_records(path: &std::path::Path, records: &[workload::RequestRecord]) -> Result<()> {
+fn write_records(path: &std::path::Path, records: &[chat_traffic::RequestRecord]) -> Result<()> {
     let mut out = String::new();
     for r in records {
         out.push_str(

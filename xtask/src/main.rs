@@ -3,27 +3,21 @@
 //! * `cargo xtask setup`: installs the tokenizer, the Python venv and Envoy into the cache.
 //! * `cargo xtask test`: setup, fmt, clippy, the wasm32 builds and every test (what CI runs).
 //! * `cargo xtask demo`: the whole stack on loopback, kvroute against round robin.
-//! * `cargo xtask bench routing`: the routing benchmark.
+//! * `cargo xtask bench routing`: the routing benchmark (the `kvroute-bench` crate).
 //! * `cargo xtask chaos`: attacks and faults against a local stack, each with pass criteria.
 
-mod bench;
 mod chaos;
-mod cmd;
 mod demo;
-mod http;
-mod paths;
-mod procs;
 mod setup;
-mod stack;
-mod stats;
 mod test;
-mod toolchain;
-mod workload;
 
 use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
+// The benchmark's traffic and the test kit's modules, under the names xtask's code uses.
+use kvroute_bench::{chat_traffic, stats};
+use kvroute_testkit::{cmd, http, paths, stack, supervisor, toolchain};
 
 use crate::paths::Layout;
 
@@ -59,7 +53,7 @@ enum Cmd {
     /// Start 4 simulated replicas, the indexer and Envoy, and compare kvroute with round robin.
     Demo(demo::DemoOptions),
     /// Benchmarks (`cargo xtask bench routing`; `--full` for the big sweep).
-    Bench(bench::BenchOptions),
+    Bench(kvroute_bench::BenchOptions),
     /// Attacks and faults against a local stack (spoofing, huge prompts, aborted and stalled
     /// clients, indexer and replica failures), each with pass criteria and figures.
     Chaos(chaos::ChaosOptions),
@@ -97,7 +91,9 @@ fn run(cli: Cli) -> Result<()> {
             },
         ),
         Cmd::Demo(opts) => demo::run(&layout, &opts),
-        Cmd::Bench(opts) => bench::run(&layout, &opts),
+        Cmd::Bench(opts) => {
+            kvroute_bench::run(&layout, &opts, &|layout| setup::run(layout).map(|_| ()))
+        }
         Cmd::Chaos(opts) => chaos::run(&layout, &opts),
     }
 }

@@ -4,16 +4,10 @@
 //! configuration, and the real Envoy (`--mode validate`) loads the Envoy configuration with the real
 //! `kvroute_filter.wasm`. Broken copies prove that each check can fail.
 
+use kvroute_testkit::paths::workspace;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask sits in the workspace")
-        .to_path_buf()
-}
 
 /// `var` if set, else `default`; the file must exist.
 fn need(var: &str, default: &str, what: &str) -> PathBuf {

@@ -1,5 +1,5 @@
 //! An OpenAI request body to the token ids the engine will see, exactly as vLLM computes them
-//! (see `WIRE.md` section 6):
+//! (the rules are in `docs/vllm-requests.md`):
 //!
 //! * `/v1/completions`: `prompt` as a string (tokenised with `add_special_tokens`, default
 //!   true), a list of token ids, or a batch of either;

@@ -21,13 +21,12 @@ mod config;
 mod inputs;
 mod policies;
 mod predict;
-mod rng;
 
+pub use crate::rng::SplitMix64;
 pub use config::{ConfigError, ScoringConfig};
 pub use inputs::{Candidate, Load, MatchedBlocks, ReplicaRates, RequestShape};
 pub use policies::{choose_least_loaded, choose_random, choose_round_robin};
 pub use predict::{predict, CostTerms};
-pub use rng::SplitMix64;
 
 use serde::{Deserialize, Serialize};
 

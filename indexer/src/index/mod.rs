@@ -63,10 +63,10 @@
 //! See [`KvIndex::insert_predicted`]: short-lived, bounded, replaced by real events, reported
 //! separately in [`ReplicaMatch::predicted`].
 
+mod export;
 mod predicted;
 mod shared;
 mod slab;
-mod snapshot;
 
 #[cfg(test)]
 mod tests;
@@ -79,10 +79,10 @@ use kvroute_core::events::{BlockRemoved, BlockStored, KvEvent, Medium};
 use kvroute_core::router_key::{event_keys, RouterKey, RouterKeyError, ROOT};
 use serde::{Deserialize, Serialize};
 
+pub use export::{IndexSnapshot, SNAPSHOT_VERSION};
 use predicted::{PredictedChange, PredictedStore};
 pub use shared::{BatchOutcome, SharedIndex};
 use slab::{media_of, pack, slot_of, Slab, FLAG_ALIASED, MAX_SLOTS};
-pub use snapshot::{IndexSnapshot, SNAPSHOT_VERSION};
 
 /// A replica id as the caller numbers replicas (stable for the replica's lifetime in the index).
 pub type ReplicaId = u32;

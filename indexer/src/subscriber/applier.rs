@@ -44,8 +44,12 @@ impl Applier {
     }
 
     /// Counts an undecodable message and logs it (the first 10, then at powers of two).
-    pub fn garbage(&self, what: &str) {
-        let n = self.stream.stats.garbage.fetch_add(1, Ordering::Relaxed);
+    pub fn decode_error(&self, what: &str) {
+        let n = self
+            .stream
+            .stats
+            .event_decode_errors
+            .fetch_add(1, Ordering::Relaxed);
         if n < 10 || n.is_power_of_two() {
             tracing::warn!(replica = %self.replica.name, rank = self.stream.rank, count = n + 1, "skipping undecodable event message: {what}");
         }
@@ -57,7 +61,7 @@ impl Applier {
         let batch = match decode_batch(payload) {
             Ok(b) => Some(b),
             Err(e) => {
-                self.garbage(&e.to_string());
+                self.decode_error(&e.to_string());
                 None
             }
         };

@@ -1,6 +1,6 @@
 //! Test helpers: a ZeroMQ publisher that speaks vLLM's KV event protocol (PUB + ROUTER replay,
 //! encoded with kvroute_core's encoder), and an in-process indexer.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -13,6 +13,7 @@ use kvroute_core::events::{
 use kvroute_indexer::config::Config;
 use kvroute_indexer::policies::Policy;
 use kvroute_indexer::state::AppState;
+pub use kvroute_testkit::ports::free_port;
 use zeromq::{Endpoint, PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 /// A replica's event publisher: PUB for live batches, ROUTER for replay, a bounded buffer.
@@ -220,6 +221,17 @@ pub async fn serve_http(state: Arc<AppState>) -> String {
     format!("http://{addr}")
 }
 
+/// The text of `GET {base}/metrics`.
+pub async fn metrics_text(c: &reqwest::Client, base: &str) -> String {
+    c.get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("GET {base}/metrics: {e}"))
+        .text()
+        .await
+        .unwrap_or_else(|e| panic!("GET {base}/metrics body: {e}"))
+}
+
 /// Polls `f` until it returns true or `timeout` passes.
 pub async fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     let start = Instant::now();
@@ -280,15 +292,6 @@ pub fn stat(
 ) -> u64 {
     let r = state.fleet.get(replica).unwrap();
     f(&r.streams()[0].stats)
-}
-
-/// An unused TCP port on 127.0.0.1.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Raw ZMTP 3.0 over a tokio `TcpStream`, for tests that play a hostile peer byte by byte: the

@@ -23,9 +23,9 @@ use clap::Args;
 use serde_json::json;
 
 use crate::paths::Layout;
-use crate::procs;
 use crate::setup;
 use crate::stack::{Binaries, Stack, StackConfig};
+use crate::supervisor;
 
 /// Options of `cargo xtask chaos`.
 #[derive(Debug, Clone, Args)]
@@ -49,7 +49,7 @@ pub struct ChaosOptions {
 
 /// Runs the suite; fails when any scenario failed.
 pub fn run(layout: &Layout, opts: &ChaosOptions) -> Result<()> {
-    procs::install_ctrl_c()?;
+    supervisor::install_ctrl_c()?;
     if !opts.no_setup {
         setup::run(layout)?;
     }
@@ -136,7 +136,7 @@ pub fn run(layout: &Layout, opts: &ChaosOptions) -> Result<()> {
             t.elapsed().as_secs_f64()
         );
         reports.push(report);
-        if procs::interrupted() {
+        if supervisor::interrupted() {
             bail!("interrupted");
         }
     }
@@ -152,7 +152,7 @@ pub fn run(layout: &Layout, opts: &ChaosOptions) -> Result<()> {
             }
             println!("xtask chaos: {name} (cargo test -p {package} --test {target}) ...");
             reports.push(run_suite(layout, &work_dir, name, package, target));
-            if procs::interrupted() {
+            if supervisor::interrupted() {
                 bail!("interrupted");
             }
         }

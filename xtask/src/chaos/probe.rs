@@ -61,28 +61,7 @@ pub fn signal_group(pgid: u32, signal: i32) -> Result<()> {
     Ok(())
 }
 
-/// `GET http://addr/metrics` as text.
-pub fn metrics_text(addr: &str) -> Result<String> {
-    let (status, text) = http::get(addr, "/metrics", Duration::from_secs(5))
-        .with_context(|| format!("scraping http://{addr}/metrics"))?;
-    if status != 200 {
-        bail!("http://{addr}/metrics answered HTTP {status}");
-    }
-    Ok(text)
-}
-
-/// The value of the sample of `name` whose labels contain `label` (e.g. `replica="r1"`).
-pub fn metric_with_label(text: &str, name: &str, label: &str) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|line| {
-            let (series, value) = line.rsplit_once(' ')?;
-            let (metric, labels) = series.split_once('{')?;
-            (metric == name && labels.contains(label))
-                .then(|| value.trim().parse::<f64>().ok())
-                .flatten()
-        })
-}
+pub use kvroute_testkit::prom::{metrics_text, value_with_label as metric_with_label};
 
 /// Requests the indexer counts in flight, over every replica.
 pub fn indexer_in_flight(indexer: &str) -> Result<f64> {
@@ -99,7 +78,7 @@ pub fn wait_for(limit: Duration, mut probe: impl FnMut() -> bool) -> Option<Dura
         if probe() {
             return Some(started.elapsed());
         }
-        if started.elapsed() >= limit || crate::procs::interrupted() {
+        if started.elapsed() >= limit || crate::supervisor::interrupted() {
             return None;
         }
         std::thread::sleep(Duration::from_millis(100));

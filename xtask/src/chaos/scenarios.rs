@@ -452,7 +452,7 @@ fn slow_uploads(ctx: &mut Ctx) -> Result<Report> {
     let limit = Duration::from_secs(SLOW_UPLOAD_LIMIT_S);
     let mut open = streams.len();
     let mut closed = vec![false; streams.len()];
-    while open > 0 && started.elapsed() < limit && !crate::procs::interrupted() {
+    while open > 0 && started.elapsed() < limit && !crate::supervisor::interrupted() {
         for (i, stream) in streams.iter_mut().enumerate() {
             if closed[i] {
                 continue;

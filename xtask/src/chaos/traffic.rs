@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
+use crate::chat_traffic::Rng;
 use crate::http;
-use crate::workload::Rng;
 
 /// Words the prompts are made of (any text works; the tokenizer is real).
 const WORDS: &[&str] = &[

@@ -2,11 +2,10 @@
 
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use serde::Serialize;
 
 use super::replay::RequestOutcome;
-use crate::http;
 use crate::stats::{metric_sum, percentile};
 
 /// Counters of one replica, read from its Prometheus `/metrics`.
@@ -25,12 +24,7 @@ pub struct ReplicaCounters {
 impl ReplicaCounters {
     /// Reads `GET http://addr/metrics`.
     pub fn scrape(addr: &str) -> Result<Self> {
-        let (status, text) = http::get(addr, "/metrics", Duration::from_secs(5))
-            .with_context(|| format!("scraping http://{addr}/metrics"))?;
-        if status != 200 {
-            bail!("http://{addr}/metrics answered HTTP {status}");
-        }
-        Ok(Self::parse(&text))
+        Ok(Self::parse(&kvroute_testkit::prom::metrics_text(addr)?))
     }
 
     /// From Prometheus text.
@@ -116,7 +110,7 @@ pub struct RunSummary {
     pub wall_s: f64,
     /// The router's CPU (Envoy + indexer, user + system) per 1,000 requests and peak memory,
     /// sampled from `/proc` around the replay; `None` when not sampled.
-    pub router_cost: Option<super::peers::RouterCost>,
+    pub router_cost: Option<crate::router_usage::RouterCost>,
     /// Prompt tokens each replica computed (queried minus hit): its prefill work.
     pub per_replica_computed: Vec<u64>,
     /// Each replica's share of requests and prefill work against its share of capacity, when

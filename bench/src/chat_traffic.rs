@@ -17,6 +17,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use kvroute_core::rng::{SplitMix64, GOLDEN_GAMMA};
 use serde_json::{json, Value};
 
 use crate::http;
@@ -250,19 +251,13 @@ fn stream_chat(
         ("x-session-id", session_id),
     ];
     headers.extend(target.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())));
-    let mut resp = http::request(
-        "POST",
+    let mut resp = http::post_ok(
         &target.addr,
         "/v1/chat/completions",
         &headers,
         body.as_bytes(),
         target.io_timeout,
     )?;
-    if resp.status != 200 {
-        let status = resp.status;
-        let text = resp.text(4096).unwrap_or_default();
-        bail!("HTTP {status}: {}", text.trim());
-    }
     let mut content_chunks = 0u64;
     let mut usage_tokens = None;
     let mut finished = false;
@@ -320,23 +315,20 @@ fn stream_chat(
 // ---------------------------------------------------------------------------------------------
 // Text
 
-/// A small deterministic PRNG (SplitMix64): workloads must not depend on a crate's algorithm.
+/// The workloads' deterministic generator: kvroute-core's SplitMix64 seeded with `seed` mixed
+/// with the golden gamma, drawing by modulo (fixed: the same seed must give the same workload).
 #[derive(Debug, Clone)]
-pub struct Rng(u64);
+pub struct Rng(SplitMix64);
 
 impl Rng {
     /// A generator from a seed.
     pub fn new(seed: u64) -> Self {
-        Self(seed ^ 0x9E37_79B9_7F4A_7C15)
+        Self(SplitMix64::new(seed ^ GOLDEN_GAMMA))
     }
 
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// Uniform in `0..n` (0 when n is 0).

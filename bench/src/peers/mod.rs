@@ -8,8 +8,6 @@ mod install;
 mod launch;
 mod report;
 pub mod run;
-mod text;
-pub mod usage;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -19,13 +17,14 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
+use crate::router_usage as usage;
+pub use crate::router_usage::{RouterCost, Usage};
+pub use crate::text_vocab::TextVocab;
 pub use install::Product;
-pub use text::TextVocab;
-pub use usage::Usage;
 
 use crate::http;
-use crate::procs::Supervisor;
 use crate::stack::Stack;
+use crate::supervisor::Supervisor;
 
 /// One replica as a peer router sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -361,30 +360,6 @@ fn check_text_form(model_dir: &Path, model: &str, replica: &str) -> Result<()> {
     Ok(())
 }
 
-/// Router cost of one run: CPU seconds per 1,000 requests and peak memory.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
-pub struct RouterCost {
-    /// Router CPU seconds (user + system) per 1,000 requests sent.
-    pub cpu_s_per_1k: f64,
-    /// Peak resident memory of the router's processes (sum of VmHWM), MB.
-    pub peak_rss_mb: f64,
-}
-
-impl RouterCost {
-    /// From usage samples taken before and after `requests` requests.
-    pub fn between(before: &Usage, after: &Usage, requests: usize) -> Self {
-        let cpu = (after.cpu_s - before.cpu_s).max(0.0);
-        Self {
-            cpu_s_per_1k: if requests == 0 {
-                0.0
-            } else {
-                cpu * 1000.0 / requests as f64
-            },
-            peak_rss_mb: after.peak_rss_mb,
-        }
-    }
-}
-
 /// The peer part of one benchmark invocation: the selected lines, run after the benchmark's
 /// own policies on every workload, and the Peers section written at the end.
 pub struct PeerBench {
@@ -430,10 +405,10 @@ impl PeerBench {
     pub fn run_workload(
         &mut self,
         stack: &mut Stack,
-        workload: &crate::bench::workloads::Workload,
-        ctx: &crate::bench::summary::RunContext,
-        ours: &[crate::bench::summary::RunSummary],
-        print: impl Fn(&crate::bench::summary::RunSummary),
+        workload: &crate::workloads::Workload,
+        ctx: &crate::summary::RunContext,
+        ours: &[crate::summary::RunSummary],
+        print: impl Fn(&crate::summary::RunSummary),
     ) -> Result<()> {
         let mut runs = Vec::new();
         for line in self.lines.clone() {

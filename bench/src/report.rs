@@ -1025,7 +1025,7 @@ mod tests {
     fn ideal_shares_and_scale_out_tables_and_goals() {
         let mut w = results().remove(0);
         assert!(ideal_table(&w).is_none() && shares_table(&w).is_none());
-        let ideal = crate::bench::ideal::IdealBound {
+        let ideal = crate::ideal::IdealBound {
             p50_ms: 20.0,
             p90_ms: 50.0,
             p99_ms: 100.0,
@@ -1034,7 +1034,7 @@ mod tests {
         for r in &mut w.runs {
             r.ideal = Some(ideal.clone());
         }
-        w.runs[0].replica_shares = Some(crate::bench::fleet::shares(
+        w.runs[0].replica_shares = Some(crate::fleet::shares(
             &[1.0, 1.0, 0.5, 0.5],
             &[super::super::summary::ReplicaCounters::default(); 4],
         ));

@@ -14,7 +14,7 @@ use serde_json::Value;
 
 use super::workloads::{BenchRequest, Workload};
 use crate::http;
-use crate::procs;
+use crate::supervisor;
 
 /// How to replay.
 #[derive(Debug, Clone)]
@@ -41,7 +41,7 @@ pub struct ReplayConfig {
 #[derive(Debug, Clone)]
 pub struct ClientForm {
     /// Send prompts as text (each token id one single-token word) instead of token ids.
-    pub text: Option<std::sync::Arc<super::peers::TextVocab>>,
+    pub text: Option<std::sync::Arc<crate::text_vocab::TextVocab>>,
     /// Headers added to every request.
     pub headers: Vec<(String, String)>,
     /// The header carrying the request's session id.
@@ -182,7 +182,7 @@ fn ms(d: Duration) -> f64 {
 /// Sleeps until `when`; false if interrupted meanwhile.
 fn sleep_until(when: Instant) -> bool {
     loop {
-        if procs::interrupted() {
+        if supervisor::interrupted() {
             return false;
         }
         let now = Instant::now();
@@ -216,7 +216,7 @@ pub fn completion_body(model: &str, request: &BenchRequest) -> String {
 pub fn text_completion_body(
     model: &str,
     request: &BenchRequest,
-    vocab: &super::peers::TextVocab,
+    vocab: &crate::text_vocab::TextVocab,
 ) -> String {
     serde_json::json!({
         "model": model,
@@ -320,19 +320,13 @@ fn stream(
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str())),
     );
-    let mut resp = http::request(
-        "POST",
+    let mut resp = http::post_ok(
         &cfg.addr,
         "/v1/completions",
         &headers,
         body.as_bytes(),
         cfg.io_timeout,
     )?;
-    if resp.status != 200 {
-        let status = resp.status;
-        let text = resp.text(4096).unwrap_or_default();
-        bail!("HTTP {status}: {}", text.trim());
-    }
     let mut tally = StreamTally::default();
     let mut line = String::new();
     // A stream can be long (1,000 tokens), but not unbounded.

@@ -1,4 +1,4 @@
-//! `cargo xtask bench routing`: the routing benchmark. Every workload is replayed through every
+//! kvroute-bench: the routing benchmark (`cargo xtask bench routing` drives it). Every workload is replayed through every
 //! policy against the same `kvroute-sim` replicas (restarted cold before each policy), with the
 //! same arrival times; the replicas' own counters give the hit rate, the streaming client gives
 //! TTFT and inter-token latency; `docs/benchmarks.md` gets the tables and `docs/benchmarks/` the
@@ -9,14 +9,18 @@
 //! ladder.
 
 mod agentic;
+pub mod chat_traffic;
 mod fleet;
 mod ideal;
 mod peers;
 mod policies;
 mod replay;
 mod report;
+mod router_usage;
 mod scaleout;
+pub mod stats;
 mod summary;
+mod text_vocab;
 mod trace;
 mod workloads;
 
@@ -32,8 +36,9 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use serde_json::json;
 
+use kvroute_testkit::{cmd, http, paths, stack, supervisor, toolchain};
+
 use crate::paths::Layout;
-use crate::procs;
 use crate::stack::{Binaries, Stack, StackConfig};
 
 use policies::Policy;
@@ -186,20 +191,24 @@ pub struct FleetOptions {
     pub scale_out_at: Option<f64>,
 }
 
+/// What the benchmark asks of its driver: `cargo xtask setup` (installs the tokenizer, the venv
+/// and Envoy), run unless `--no-setup`.
+pub type Setup<'a> = &'a dyn Fn(&Layout) -> Result<()>;
+
 /// Runs `cargo xtask bench ...`.
-pub fn run(layout: &Layout, opts: &BenchOptions) -> Result<()> {
+pub fn run(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
     match opts.what {
-        BenchTarget::Routing => routing(layout, opts),
-        BenchTarget::Filter => filter(layout, opts),
+        BenchTarget::Routing => routing(layout, opts, setup),
+        BenchTarget::Filter => filter(layout, opts, setup),
     }
 }
 
 /// The filter's added latency in Envoy: the `#[ignore]`d `bench_filter` test of kvroute-filter, in
 /// the release profile, against the release .wasm (results on stdout and in
 /// `<target>/bench/filter.json`).
-fn filter(layout: &Layout, opts: &BenchOptions) -> Result<()> {
+fn filter(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
     if !opts.no_setup {
-        crate::setup::run(layout)?;
+        setup(layout)?;
     }
     if !opts.no_build {
         build_release(layout)?;
@@ -425,12 +434,12 @@ fn trace_options(opts: &BenchOptions) -> trace::TraceOptions {
     }
 }
 
-fn routing(layout: &Layout, opts: &BenchOptions) -> Result<()> {
-    procs::install_ctrl_c()?;
+fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
+    supervisor::install_ctrl_c()?;
     let plan = Plan::from(opts)?;
     let begun = Instant::now();
     if !opts.no_setup {
-        crate::setup::run(layout)?;
+        setup(layout)?;
     }
     if !opts.no_build {
         build_release(layout)?;
@@ -555,7 +564,7 @@ fn routing(layout: &Layout, opts: &BenchOptions) -> Result<()> {
                         &mut sim_latency,
                     ) {
                         Ok(s) => s,
-                        Err(e) if procs::interrupted() => return Err(e),
+                        Err(e) if supervisor::interrupted() => return Err(e),
                         Err(e) => {
                             println!("    {policy}: FAILED: {e:#}");
                             RunSummary::failed(&ctx, workload.requests.len(), format!("{e:#}"))
@@ -756,7 +765,7 @@ fn run_policy(
     let total = workload.requests.len();
     let mut router_groups = stack.router_process_groups();
     router_groups.extend(&router.own_groups);
-    let usage_before = peers::usage::sample(&router_groups);
+    let usage_before = router_usage::sample(&router_groups);
     let started = Instant::now();
     let model_s = |at: Instant| at.duration_since(started).as_secs_f64() * opts.time_scale;
     let mut samples: Vec<scaleout::Sample> = Vec::new();
@@ -801,8 +810,8 @@ fn run_policy(
             .join()
             .map_err(|_| anyhow::anyhow!("the replay thread panicked"))?
     })?;
-    let usage_after = peers::usage::sample(&router_groups);
-    if procs::interrupted() {
+    let usage_after = router_usage::sample(&router_groups);
+    if supervisor::interrupted() {
         bail!("interrupted");
     }
     stack.check_alive()?;
@@ -811,7 +820,7 @@ fn run_policy(
     let mut summary = RunSummary::new(ctx, &outcomes, wall, &deltas);
     // Nothing sampled (no process found) is reported as unknown, not as free.
     summary.router_cost = (usage_after.processes > 0)
-        .then(|| peers::RouterCost::between(&usage_before, &usage_after, total));
+        .then(|| router_usage::RouterCost::between(&usage_before, &usage_after, total));
     if !opts.fleet.replica_speeds.is_empty() {
         summary.replica_shares = Some(fleet::shares(&opts.fleet.replica_speeds, &deltas));
     }
@@ -877,7 +886,7 @@ fn wait_marked_down(stack: &Stack, index: usize) -> Result<()> {
         if Instant::now() >= deadline {
             bail!("the indexer still counts the not-started replica {name} as healthy after 20 s");
         }
-        if procs::interrupted() {
+        if supervisor::interrupted() {
             bail!("interrupted");
         }
         thread::sleep(Duration::from_millis(250));

@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 
 use super::{PeerEnv, PeerPolicy, PromptForm, ReplicaInfo, RouterCost, TextVocab};
-use crate::bench::replay::{self, ClientForm, Progress, ReplayConfig};
-use crate::bench::summary::{ReplicaCounters, RunContext, RunSummary};
-use crate::bench::workloads::Workload;
-use crate::procs;
+use crate::replay::{self, ClientForm, Progress, ReplayConfig};
 use crate::stack::Stack;
+use crate::summary::{ReplicaCounters, RunContext, RunSummary};
+use crate::supervisor;
+use crate::workloads::Workload;
 
 /// Replay settings shared with the benchmark's own policies.
 #[derive(Debug, Clone)]
@@ -63,7 +63,7 @@ pub fn run_line(
     let replicas = ReplicaInfo::of_stack(stack);
     let mut running = match peer.start(&replicas, cache, env) {
         Ok(r) => r,
-        Err(e) if procs::interrupted() => return Err(e),
+        Err(e) if supervisor::interrupted() => return Err(e),
         Err(e) => {
             return Ok(PeerRun {
                 summary: RunSummary::failed(ctx, workload.requests.len(), format!("{e:#}")),
@@ -129,7 +129,7 @@ pub fn run_line(
     .map_err(|_| anyhow::anyhow!("the replay thread panicked"))??;
     let usage_after = running.router_usage();
     let helpers_after = running.helper_usage();
-    if procs::interrupted() {
+    if supervisor::interrupted() {
         bail!("interrupted");
     }
     let alive = running.check_alive();

@@ -3,82 +3,11 @@
 
 use std::time::Duration;
 
-use anyhow::{Context, Result};
 use serde::Serialize;
 
-use crate::http;
-use crate::workload::RequestRecord;
+use crate::chat_traffic::RequestRecord;
 
-/// The replicas' prefix-cache counters (vLLM's `vllm:prefix_cache_{queries,hits}_total`, in tokens).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct CacheCounters {
-    /// Prompt tokens looked up in the prefix cache.
-    pub queries: f64,
-    /// Prompt tokens found there.
-    pub hits: f64,
-}
-
-impl CacheCounters {
-    /// Counters summed over replicas.
-    pub fn sum(all: &[CacheCounters]) -> CacheCounters {
-        all.iter()
-            .fold(CacheCounters::default(), |acc, c| CacheCounters {
-                queries: acc.queries + c.queries,
-                hits: acc.hits + c.hits,
-            })
-    }
-
-    /// The increase from `before` to `self` (a replica that restarted counts from zero).
-    pub fn since(&self, before: &CacheCounters) -> CacheCounters {
-        if self.queries < before.queries {
-            return *self;
-        }
-        CacheCounters {
-            queries: self.queries - before.queries,
-            hits: self.hits - before.hits,
-        }
-    }
-
-    /// hits / queries, or 0 when nothing was queried.
-    pub fn hit_rate(&self) -> f64 {
-        if self.queries > 0.0 {
-            self.hits / self.queries
-        } else {
-            0.0
-        }
-    }
-}
-
-/// Reads one replica's prefix-cache counters from `GET http://addr/metrics`.
-pub fn scrape_cache_counters(addr: &str) -> Result<CacheCounters> {
-    let (status, text) = http::get(addr, "/metrics", Duration::from_secs(5))
-        .with_context(|| format!("scraping http://{addr}/metrics"))?;
-    if status != 200 {
-        anyhow::bail!("http://{addr}/metrics answered HTTP {status}");
-    }
-    Ok(CacheCounters {
-        queries: metric_sum(&text, "vllm:prefix_cache_queries"),
-        hits: metric_sum(&text, "vllm:prefix_cache_hits"),
-    })
-}
-
-/// Sum of every sample of a counter in Prometheus text format, whatever its labels; accepts the
-/// name with or without the `_total` suffix.
-pub fn metric_sum(text: &str, name: &str) -> f64 {
-    let total = format!("{name}_total");
-    text.lines()
-        .filter(|line| !line.starts_with('#'))
-        .filter_map(|line| {
-            let (series, value) = line.rsplit_once(' ')?;
-            let metric = series.split('{').next()?.trim();
-            if metric == name || metric == total {
-                value.trim().parse::<f64>().ok()
-            } else {
-                None
-            }
-        })
-        .sum()
-}
+pub use kvroute_testkit::prom::{counter_sum as metric_sum, CacheCounters};
 
 /// The `p`-th percentile (0..=100) by linear interpolation between closest ranks.
 pub fn percentile(sorted: &[f64], p: f64) -> Option<f64> {

@@ -13,7 +13,8 @@ use serde_json::json;
 
 use crate::http;
 use crate::paths::Layout;
-use crate::procs::{PortPool, Supervisor};
+use crate::ports::PortPool;
+use crate::supervisor::Supervisor;
 
 /// kvroute-sim's default prefill rate (`--prefill-tokens-per-s`), in model-time tokens per second.
 const SIM_PREFILL_TOKENS_PER_S: f64 = 30_000.0;
@@ -23,7 +24,7 @@ const SIM_DECODE_STEP_PER_SEQ_S: f64 = 0.000_03;
 /// The scoring model's default latency objectives (model seconds).
 const TTFT_OBJECTIVE_S: f64 = 2.0;
 const ITL_OBJECTIVE_S: f64 = 0.05;
-use crate::stats::{self, CacheCounters};
+use crate::prom::CacheCounters;
 
 /// The baseline Envoy configuration (no filter), rendered by [`Stack::start_baseline_envoy`].
 const BASELINE_TEMPLATE: &str = include_str!("../templates/envoy-baseline.yaml");
@@ -383,7 +384,8 @@ impl Stack {
         Ok(toml)
     }
 
-    fn lb_endpoints(&self) -> String {
+    /// Every replica as an Envoy `lb_endpoints` list (JSON).
+    pub fn lb_endpoints(&self) -> String {
         let endpoints: Vec<_> = self
             .ports
             .replicas
@@ -501,7 +503,7 @@ impl Stack {
         let all = self
             .replica_addrs()
             .iter()
-            .map(|addr| stats::scrape_cache_counters(addr))
+            .map(|addr| CacheCounters::scrape(addr))
             .collect::<Result<Vec<_>>>()?;
         Ok(CacheCounters::sum(&all))
     }
@@ -537,7 +539,7 @@ impl Stack {
             if loaded >= want {
                 return Ok(());
             }
-            if crate::procs::interrupted() {
+            if crate::supervisor::interrupted() {
                 bail!("interrupted");
             }
             if std::time::Instant::now() >= deadline {

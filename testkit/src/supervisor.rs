@@ -1,11 +1,10 @@
-//! Starting and stopping the processes of a local stack (replicas, indexer, Envoy).
+//! Starting and stopping the processes of a local stack (xtask, the benchmark) (replicas, indexer, Envoy).
 //!
 //! Every child runs in its own process group with its output in a log file, and is stopped with
 //! SIGTERM then SIGKILL to the whole group: when the [`Supervisor`] is dropped, on Ctrl-C (see
 //! [`install_ctrl_c`]), and, on Linux, when xtask itself dies (`PR_SET_PDEATHSIG`).
 
 use std::fs;
-use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -17,6 +16,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 use crate::http;
+
+pub use crate::ports::PortPool;
 
 /// Process groups of every running child, for the Ctrl-C handler.
 static GROUPS: Mutex<Vec<i32>> = Mutex::new(Vec::new());
@@ -242,26 +243,4 @@ pub fn log_tail(path: &Path, lines: usize) -> String {
     let text = fs::read_to_string(path).unwrap_or_default();
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
-}
-
-/// Hands out distinct free TCP ports on 127.0.0.1.
-#[derive(Default)]
-pub struct PortPool {
-    given: Vec<u16>,
-}
-
-impl PortPool {
-    /// A port nobody listens on right now and that this pool has not handed out before.
-    pub fn take(&mut self) -> Result<u16> {
-        for _ in 0..100 {
-            let listener =
-                TcpListener::bind("127.0.0.1:0").context("finding a free port on 127.0.0.1")?;
-            let port = listener.local_addr()?.port();
-            if !self.given.contains(&port) {
-                self.given.push(port);
-                return Ok(port);
-            }
-        }
-        bail!("could not find a free port on 127.0.0.1")
-    }
 }

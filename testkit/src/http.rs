@@ -1,8 +1,11 @@
-//! A minimal blocking HTTP/1.1 client for loopback: one request per connection
+//! The workspace's one blocking HTTP/1.1 client, for loopback: one request per connection
 //! (`Connection: close`), `Content-Length` or chunked response bodies, read incrementally so a
-//! streaming (SSE) response can be timed token by token. Enough for talking to the replicas, the
-//! indexer and Envoy on 127.0.0.1; not a general-purpose client (no TLS, no redirects).
+//! streaming (SSE) response can be timed token by token ([`request`]), or whole ([`try_http`],
+//! [`http`] for tests). Enough for talking to the replicas, the indexer and Envoy on 127.0.0.1;
+//! not a general-purpose client (no TLS, no redirects). Requests are sent as given: a caller may
+//! set its own `content-length` or `transfer-encoding` (hostile-input tests do).
 
+use std::collections::BTreeMap;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::Duration;
@@ -14,30 +17,48 @@ const MAX_LINE: usize = 16 * 1024;
 /// Most header lines accepted.
 const MAX_HEADERS: usize = 200;
 
+/// Largest body [`try_http`] reads.
+const MAX_FULL_BODY: usize = 256 << 20;
+
 /// A response whose body has not been read yet.
 pub struct Response {
     /// The status code.
     pub status: u16,
+    headers: Vec<(String, String)>,
     body: Body,
 }
 
 impl Response {
+    /// The headers, names lower-cased, in the order received.
+    pub fn headers(&self) -> &[(String, String)] {
+        &self.headers
+    }
+
+    /// Reads the whole body (at most `limit` bytes).
+    pub fn into_full(mut self, limit: usize) -> Result<FullResponse> {
+        let mut body = Vec::new();
+        (&mut self.body)
+            .take(limit as u64 + 1)
+            .read_to_end(&mut body)
+            .context("reading response body")?;
+        if body.len() > limit {
+            bail!("response body larger than {limit} bytes");
+        }
+        Ok(FullResponse {
+            status: self.status,
+            headers: self.headers.into_iter().collect(),
+            body,
+        })
+    }
+
     /// The body, decoded from its transfer encoding, as a stream.
     pub fn body(&mut self) -> &mut impl BufRead {
         &mut self.body
     }
 
     /// Reads the whole body (at most `limit` bytes) as text.
-    pub fn text(mut self, limit: usize) -> Result<String> {
-        let mut bytes = Vec::new();
-        (&mut self.body)
-            .take(limit as u64 + 1)
-            .read_to_end(&mut bytes)
-            .context("reading response body")?;
-        if bytes.len() > limit {
-            bail!("response body larger than {limit} bytes");
-        }
-        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    pub fn text(self, limit: usize) -> Result<String> {
+        Ok(self.into_full(limit)?.text())
     }
 }
 
@@ -58,15 +79,18 @@ pub fn request(
     stream.set_write_timeout(Some(timeout))?;
     stream.set_nodelay(true)?;
 
-    let mut head = format!(
-        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ncontent-length: {}\r\n",
-        body.len()
-    );
+    let mut head = format!("{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n");
+    let mut framed = false;
     for (name, value) in headers {
         if name.contains(['\r', '\n', ':']) || value.contains(['\r', '\n']) {
             bail!("invalid header {name:?}");
         }
+        framed |= name.eq_ignore_ascii_case("content-length")
+            || name.eq_ignore_ascii_case("transfer-encoding");
         head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    if !framed && !(body.is_empty() && matches!(method, "GET" | "HEAD")) {
+        head.push_str(&format!("content-length: {}\r\n", body.len()));
     }
     head.push_str("\r\n");
     let mut writer = &stream;
@@ -116,6 +140,7 @@ pub fn request(
     };
     Ok(Response {
         status,
+        headers,
         body: Body {
             inner: reader,
             mode,
@@ -125,11 +150,106 @@ pub fn request(
     })
 }
 
+/// POSTs `body` to `addr` and fails, showing the status and the start of the body, unless the
+/// answer is 200; the body is left to read (a stream).
+pub fn post_ok(
+    addr: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    timeout: Duration,
+) -> Result<Response> {
+    let resp = request("POST", addr, path, headers, body, timeout)?;
+    if resp.status != 200 {
+        let status = resp.status;
+        let text = resp.text(4096).unwrap_or_default();
+        bail!("HTTP {status}: {}", text.trim());
+    }
+    Ok(resp)
+}
+
 /// `GET addr path`, returning status and body text (at most 8 MiB).
 pub fn get(addr: &str, path: &str, timeout: Duration) -> Result<(u16, String)> {
     let resp = request("GET", addr, path, &[], &[], timeout)?;
     let status = resp.status;
     Ok((status, resp.text(8 << 20)?))
+}
+
+/// A whole response: status, headers (names lower-cased) and body.
+#[derive(Debug, Clone)]
+pub struct FullResponse {
+    /// The status code.
+    pub status: u16,
+    /// The headers by lower-cased name (the last of repeated ones).
+    pub headers: BTreeMap<String, String>,
+    /// The decoded body.
+    pub body: Vec<u8>,
+}
+
+impl FullResponse {
+    /// The body as JSON; panics showing the body when it is not.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "response is not JSON ({e}): {}",
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+
+    /// The body as text (lossy).
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// A header by lower-case name.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(String::as_str)
+    }
+}
+
+/// One request to `127.0.0.1:port`, the whole response read; `timeout` bounds every step.
+pub fn try_http(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    timeout: Duration,
+) -> Result<FullResponse> {
+    request(
+        method,
+        &format!("127.0.0.1:{port}"),
+        path,
+        headers,
+        body,
+        timeout,
+    )?
+    .into_full(MAX_FULL_BODY)
+}
+
+/// [`try_http`] with a 60 s timeout, panicking on failure (tests).
+pub fn http(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> FullResponse {
+    try_http(port, method, path, headers, body, Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("{method} 127.0.0.1:{port}{path}: {e:#}"))
+}
+
+/// POSTs JSON to `127.0.0.1:port` with extra headers, panicking on failure (tests).
+pub fn post_json(
+    port: u16,
+    path: &str,
+    body: &serde_json::Value,
+    extra: &[(&str, &str)],
+) -> FullResponse {
+    let mut h = vec![("content-type", "application/json")];
+    h.extend_from_slice(extra);
+    http(port, "POST", path, &h, body.to_string().as_bytes())
 }
 
 fn resolve(addr: &str) -> Result<SocketAddr> {
@@ -186,20 +306,12 @@ impl Body {
         self.pos = 0;
         match &mut self.mode {
             Mode::Length(0) => Ok(()),
-            Mode::Length(remaining) => {
-                let want = (*remaining).min(64 * 1024) as usize;
-                self.buf.resize(want, 0);
-                let n = self.inner.read(&mut self.buf)?;
-                if n == 0 {
-                    return Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "connection closed inside the response body",
-                    ));
-                }
-                self.buf.truncate(n);
-                *remaining -= n as u64;
-                Ok(())
-            }
+            Mode::Length(remaining) => read_counted(
+                &mut self.inner,
+                &mut self.buf,
+                remaining,
+                "the response body",
+            ),
             Mode::UntilClose => {
                 self.buf.resize(64 * 1024, 0);
                 let n = self.inner.read(&mut self.buf)?;
@@ -232,17 +344,7 @@ impl Body {
                     }
                     *remaining = size;
                 }
-                let want = (*remaining).min(64 * 1024) as usize;
-                self.buf.resize(want, 0);
-                let n = self.inner.read(&mut self.buf)?;
-                if n == 0 {
-                    return Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "connection closed inside a chunk",
-                    ));
-                }
-                self.buf.truncate(n);
-                *remaining -= n as u64;
+                read_counted(&mut self.inner, &mut self.buf, remaining, "a chunk")?;
                 if *remaining == 0 {
                     let crlf = read_line(&mut self.inner).map_err(io::Error::other)?;
                     if !crlf.is_empty() {
@@ -256,6 +358,27 @@ impl Body {
             }
         }
     }
+}
+
+/// Reads at most 64 KiB of the `remaining` bytes into `buf`, counting them off; the connection
+/// closing first is an error naming what it was `inside`.
+fn read_counted(
+    inner: &mut BufReader<TcpStream>,
+    buf: &mut Vec<u8>,
+    remaining: &mut u64,
+    inside: &str,
+) -> io::Result<()> {
+    buf.resize((*remaining).min(64 * 1024) as usize, 0);
+    let n = inner.read(buf)?;
+    if n == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!("connection closed inside {inside}"),
+        ));
+    }
+    buf.truncate(n);
+    *remaining -= n as u64;
+    Ok(())
 }
 
 impl Read for Body {

@@ -9,14 +9,13 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use serde_json::json;
 
 use super::workloads::Workload;
-use crate::procs::Supervisor;
 use crate::stack::{self, Stack};
+use crate::supervisor::Supervisor;
 
 /// Envoy with header session affinity (RING_HASH on `x-session-id`).
-const SESSION_TEMPLATE: &str = include_str!("../../templates/envoy-session.yaml");
+const SESSION_TEMPLATE: &str = include_str!("../templates/envoy-session.yaml");
 
 /// A started router: where clients send, and any process the benchmark owns directly.
 pub struct Router {
@@ -139,24 +138,12 @@ impl Policy {
 /// Envoy with RING_HASH on `x-session-id`, on the stack's baseline ports.
 fn start_session_envoy(stack: &Stack, envoy: &Path, work_dir: &Path) -> Result<Router> {
     let (listen, admin) = stack.ports.baseline;
-    let endpoints: Vec<_> = stack
-        .ports
-        .replicas
-        .iter()
-        .map(|p| {
-            json!({"endpoint": {"address": {"socket_address":
-                {"address": "127.0.0.1", "port_value": p.http}}}})
-        })
-        .collect();
     let mut yaml = stack::render(
         SESSION_TEMPLATE,
         &[
             ("LISTEN_PORT", listen.to_string()),
             ("ADMIN_PORT", admin.to_string()),
-            (
-                "LB_ENDPOINTS",
-                serde_json::Value::Array(endpoints).to_string(),
-            ),
+            ("LB_ENDPOINTS", stack.lb_endpoints()),
         ],
     )?;
     if stack.health_checks() {

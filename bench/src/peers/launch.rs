@@ -13,11 +13,11 @@ use serde_json::Value;
 use super::install::Installed;
 use super::{Launch, PeerEnv, PromptForm, ReplicaInfo, RunningPeer};
 use crate::http;
-use crate::procs::{self, PortPool, Supervisor};
 use crate::stack::render;
+use crate::supervisor::{self, PortPool, Supervisor};
 
 /// LiteLLM's configuration template (placeholders filled here).
-const LITELLM_TEMPLATE: &str = include_str!("../../../../bench/peers/litellm.yaml");
+const LITELLM_TEMPLATE: &str = include_str!("../../peers/litellm.yaml");
 /// The Dynamo worker shim, relative to the workspace root.
 const DYNAMO_SHIM: &str = "bench/peers/dynamo_worker.py";
 /// LiteLLM refuses to start without a master key; requests carry it as a bearer token.
@@ -229,7 +229,7 @@ fn wait_until(
     let deadline = Instant::now() + timeout;
     let mut last = String::from("no answer yet");
     while Instant::now() < deadline {
-        if procs::interrupted() {
+        if supervisor::interrupted() {
             bail!("interrupted");
         }
         peer.sup.check_alive()?;

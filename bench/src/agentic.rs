@@ -29,7 +29,7 @@
 use anyhow::{bail, Result};
 
 use super::workloads::{seed_of, BenchRequest, Segment, Workload};
-use crate::workload::Rng;
+use crate::chat_traffic::Rng;
 
 /// The generator's parameters (ranges are inclusive, drawn uniformly).
 #[derive(Debug, Clone, Copy)]

@@ -120,7 +120,7 @@ pub fn build(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::workloads::{parse_mooncake, BenchRequest};
+    use crate::workloads::{parse_mooncake, BenchRequest};
 
     fn opts() -> TraceOptions {
         TraceOptions {

@@ -3,7 +3,7 @@
 
 use kvroute_core::request::{Endpoint, ModelFiles, ModelTokenizer, TokenizerOptions};
 use kvroute_filter::config::FilterConfig;
-use kvroute_filter::engine::LoadedModel;
+use kvroute_filter::loaded_model::LoadedModel;
 use kvroute_filter::protocol::TokenizerBundle;
 use serde_json::json;
 
@@ -139,7 +139,7 @@ fn configuration_overrides_the_indexer_and_extras_change_keys() {
 
 #[test]
 fn the_prompt_cap_comes_from_config_then_indexer_then_tokenizer_config() {
-    use kvroute_filter::engine::PrepareError;
+    use kvroute_filter::loaded_model::PrepareError;
     let c = cfg(json!({"models": {"capped": {"max_prompt_tokens": 64}}}));
     // Qwen3's tokenizer_config.json says model_max_length 131072.
     let plain = LoadedModel::from_bundle(&bundle(Some(16)), None, &c).expect("load");

@@ -1,4 +1,4 @@
-//! CPU time and peak memory of a router's processes, read from `/proc`: every process whose
+//! CPU time and peak memory of a router's processes ([`RouterCost`] of a run), read from `/proc`: every process whose
 //! process group is one of the router's (each supervised child leads its own group, so a
 //! router's worker processes and threads are counted with it).
 
@@ -13,6 +13,30 @@ pub struct Usage {
     pub peak_rss_mb: f64,
     /// Processes counted.
     pub processes: usize,
+}
+
+/// Router cost of one run: CPU seconds per 1,000 requests and peak memory.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct RouterCost {
+    /// Router CPU seconds (user + system) per 1,000 requests sent.
+    pub cpu_s_per_1k: f64,
+    /// Peak resident memory of the router's processes (sum of VmHWM), MB.
+    pub peak_rss_mb: f64,
+}
+
+impl RouterCost {
+    /// From usage samples taken before and after `requests` requests.
+    pub fn between(before: &Usage, after: &Usage, requests: usize) -> Self {
+        let cpu = (after.cpu_s - before.cpu_s).max(0.0);
+        Self {
+            cpu_s_per_1k: if requests == 0 {
+                0.0
+            } else {
+                cpu * 1000.0 / requests as f64
+            },
+            peak_rss_mb: after.peak_rss_mb,
+        }
+    }
 }
 
 /// Samples every process in `groups` (process group ids).

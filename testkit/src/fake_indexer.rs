@@ -1,0 +1,140 @@
+//! A programmable fake of the indexer's HTTP API (for the filter's fail-open cases) that serves
+//! the real tokenizer: each route answer is chosen by the test ([`RouteMode`]).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::fake_server::{Reply, TestServer};
+use crate::paths::model_dir;
+
+/// The model's tokenizer files as the indexer serves them.
+pub fn tokenizer_answer(model: &str, block_size: usize) -> Value {
+    let dir = model_dir();
+    let tj = std::fs::read_to_string(dir.join("tokenizer.json")).expect("tokenizer.json");
+    let tc =
+        std::fs::read_to_string(dir.join("tokenizer_config.json")).expect("tokenizer_config.json");
+    serde_json::json!({"model": model, "block_size": block_size, "tokenizer_json": tj, "tokenizer_config_json": tc})
+}
+
+/// What the fake indexer answers to `POST /v1/route`.
+#[derive(Clone, Debug)]
+pub enum RouteMode {
+    /// `{"endpoint": <addr>}`.
+    To(String),
+    /// Sleep this long, then route to the address.
+    Slow(Duration, String),
+    /// This status with a JSON error body.
+    Status(u16),
+    /// 200 with a non-JSON body.
+    Garbage,
+    /// 200 with an endpoint that is not IP:port.
+    BadEndpoint,
+}
+
+/// What the fake indexer answers to `GET /v1/models/{m}/tokenizer`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenizerMode {
+    Serve,
+    Unavailable,
+}
+
+pub struct FakeIndexer {
+    pub server: TestServer,
+    pub route: Arc<Mutex<RouteMode>>,
+    pub tokenizer: Arc<Mutex<TokenizerMode>>,
+}
+
+impl FakeIndexer {
+    /// Knows only `model`; every other model is 404 on both endpoints.
+    pub fn start(model: &'static str, route: RouteMode, tokenizer: TokenizerMode) -> FakeIndexer {
+        let answer = Arc::new(tokenizer_answer(model, 16).to_string().into_bytes());
+        let route = Arc::new(Mutex::new(route));
+        let tokenizer = Arc::new(Mutex::new(tokenizer));
+        let (r2, t2) = (route.clone(), tokenizer.clone());
+        let server = TestServer::start(move |req| {
+            let prefix = "/v1/models/";
+            if req.method == "GET" && req.path.starts_with(prefix) {
+                let name = req.path[prefix.len()..].trim_end_matches("/tokenizer");
+                if name != model {
+                    return Reply::json(404, &serde_json::json!({"error": "unknown model"}));
+                }
+                return match *t2.lock().expect("lock") {
+                    TokenizerMode::Serve => Reply {
+                        status: 200,
+                        content_type: "application/json",
+                        body: answer.as_ref().clone(),
+                        delay: Duration::ZERO,
+                    },
+                    TokenizerMode::Unavailable => Reply::text(503, "warming up"),
+                };
+            }
+            if req.path == "/v1/complete" {
+                return Reply::text(204, "");
+            }
+            if req.path == "/v1/route" {
+                let body: Value = serde_json::from_slice(&req.body).unwrap_or(Value::Null);
+                if body.get("model").and_then(Value::as_str) != Some(model) {
+                    return Reply::json(404, &serde_json::json!({"error": "unknown model"}));
+                }
+                let mode = r2.lock().expect("lock").clone();
+                return match mode {
+                    RouteMode::To(ep) => Reply::json(
+                        200,
+                        &serde_json::json!({"endpoint": ep, "replica": "fake", "reason": "test"}),
+                    ),
+                    RouteMode::Slow(d, ep) => Reply {
+                        delay: d,
+                        ..Reply::json(200, &serde_json::json!({"endpoint": ep}))
+                    },
+                    RouteMode::Status(s) => {
+                        Reply::json(s, &serde_json::json!({"error": "injected"}))
+                    }
+                    RouteMode::Garbage => Reply::text(200, "<html>surprise</html>"),
+                    RouteMode::BadEndpoint => {
+                        Reply::json(200, &serde_json::json!({"endpoint": "replica-0.svc:8000"}))
+                    }
+                };
+            }
+            Reply::text(404, "no such path")
+        });
+        FakeIndexer {
+            server,
+            route,
+            tokenizer,
+        }
+    }
+
+    pub fn set_route(&self, m: RouteMode) {
+        *self.route.lock().expect("lock") = m;
+    }
+
+    pub fn set_tokenizer(&self, m: TokenizerMode) {
+        *self.tokenizer.lock().expect("lock") = m;
+    }
+
+    /// `POST /v1/route` bodies received so far.
+    pub fn route_calls(&self) -> Vec<Value> {
+        self.server
+            .requests
+            .lock()
+            .expect("lock")
+            .iter()
+            .filter(|r| r.path == "/v1/route")
+            .map(|r| serde_json::from_slice(&r.body).unwrap_or(Value::Null))
+            .collect()
+    }
+
+    /// `POST /v1/complete` bodies received so far.
+    pub fn completions(&self) -> Vec<Value> {
+        self.server
+            .requests
+            .lock()
+            .expect("lock")
+            .iter()
+            .filter(|r| r.path == "/v1/complete")
+            .map(|r| serde_json::from_slice(&r.body).unwrap_or(Value::Null))
+            .collect()
+    }
+}
