@@ -56,16 +56,30 @@ fn envoy_bytes(buffer: EnvoyBuffer) -> Vec<u8> {
     unsafe { std::slice::from_raw_parts(buffer.ptr.cast::<u8>(), buffer.length) }.to_vec()
 }
 
+fn module_header(key: &str, value: &str) -> abi::ModuleHttpHeader {
+    abi::ModuleHttpHeader {
+        key_ptr: key.as_ptr().cast(),
+        key_length: key.len(),
+        value_ptr: value.as_ptr().cast(),
+        value_length: value.len(),
+    }
+}
+
 fn module_headers(headers: &[(&str, &str)]) -> Vec<abi::ModuleHttpHeader> {
-    headers
-        .iter()
-        .map(|(k, v)| abi::ModuleHttpHeader {
-            key_ptr: k.as_ptr().cast(),
-            key_length: k.len(),
-            value_ptr: v.as_ptr().cast(),
-            value_length: v.len(),
-        })
-        .collect()
+    headers.iter().map(|(k, v)| module_header(k, v)).collect()
+}
+
+/// A callout's headers: Envoy's callouts require `host` besides `:method` and `:path`; it is
+/// added from `:authority` when the caller gave only that (as proxy-wasm callouts do).
+fn callout_headers<'a>(headers: &[(&'a str, &'a str)]) -> Vec<abi::ModuleHttpHeader> {
+    let mut out = module_headers(headers);
+    let has_host = headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host"));
+    if !has_host {
+        if let Some((_, authority)) = headers.iter().find(|(k, _)| *k == ":authority") {
+            out.push(module_header("host", authority));
+        }
+    }
+    out
 }
 
 /// Outcome of starting an HTTP callout.
@@ -160,7 +174,7 @@ impl ConfigHandle {
         let Some(cb) = callbacks() else {
             return CalloutStart::Refused(u32::MAX);
         };
-        let mut headers = module_headers(request.headers);
+        let mut headers = callout_headers(request.headers);
         let mut id = 0u64;
         // SAFETY: the config pointer is live (main thread); buffers outlive the call (Envoy
         // copies them).
@@ -354,7 +368,7 @@ impl Stream {
         let Some(cb) = callbacks() else {
             return CalloutStart::Refused(u32::MAX);
         };
-        let mut headers = module_headers(request.headers);
+        let mut headers = callout_headers(request.headers);
         let mut id = 0u64;
         // SAFETY: stream pointer live during the hook; buffers outlive the call (Envoy copies).
         let result = unsafe {

@@ -53,7 +53,7 @@ fn rss_after_load(build: Build, concurrency: usize) -> (u64, u64) {
     let mut opts = EnvoyOptions::new(
         indexer.port,
         sims.iter().map(Sim::addr).collect(),
-        json!({"route_timeout_ms": 1000}),
+        json!({"route_timeout_ms": 2000, "models": {"qwen3": {}}}),
     );
     opts.concurrency = concurrency;
     match build {

@@ -29,7 +29,7 @@ fn one_tokenizer_serves_every_worker_and_the_module_routes_to_the_replica() {
     let mut opts = EnvoyOptions::new(
         indexer.port,
         vec![sim.addr()],
-        json!({"route_timeout_ms": 1000, "debug_headers": true}),
+        json!({"route_timeout_ms": 1000, "debug_headers": true, "models": {"qwen3": {}}}),
     );
     opts.native_module = Some(native_module_path());
     opts.concurrency = 4;
