@@ -1,5 +1,5 @@
 //! Envoy's memory per filter build (measurement, `#[ignore]`d; run with
-//! `cargo test -p kvroute-filter --release --test bench_memory -- --ignored --nocapture`
+//! `cargo test -p kvroute-filter --test bench_memory -- --ignored --nocapture`
 //! after `cargo build -p kvroute-filter-native --release`, the release `.wasm` and the workspace
 //! binaries, which `cargo xtask test` builds).
 //!
