@@ -10,7 +10,8 @@ use kvroute_core::api::CandidateExplain;
 use kvroute_core::hashing::{usable_hit_blocks, LoraRef, RequestExtras};
 use kvroute_core::router_key::{request_keys, RouterKey};
 use kvroute_core::scoring::{
-    Candidate, Decision, Load, MatchedBlocks, ReplicaRates, RequestShape, ScoringConfig,
+    Candidate, Decision, DecisionReason, Load, MatchedBlocks, ReplicaRates, RequestShape, Scored,
+    ScoringConfig,
 };
 
 use crate::load::NewDecision;
@@ -353,6 +354,43 @@ fn matched_tokens(m: &MatchedBlocks, block_size: u32) -> MatchedTokens {
     }
 }
 
+/// Logs (debug) the candidate holding the longest prefix when the decision went elsewhere: its
+/// load and terms beside the chosen one's, to see which term gave the hit away.
+fn log_prefix_given_away(lookup: &Lookup<'_>, cands: &[Candidate], d: &Decision) {
+    let hit = |s: &&Scored| s.terms.gpu_hit_tokens + s.terms.offload_hit_tokens;
+    let Some(holder) = d.candidates.iter().max_by_key(hit) else {
+        return;
+    };
+    let Some((c, r)) = cands
+        .iter()
+        .zip(&lookup.replicas)
+        .find(|(c, _)| c.replica == holder.replica)
+    else {
+        return;
+    };
+    let t = &holder.terms;
+    let l = &c.load;
+    tracing::debug!(
+        holder = %r.name,
+        hit_tokens = hit(&holder),
+        in_flight = l.in_flight,
+        decoding = l.decoding(),
+        waiting = l.waiting,
+        kv = l.kv_fraction(),
+        pending_tokens = l.pending_prefill_tokens,
+        pending_requests = l.pending_prefill_requests,
+        rate = c.rates.prefill_tokens_per_s,
+        cost_s = t.cost_s,
+        queue_wait_s = t.queue_wait_s,
+        prefill_s = t.prefill_s,
+        kv_pressure_s = t.kv_pressure_s,
+        harm_s = t.harm_s,
+        arrivals_harm_s = t.arrivals_harm_s,
+        chosen_cost_s = d.terms.cost_s,
+        "prefix given away"
+    );
+}
+
 /// Every candidate's inputs and terms, for `explain`.
 fn explain(lookup: &Lookup<'_>, cands: &[Candidate], d: &Decision) -> Vec<CandidateExplain> {
     cands
@@ -435,6 +473,10 @@ fn record(
         counted = routed.counted,
         "route decision"
     );
+    if decision.reason == DecisionReason::LoadOverPrefix && tracing::enabled!(tracing::Level::DEBUG)
+    {
+        log_prefix_given_away(lookup, cands, decision);
+    }
     RouteResponse {
         endpoint: chosen.endpoint.clone(),
         replica: chosen.name.clone(),

@@ -329,7 +329,7 @@ impl Stack {
         cmd.args(["serve", "--config"])
             .arg(&config)
             .args(["--listen", &listen, "--policy", policy])
-            .env("RUST_LOG", "warn");
+            .env("RUST_LOG", indexer_log_filter());
         let log = self.log("indexer");
         self.sup.spawn("indexer", cmd, &log)?;
         self.sup
@@ -799,4 +799,10 @@ mod tests {
         .expect("render");
         assert!(out.contains("lb_policy: ROUND_ROBIN"));
     }
+}
+
+/// The indexer's log filter in a local stack: `warn`, or `KVROUTE_STACK_INDEXER_LOG` (e.g.
+/// `warn,kvroute_indexer::route=debug` to log every decision and every prefix given away).
+fn indexer_log_filter() -> String {
+    std::env::var("KVROUTE_STACK_INDEXER_LOG").unwrap_or_else(|_| "warn".to_string())
 }
