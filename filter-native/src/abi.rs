@@ -69,26 +69,32 @@ pub type CEnum = u32;
 
 /// `envoy_dynamic_module_type_http_header_type`.
 pub const HEADER_TYPE_REQUEST_HEADER: CEnum = 0;
+pub const HEADER_TYPE_RESPONSE_HEADER: CEnum = 2;
 /// `envoy_dynamic_module_type_http_body_type`.
 pub const BODY_TYPE_RECEIVED_REQUEST: CEnum = 0;
 pub const BODY_TYPE_BUFFERED_REQUEST: CEnum = 1;
-/// `envoy_dynamic_module_type_log_level`.
+pub const BODY_TYPE_RECEIVED_RESPONSE: CEnum = 2;
+pub const BODY_TYPE_BUFFERED_RESPONSE: CEnum = 3;
+/// `envoy_dynamic_module_type_log_level` (Trace 0 .. Error 4, as [`kvroute_filter::seam::Level`]).
+pub const LOG_TRACE: CEnum = 0;
 pub const LOG_DEBUG: CEnum = 1;
 pub const LOG_INFO: CEnum = 2;
 pub const LOG_WARN: CEnum = 3;
 pub const LOG_ERROR: CEnum = 4;
-/// `envoy_dynamic_module_type_on_http_filter_request_headers_status`.
+/// `envoy_dynamic_module_type_on_http_filter_{request,response}_headers_status`.
 pub const HEADERS_CONTINUE: CEnum = 0;
 pub const HEADERS_STOP_ITERATION: CEnum = 1;
-/// `envoy_dynamic_module_type_on_http_filter_request_body_status` (and the response's).
+/// `envoy_dynamic_module_type_on_http_filter_{request,response}_body_status`.
 pub const BODY_CONTINUE: CEnum = 0;
 pub const BODY_STOP_AND_BUFFER: CEnum = 1;
-/// `..._trailers_status`.
+/// `envoy_dynamic_module_type_on_http_filter_{request,response}_trailers_status`.
 pub const TRAILERS_CONTINUE: CEnum = 0;
+pub const TRAILERS_STOP_ITERATION: CEnum = 1;
 /// `envoy_dynamic_module_type_on_http_filter_local_reply_status`.
 pub const LOCAL_REPLY_CONTINUE: CEnum = 0;
 /// `envoy_dynamic_module_type_http_callout_init_result`.
 pub const CALLOUT_INIT_SUCCESS: CEnum = 0;
+pub const CALLOUT_INIT_CLUSTER_NOT_FOUND: CEnum = 2;
 /// `envoy_dynamic_module_type_http_callout_result`.
 pub const CALLOUT_SUCCESS: CEnum = 0;
 /// `envoy_dynamic_module_type_metrics_result`.
@@ -98,6 +104,9 @@ pub const METRICS_SUCCESS: CEnum = 0;
 pub type FilterEnvoyPtr = *mut c_void;
 /// `envoy_dynamic_module_type_http_filter_config_envoy_ptr` (per filter config, owned by Envoy).
 pub type ConfigEnvoyPtr = *mut c_void;
+/// `envoy_dynamic_module_type_http_filter_config_scheduler_module_ptr` (created and deleted by the
+/// module through Envoy's callbacks).
+pub type ConfigSchedulerPtr = *mut c_void;
 
 /// Why the callbacks could not be bound.
 #[derive(Debug, thiserror::Error)]
@@ -159,4 +168,13 @@ callbacks! {
     http_filter_http_callout: fn(FilterEnvoyPtr, *mut u64, ModuleBuffer, *mut ModuleHttpHeader, usize, ModuleBuffer, u64) -> CEnum;
     http_filter_config_define_counter: fn(ConfigEnvoyPtr, ModuleBuffer, *mut ModuleBuffer, usize, *mut usize) -> CEnum;
     http_filter_increment_counter: fn(FilterEnvoyPtr, usize, *mut ModuleBuffer, usize, u64) -> CEnum;
+    http_filter_config_define_histogram: fn(ConfigEnvoyPtr, ModuleBuffer, *mut ModuleBuffer, usize, *mut usize) -> CEnum;
+    http_filter_record_histogram_value: fn(FilterEnvoyPtr, usize, *mut ModuleBuffer, usize, u64) -> CEnum;
+    http_filter_config_increment_counter: fn(ConfigEnvoyPtr, usize, *mut ModuleBuffer, usize, u64) -> CEnum;
+    http_append_body: fn(FilterEnvoyPtr, CEnum, ModuleBuffer) -> bool;
+    http_drain_body: fn(FilterEnvoyPtr, CEnum, usize) -> bool;
+    http_filter_config_http_callout: fn(ConfigEnvoyPtr, *mut u64, ModuleBuffer, *mut ModuleHttpHeader, usize, ModuleBuffer, u64) -> CEnum;
+    http_filter_config_scheduler_new: fn(ConfigEnvoyPtr) -> ConfigSchedulerPtr;
+    http_filter_config_scheduler_commit: fn(ConfigSchedulerPtr, u64);
+    http_filter_config_scheduler_delete: fn(ConfigSchedulerPtr);
 }

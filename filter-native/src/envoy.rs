@@ -1,9 +1,12 @@
 //! Safe wrappers over Envoy's callbacks. Each takes the Envoy pointer it was handed by a hook, so
-//! a wrapper is only usable during that hook (the lifetime Envoy guarantees for its pointers).
+//! a wrapper is only usable while Envoy keeps that pointer valid (a stream's during its hooks, a
+//! filter configuration's until its destroy hook).
 
 use std::sync::OnceLock;
 
-use crate::abi::{self, Callbacks, ConfigEnvoyPtr, EnvoyBuffer, FilterEnvoyPtr, ModuleBuffer};
+use crate::abi::{
+    self, Callbacks, ConfigEnvoyPtr, ConfigSchedulerPtr, EnvoyBuffer, FilterEnvoyPtr, ModuleBuffer,
+};
 
 static CALLBACKS: OnceLock<Callbacks> = OnceLock::new();
 
@@ -22,23 +25,17 @@ fn callbacks() -> Option<&'static Callbacks> {
     CALLBACKS.get()
 }
 
-/// Log levels passed to Envoy's `dynamic_modules` logger.
-#[derive(Clone, Copy, Debug)]
-pub enum Level {
-    Debug,
-    Info,
-    Warn,
-    Error,
+/// Whether Envoy's `dynamic_modules` logger would print at `level` (an ABI log level).
+pub fn log_enabled(level: abi::CEnum) -> bool {
+    match callbacks() {
+        // SAFETY: a plain query.
+        Some(cb) => unsafe { (cb.log_enabled)(level) },
+        None => true,
+    }
 }
 
 /// Logs through Envoy's logger (component `dynamic_modules`), or stderr before binding.
-pub fn log(level: Level, message: &str) {
-    let level = match level {
-        Level::Debug => abi::LOG_DEBUG,
-        Level::Info => abi::LOG_INFO,
-        Level::Warn => abi::LOG_WARN,
-        Level::Error => abi::LOG_ERROR,
-    };
+pub fn log(level: abi::CEnum, message: &str) {
     match callbacks() {
         // SAFETY: module buffer valid for the call; Envoy copies it.
         Some(cb) => unsafe {
@@ -59,8 +56,61 @@ fn envoy_bytes(buffer: EnvoyBuffer) -> Vec<u8> {
     unsafe { std::slice::from_raw_parts(buffer.ptr.cast::<u8>(), buffer.length) }.to_vec()
 }
 
-/// The filter configuration's Envoy side (valid during `on_http_filter_config_new`).
+fn module_header(key: &str, value: &str) -> abi::ModuleHttpHeader {
+    abi::ModuleHttpHeader {
+        key_ptr: key.as_ptr().cast(),
+        key_length: key.len(),
+        value_ptr: value.as_ptr().cast(),
+        value_length: value.len(),
+    }
+}
+
+fn module_headers(headers: &[(&str, &str)]) -> Vec<abi::ModuleHttpHeader> {
+    headers.iter().map(|(k, v)| module_header(k, v)).collect()
+}
+
+/// A callout's headers: Envoy's callouts require `host` besides `:method` and `:path`; it is
+/// added from `:authority` when the caller gave only that (as proxy-wasm callouts do).
+fn callout_headers<'a>(headers: &[(&'a str, &'a str)]) -> Vec<abi::ModuleHttpHeader> {
+    let mut out = module_headers(headers);
+    let has_host = headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host"));
+    if !has_host {
+        if let Some((_, authority)) = headers.iter().find(|(k, _)| *k == ":authority") {
+            out.push(module_header("host", authority));
+        }
+    }
+    out
+}
+
+/// Outcome of starting an HTTP callout.
+#[derive(Debug, PartialEq, Eq)]
+pub enum CalloutStart {
+    /// In flight; its answer arrives with this id.
+    Started(u64),
+    /// Envoy's `http_callout_init_result` (cluster not found, missing headers, no host, ..).
+    Refused(u32),
+}
+
+/// An HTTP request to one of Envoy's clusters.
+#[derive(Debug, Clone, Copy)]
+pub struct CalloutRequest<'a> {
+    pub cluster: &'a str,
+    pub headers: &'a [(&'a str, &'a str)],
+    pub body: &'a [u8],
+    pub timeout_ms: u64,
+}
+
+/// A filter configuration's Envoy side: valid from `on_http_filter_config_new` until its destroy
+/// hook. Definitions and callouts belong on the main thread; counters may be incremented from any
+/// thread (Envoy's stats are thread-safe).
+#[derive(Clone, Copy, Debug)]
 pub struct ConfigHandle(ConfigEnvoyPtr);
+
+// SAFETY: the pointer is an opaque handle Envoy keeps alive for the configuration's lifetime; the
+// callbacks that use it off the main thread (counters, the scheduler) are thread-safe in Envoy.
+unsafe impl Send for ConfigHandle {}
+// SAFETY: as above.
+unsafe impl Sync for ConfigHandle {}
 
 impl ConfigHandle {
     /// Wraps the pointer Envoy passed to `on_http_filter_config_new`.
@@ -69,10 +119,10 @@ impl ConfigHandle {
     }
 
     /// Defines a label-less counter; `None` if Envoy refused.
-    pub fn define_counter(&self, name: &str) -> Option<CounterId> {
+    pub fn define_counter(&self, name: &str) -> Option<usize> {
         let cb = callbacks()?;
         let mut id = 0usize;
-        // SAFETY: the config pointer is live during config_new; name and out-pointer are valid.
+        // SAFETY: the config pointer is live; name and out-pointer are valid for the call.
         let result = unsafe {
             (cb.http_filter_config_define_counter)(
                 self.0,
@@ -82,23 +132,110 @@ impl ConfigHandle {
                 &mut id,
             )
         };
-        (result == abi::METRICS_SUCCESS).then_some(CounterId(id))
+        (result == abi::METRICS_SUCCESS).then_some(id)
+    }
+
+    /// Defines a label-less histogram; `None` if Envoy refused.
+    pub fn define_histogram(&self, name: &str) -> Option<usize> {
+        let cb = callbacks()?;
+        let mut id = 0usize;
+        // SAFETY: as in define_counter.
+        let result = unsafe {
+            (cb.http_filter_config_define_histogram)(
+                self.0,
+                ModuleBuffer::of(name.as_bytes()),
+                std::ptr::null_mut(),
+                0,
+                &mut id,
+            )
+        };
+        (result == abi::METRICS_SUCCESS).then_some(id)
+    }
+
+    /// Adds one to a counter outside any stream.
+    pub fn increment(&self, counter: usize) {
+        if let Some(cb) = callbacks() {
+            // SAFETY: the config pointer is live; no labels.
+            unsafe {
+                (cb.http_filter_config_increment_counter)(
+                    self.0,
+                    counter,
+                    std::ptr::null_mut(),
+                    0,
+                    1,
+                );
+            }
+        }
+    }
+
+    /// Starts a callout owned by the configuration (main thread); its answer arrives as
+    /// `envoy_dynamic_module_on_http_filter_config_http_callout_done`.
+    pub fn http_callout(&self, request: &CalloutRequest<'_>) -> CalloutStart {
+        let Some(cb) = callbacks() else {
+            return CalloutStart::Refused(u32::MAX);
+        };
+        let mut headers = callout_headers(request.headers);
+        let mut id = 0u64;
+        // SAFETY: the config pointer is live (main thread); buffers outlive the call (Envoy
+        // copies them).
+        let result = unsafe {
+            (cb.http_filter_config_http_callout)(
+                self.0,
+                &mut id,
+                ModuleBuffer::of(request.cluster.as_bytes()),
+                headers.as_mut_ptr(),
+                headers.len(),
+                ModuleBuffer::of(request.body),
+                request.timeout_ms,
+            )
+        };
+        if result == abi::CALLOUT_INIT_SUCCESS {
+            CalloutStart::Started(id)
+        } else {
+            CalloutStart::Refused(result)
+        }
+    }
+
+    /// Creates the configuration's scheduler (events run on the main thread).
+    pub fn new_scheduler(&self) -> Option<Scheduler> {
+        let cb = callbacks()?;
+        // SAFETY: the config pointer is live.
+        let ptr = unsafe { (cb.http_filter_config_scheduler_new)(self.0) };
+        (!ptr.is_null()).then_some(Scheduler(ptr))
     }
 }
 
-/// A counter defined by [`ConfigHandle::define_counter`].
-#[derive(Clone, Copy, Debug)]
-pub struct CounterId(usize);
+/// A configuration scheduler: [`Scheduler::commit`] from any thread makes Envoy call
+/// `envoy_dynamic_module_on_http_filter_config_scheduled` on the main thread. Deleted on drop.
+#[derive(Debug)]
+pub struct Scheduler(ConfigSchedulerPtr);
 
-/// Outcome of starting an HTTP callout.
-#[derive(Debug, PartialEq, Eq)]
-pub enum CalloutStart {
-    Started(u64),
-    /// Envoy's `http_callout_init_result` (cluster not found, missing headers, no host, ..).
-    Refused(u32),
+// SAFETY: Envoy's configuration scheduler is made to be committed to from any thread.
+unsafe impl Send for Scheduler {}
+// SAFETY: as above.
+unsafe impl Sync for Scheduler {}
+
+impl Scheduler {
+    /// Posts `event` to the main thread.
+    pub fn commit(&self, event: u64) {
+        if let Some(cb) = callbacks() {
+            // SAFETY: the scheduler is live until drop.
+            unsafe { (cb.http_filter_config_scheduler_commit)(self.0, event) }
+        }
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        if let Some(cb) = callbacks() {
+            // SAFETY: created by scheduler_new, deleted once.
+            unsafe { (cb.http_filter_config_scheduler_delete)(self.0) }
+        }
+    }
 }
 
 /// One HTTP stream's Envoy side (valid during the hook that passed the pointer).
+#[derive(Clone, Copy, Debug)]
 pub struct Stream(FilterEnvoyPtr);
 
 impl Stream {
@@ -107,8 +244,8 @@ impl Stream {
         Self(ptr)
     }
 
-    /// The first value of a request header.
-    pub fn request_header(&self, name: &str) -> Option<Vec<u8>> {
+    /// The first value of a header of `map` (an ABI header type); `None` when absent.
+    pub fn header(&self, map: abi::CEnum, name: &str) -> Option<Vec<u8>> {
         let cb = callbacks()?;
         let mut value = EnvoyBuffer {
             ptr: std::ptr::null(),
@@ -116,45 +253,25 @@ impl Stream {
         };
         let mut count = 0usize;
         // SAFETY: stream pointer live during the hook; out-pointers valid.
-        let found = unsafe {
+        unsafe {
             (cb.http_get_header)(
                 self.0,
-                abi::HEADER_TYPE_REQUEST_HEADER,
+                map,
                 ModuleBuffer::of(name.as_bytes()),
                 &mut value,
                 0,
                 &mut count,
             )
         };
-        (found && count > 0).then(|| envoy_bytes(value))
+        (count > 0).then(|| envoy_bytes(value))
     }
 
-    /// Sets (replaces) a request header.
-    pub fn set_request_header(&self, name: &str, value: &str) -> bool {
+    /// Sets (replaces) a header of `map`; `None` as the value removes it.
+    pub fn set_header(&self, map: abi::CEnum, name: &str, value: Option<&str>) -> bool {
         let Some(cb) = callbacks() else { return false };
+        let value = value.map_or(ModuleBuffer::NULL, |v| ModuleBuffer::of(v.as_bytes()));
         // SAFETY: stream pointer live during the hook; Envoy copies both buffers.
-        unsafe {
-            (cb.http_set_header)(
-                self.0,
-                abi::HEADER_TYPE_REQUEST_HEADER,
-                ModuleBuffer::of(name.as_bytes()),
-                ModuleBuffer::of(value.as_bytes()),
-            )
-        }
-    }
-
-    /// Removes every value of a request header (a null value removes, per the ABI).
-    pub fn remove_request_header(&self, name: &str) -> bool {
-        let Some(cb) = callbacks() else { return false };
-        // SAFETY: as in set_request_header.
-        unsafe {
-            (cb.http_set_header)(
-                self.0,
-                abi::HEADER_TYPE_REQUEST_HEADER,
-                ModuleBuffer::of(name.as_bytes()),
-                ModuleBuffer::NULL,
-            )
-        }
+        unsafe { (cb.http_set_header)(self.0, map, ModuleBuffer::of(name.as_bytes()), value) }
     }
 
     /// Makes Envoy pick the route again (after a header the route matches on changed).
@@ -165,25 +282,17 @@ impl Stream {
         }
     }
 
-    /// Bytes of the request body: what Envoy buffered so far plus the chunk of this event.
-    pub fn request_body_size(&self) -> usize {
+    /// Bytes of a body of `kind` (an ABI body type).
+    pub fn body_size(&self, kind: abi::CEnum) -> usize {
         let Some(cb) = callbacks() else { return 0 };
         // SAFETY: stream pointer live during the hook.
-        unsafe {
-            (cb.http_get_body_size)(self.0, abi::BODY_TYPE_BUFFERED_REQUEST)
-                + (cb.http_get_body_size)(self.0, abi::BODY_TYPE_RECEIVED_REQUEST)
-        }
+        unsafe { (cb.http_get_body_size)(self.0, kind) }
     }
 
-    /// Copies the request body (buffered, then this event's chunk), at most `max` bytes;
-    /// `None` when it is larger.
-    pub fn request_body(&self, max: usize) -> Option<Vec<u8>> {
-        let cb = callbacks()?;
-        let mut body = Vec::new();
-        for kind in [
-            abi::BODY_TYPE_BUFFERED_REQUEST,
-            abi::BODY_TYPE_RECEIVED_REQUEST,
-        ] {
+    /// Appends the chunks of the bodies `kinds`, in order, to `out`: their first `max` bytes.
+    pub fn read_bodies(&self, kinds: &[abi::CEnum], max: usize, out: &mut Vec<u8>) {
+        let Some(cb) = callbacks() else { return };
+        for &kind in kinds {
             // SAFETY: stream pointer live during the hook.
             let count = unsafe { (cb.http_get_body_chunks_size)(self.0, kind) };
             if count == 0 {
@@ -201,13 +310,31 @@ impl Stream {
                 continue;
             }
             for chunk in chunks {
-                if body.len() + chunk.length > max {
-                    return None;
+                let room = max.saturating_sub(out.len());
+                if room == 0 {
+                    return;
                 }
-                body.extend(envoy_bytes(chunk));
+                let take = EnvoyBuffer {
+                    ptr: chunk.ptr,
+                    length: chunk.length.min(room),
+                };
+                out.extend(envoy_bytes(take));
             }
         }
-        Some(body)
+    }
+
+    /// Drains `bytes` from the start of a body of `kind`.
+    pub fn drain_body(&self, kind: abi::CEnum, bytes: usize) -> bool {
+        let Some(cb) = callbacks() else { return false };
+        // SAFETY: stream pointer live during the hook.
+        unsafe { (cb.http_drain_body)(self.0, kind, bytes) }
+    }
+
+    /// Appends `data` to a body of `kind`.
+    pub fn append_body(&self, kind: abi::CEnum, data: &[u8]) -> bool {
+        let Some(cb) = callbacks() else { return false };
+        // SAFETY: stream pointer live during the hook; Envoy copies the data.
+        unsafe { (cb.http_append_body)(self.0, kind, ModuleBuffer::of(data)) }
     }
 
     /// Resumes a request stopped in a header or body hook.
@@ -221,8 +348,7 @@ impl Stream {
     /// Answers the client locally.
     pub fn send_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8], details: &str) {
         let Some(cb) = callbacks() else { return };
-        let mut headers: Vec<abi::ModuleHttpHeader> =
-            headers.iter().map(|(k, v)| module_header(k, v)).collect();
+        let mut headers = module_headers(headers);
         // SAFETY: every buffer outlives the call; Envoy copies them.
         unsafe {
             (cb.http_send_response)(
@@ -236,31 +362,24 @@ impl Stream {
         }
     }
 
-    /// Starts an HTTP request to an Envoy cluster; its end arrives as
+    /// Starts an HTTP request owned by this stream; its answer arrives as
     /// `envoy_dynamic_module_on_http_filter_http_callout_done` with the returned id.
-    pub fn http_callout(
-        &self,
-        cluster: &str,
-        headers: &[(&str, &str)],
-        body: &[u8],
-        timeout_ms: u64,
-    ) -> CalloutStart {
+    pub fn http_callout(&self, request: &CalloutRequest<'_>) -> CalloutStart {
         let Some(cb) = callbacks() else {
             return CalloutStart::Refused(u32::MAX);
         };
-        let mut headers: Vec<abi::ModuleHttpHeader> =
-            headers.iter().map(|(k, v)| module_header(k, v)).collect();
+        let mut headers = callout_headers(request.headers);
         let mut id = 0u64;
         // SAFETY: stream pointer live during the hook; buffers outlive the call (Envoy copies).
         let result = unsafe {
             (cb.http_filter_http_callout)(
                 self.0,
                 &mut id,
-                ModuleBuffer::of(cluster.as_bytes()),
+                ModuleBuffer::of(request.cluster.as_bytes()),
                 headers.as_mut_ptr(),
                 headers.len(),
-                ModuleBuffer::of(body),
-                timeout_ms,
+                ModuleBuffer::of(request.body),
+                request.timeout_ms,
             )
         };
         if result == abi::CALLOUT_INIT_SUCCESS {
@@ -271,36 +390,46 @@ impl Stream {
     }
 
     /// Adds one to a counter.
-    pub fn increment(&self, counter: Option<CounterId>) {
-        let (Some(cb), Some(CounterId(id))) = (callbacks(), counter) else {
-            return;
-        };
-        // SAFETY: stream pointer live; no labels.
-        unsafe {
-            (cb.http_filter_increment_counter)(self.0, id, std::ptr::null_mut(), 0, 1);
+    pub fn increment(&self, counter: usize) {
+        if let Some(cb) = callbacks() {
+            // SAFETY: stream pointer live; no labels.
+            unsafe {
+                (cb.http_filter_increment_counter)(self.0, counter, std::ptr::null_mut(), 0, 1);
+            }
+        }
+    }
+
+    /// Records a histogram value.
+    pub fn record(&self, histogram: usize, value: u64) {
+        if let Some(cb) = callbacks() {
+            // SAFETY: stream pointer live; no labels.
+            unsafe {
+                (cb.http_filter_record_histogram_value)(
+                    self.0,
+                    histogram,
+                    std::ptr::null_mut(),
+                    0,
+                    value,
+                );
+            }
         }
     }
 }
 
-fn module_header(key: &str, value: &str) -> abi::ModuleHttpHeader {
-    abi::ModuleHttpHeader {
-        key_ptr: key.as_ptr().cast(),
-        key_length: key.len(),
-        value_ptr: value.as_ptr().cast(),
-        value_length: value.len(),
-    }
-}
-
 /// A callout's answer, copied out of Envoy's buffers.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, PartialEq, Eq)]
 pub struct CalloutResponse {
+    /// `:status`; `None` when the answer is missing or over the size limit.
     pub status: Option<u16>,
+    /// The value of the header asked for (the kvroute contract header).
+    pub header: Option<String>,
     pub body: Vec<u8>,
 }
 
 impl CalloutResponse {
-    /// Reads the headers and body chunks passed to `http_callout_done`, at most `max_body`
-    /// bytes of body (the rest is dropped and `status` cleared: an oversized answer is a failure).
+    /// Reads the headers and body chunks passed to a callout-done hook, at most `max_body` bytes
+    /// of body (an answer over it is a failure: no status, no body), and the value of
+    /// `header_name`.
     ///
     /// # Safety
     /// The pointers must be those Envoy passed to the hook, during the hook.
@@ -310,6 +439,7 @@ impl CalloutResponse {
         chunks: *const EnvoyBuffer,
         chunks_len: usize,
         max_body: usize,
+        header_name: &str,
     ) -> Self {
         let mut response = Self::default();
         if !headers.is_null() {
@@ -319,14 +449,18 @@ impl CalloutResponse {
                     ptr: header.key_ptr,
                     length: header.key_length,
                 });
-                if key == b":status" {
-                    let value = envoy_bytes(EnvoyBuffer {
+                let value = || {
+                    envoy_bytes(EnvoyBuffer {
                         ptr: header.value_ptr,
                         length: header.value_length,
-                    });
-                    response.status = std::str::from_utf8(&value)
+                    })
+                };
+                if key == b":status" {
+                    response.status = std::str::from_utf8(&value())
                         .ok()
-                        .and_then(|s| s.parse().ok());
+                        .and_then(|s| s.trim().parse().ok());
+                } else if key.eq_ignore_ascii_case(header_name.as_bytes()) {
+                    response.header = Some(String::from_utf8_lossy(&value()).into_owned());
                 }
             }
         }

@@ -5,31 +5,78 @@
 //! Ownership: `on_http_filter_config_new` hands Envoy an `Arc<NativeConfig>` (released in
 //! `..._config_destroy`); `on_http_filter_new` hands it a `Box<StreamFilter>` holding its own
 //! clone of that `Arc` (released in `on_http_filter_destroy`). Envoy calls a stream's hooks on
-//! its worker thread, one at a time, so the `&mut StreamFilter` below is never aliased.
+//! its worker thread, one at a time, so the `&mut StreamFilter` below is never aliased; the
+//! configuration's hooks (scheduled events, configuration callouts) run on the main thread and
+//! only take `&NativeConfig` (its shared state is behind locks).
 
 use std::ffi::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
+use kvroute_core::api::CONTRACT_HEADER;
+use kvroute_filter::seam::CallReply;
+
 use crate::abi::{self, CEnum, ConfigEnvoyPtr, EnvoyBuffer, EnvoyHttpHeader, FilterEnvoyPtr};
 use crate::abi_check;
-use crate::envoy::{self, CalloutResponse, ConfigHandle, Level, Stream};
-use crate::filter::{NativeConfig, StreamFilter};
+use crate::config::NativeConfig;
+use crate::envoy::{self, CalloutResponse, ConfigHandle, Stream};
+use crate::filter::StreamFilter;
+use crate::host::log_error;
 
-/// Largest indexer answer read from a callout (bytes).
-const MAX_CALLOUT_BODY: usize = 1 << 20;
+/// Largest route answer read from a stream's callout (bytes).
+const MAX_ROUTE_ANSWER: usize = 1 << 20;
+/// Largest answer read from a configuration callout: a tokenizer (the Qwen3 one is ~13 MB as
+/// the indexer serves it).
+const MAX_TOKENIZER_ANSWER: usize = 256 << 20;
 
 /// Runs a hook body; a panic is logged and replaced by `fallback`.
 fn guard<T>(hook: &str, fallback: T, body: impl FnOnce() -> T) -> T {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(value) => value,
         Err(_) => {
-            envoy::log(
-                Level::Error,
-                &format!("kvroute_filter: panic in {hook}; failing open"),
-            );
+            log_error(&format!("kvroute: panic in {hook}; failing open"));
             fallback
         }
+    }
+}
+
+/// # Safety
+/// `ptr` must be a live pointer returned by [`envoy_dynamic_module_on_http_filter_config_new`].
+unsafe fn config<'a>(ptr: *const c_void) -> Option<&'a NativeConfig> {
+    // SAFETY: per the function's contract.
+    unsafe { ptr.cast::<NativeConfig>().as_ref() }
+}
+
+/// Reads a callout's answer into the seam's [`CallReply`] (no status: reset, timeout, overflow).
+///
+/// # Safety
+/// The pointers are those Envoy passed to the callout-done hook, during the hook.
+unsafe fn call_reply(
+    result: CEnum,
+    headers: *const EnvoyHttpHeader,
+    headers_len: usize,
+    chunks: *const EnvoyBuffer,
+    chunks_len: usize,
+    max_body: usize,
+) -> CallReply {
+    if result != abi::CALLOUT_SUCCESS {
+        return CallReply::default();
+    }
+    // SAFETY: the caller's contract.
+    let response = unsafe {
+        CalloutResponse::read(
+            headers,
+            headers_len,
+            chunks,
+            chunks_len,
+            max_body,
+            CONTRACT_HEADER,
+        )
+    };
+    CallReply {
+        status: response.status,
+        contract: response.header,
+        body: response.body,
     }
 }
 
@@ -75,16 +122,10 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
     guard(
         "http_filter_config_new",
         std::ptr::null(),
-        || match NativeConfig::parse(&text(config)) {
-            Ok(parsed) => {
-                let native = NativeConfig::new(parsed, &ConfigHandle::new(config_envoy_ptr));
-                Arc::into_raw(Arc::new(native)).cast()
-            }
+        || match NativeConfig::new(ConfigHandle::new(config_envoy_ptr), &text(config)) {
+            Ok(native) => Arc::into_raw(Arc::new(native)).cast(),
             Err(error) => {
-                envoy::log(
-                    Level::Error,
-                    &format!("kvroute_filter: invalid configuration: {error}"),
-                );
+                log_error(&format!("kvroute: {error}"));
                 std::ptr::null()
             }
         },
@@ -99,8 +140,60 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(
 ) {
     if !config_ptr.is_null() {
         // SAFETY: the pointer came from Arc::into_raw in config_new.
-        drop(unsafe { Arc::from_raw(config_ptr.cast::<NativeConfig>()) });
+        let native = unsafe { Arc::from_raw(config_ptr.cast::<NativeConfig>()) };
+        native.shutdown();
     }
+}
+
+/// # Safety
+/// `module_ptr` is a live pointer returned by `..._config_new`.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
+    _config_envoy_ptr: ConfigEnvoyPtr,
+    module_ptr: *const c_void,
+    event: u64,
+) {
+    guard("http_filter_config_scheduled", (), || {
+        // SAFETY: Envoy's contract (see `config`).
+        if let Some(native) = unsafe { config(module_ptr) } {
+            native.on_event(event);
+        }
+    })
+}
+
+/// # Safety
+/// `module_ptr` is a live pointer returned by `..._config_new`; the arrays are Envoy's, valid
+/// during the hook.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
+    _config_envoy_ptr: ConfigEnvoyPtr,
+    module_ptr: *const c_void,
+    callout_id: u64,
+    result: CEnum,
+    headers: *const EnvoyHttpHeader,
+    headers_len: usize,
+    chunks: *const EnvoyBuffer,
+    chunks_len: usize,
+) {
+    guard("http_filter_config_http_callout_done", (), || {
+        // SAFETY: Envoy's contract (see `config`).
+        let Some(native) = (unsafe { config(module_ptr) }) else {
+            return;
+        };
+        // SAFETY: the arrays are the ones Envoy passed to this hook.
+        let reply = unsafe {
+            call_reply(
+                result,
+                headers,
+                headers_len,
+                chunks,
+                chunks_len,
+                MAX_TOKENIZER_ANSWER,
+            )
+        };
+        native.on_callout_done(callout_id, &reply);
+    })
 }
 
 #[no_mangle]
@@ -108,10 +201,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_new(
     _name: EnvoyBuffer,
     _config: EnvoyBuffer,
 ) -> *const c_void {
-    envoy::log(
-        Level::Error,
-        "kvroute_filter: per-route configuration is not supported",
-    );
+    log_error("kvroute: per-route configuration is not supported");
     std::ptr::null()
 }
 
@@ -140,6 +230,19 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
     Box::into_raw(Box::new(StreamFilter::new(config))).cast()
 }
 
+/// Forwards a per-stream hook to `StreamFilter::$method(stream, args..)`.
+macro_rules! stream_hook {
+    ($hook:literal, $fallback:expr, $envoy_ptr:ident, $module_ptr:ident, $method:ident($($arg:expr),*)) => {
+        guard($hook, $fallback, || {
+            // SAFETY: Envoy's contract (see `filter`).
+            match unsafe { filter($module_ptr) } {
+                Some(f) => f.$method(Stream::new($envoy_ptr) $(, $arg)*),
+                None => $fallback,
+            }
+        })
+    };
+}
+
 /// # Safety
 /// See [`filter`].
 #[no_mangle]
@@ -148,13 +251,13 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     module_ptr: *const c_void,
     end_of_stream: bool,
 ) -> CEnum {
-    guard("request_headers", abi::HEADERS_CONTINUE, || {
-        // SAFETY: Envoy's contract (see `filter`).
-        match unsafe { filter(module_ptr) } {
-            Some(f) => f.on_request_headers(&Stream::new(envoy_ptr), end_of_stream),
-            None => abi::HEADERS_CONTINUE,
-        }
-    })
+    stream_hook!(
+        "request_headers",
+        abi::HEADERS_CONTINUE,
+        envoy_ptr,
+        module_ptr,
+        on_request_headers(end_of_stream)
+    )
 }
 
 /// # Safety
@@ -165,13 +268,95 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     module_ptr: *const c_void,
     end_of_stream: bool,
 ) -> CEnum {
-    guard("request_body", abi::BODY_CONTINUE, || {
-        // SAFETY: Envoy's contract (see `filter`).
-        match unsafe { filter(module_ptr) } {
-            Some(f) => f.on_request_body(&Stream::new(envoy_ptr), end_of_stream),
-            None => abi::BODY_CONTINUE,
-        }
-    })
+    stream_hook!(
+        "request_body",
+        abi::BODY_CONTINUE,
+        envoy_ptr,
+        module_ptr,
+        on_request_body(end_of_stream)
+    )
+}
+
+/// # Safety
+/// See [`filter`].
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
+    envoy_ptr: FilterEnvoyPtr,
+    module_ptr: *const c_void,
+) -> CEnum {
+    stream_hook!(
+        "request_trailers",
+        abi::TRAILERS_CONTINUE,
+        envoy_ptr,
+        module_ptr,
+        on_request_trailers()
+    )
+}
+
+/// # Safety
+/// See [`filter`].
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
+    envoy_ptr: FilterEnvoyPtr,
+    module_ptr: *const c_void,
+    end_of_stream: bool,
+) -> CEnum {
+    stream_hook!(
+        "response_headers",
+        abi::HEADERS_CONTINUE,
+        envoy_ptr,
+        module_ptr,
+        on_response_headers(end_of_stream)
+    )
+}
+
+/// # Safety
+/// See [`filter`].
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
+    envoy_ptr: FilterEnvoyPtr,
+    module_ptr: *const c_void,
+    end_of_stream: bool,
+) -> CEnum {
+    stream_hook!(
+        "response_body",
+        abi::BODY_CONTINUE,
+        envoy_ptr,
+        module_ptr,
+        on_response_body(end_of_stream)
+    )
+}
+
+/// # Safety
+/// See [`filter`].
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
+    envoy_ptr: FilterEnvoyPtr,
+    module_ptr: *const c_void,
+) -> CEnum {
+    stream_hook!(
+        "response_trailers",
+        abi::TRAILERS_CONTINUE,
+        envoy_ptr,
+        module_ptr,
+        on_response_trailers()
+    )
+}
+
+/// # Safety
+/// See [`filter`].
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
+    envoy_ptr: FilterEnvoyPtr,
+    module_ptr: *const c_void,
+) {
+    stream_hook!(
+        "stream_complete",
+        (),
+        envoy_ptr,
+        module_ptr,
+        on_stream_complete()
+    )
 }
 
 /// # Safety
@@ -194,16 +379,17 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
             return;
         };
         // SAFETY: the arrays are the ones Envoy passed to this hook.
-        let response = unsafe {
-            CalloutResponse::read(headers, headers_len, chunks, chunks_len, MAX_CALLOUT_BODY)
+        let reply = unsafe {
+            call_reply(
+                result,
+                headers,
+                headers_len,
+                chunks,
+                chunks_len,
+                MAX_ROUTE_ANSWER,
+            )
         };
-        let stream = Stream::new(envoy_ptr);
-        f.on_callout_done(
-            &stream,
-            callout_id,
-            result == abi::CALLOUT_SUCCESS,
-            response.status,
-        );
+        f.on_callout_done(Stream::new(envoy_ptr), callout_id, &reply);
     })
 }
 
@@ -220,47 +406,6 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(module_ptr:
 // Hooks Envoy requires but kvroute does not act on: they only let the stream go on.
 
 #[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
-    _e: FilterEnvoyPtr,
-    _m: *const c_void,
-) -> CEnum {
-    abi::TRAILERS_CONTINUE
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
-    _e: FilterEnvoyPtr,
-    _m: *const c_void,
-    _eos: bool,
-) -> CEnum {
-    abi::HEADERS_CONTINUE
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
-    _e: FilterEnvoyPtr,
-    _m: *const c_void,
-    _eos: bool,
-) -> CEnum {
-    abi::BODY_CONTINUE
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
-    _e: FilterEnvoyPtr,
-    _m: *const c_void,
-) -> CEnum {
-    abi::TRAILERS_CONTINUE
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
-    _e: FilterEnvoyPtr,
-    _m: *const c_void,
-) {
-}
-
-#[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_local_reply(
     _e: FilterEnvoyPtr,
     _m: *const c_void,
@@ -274,14 +419,6 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_local_reply(
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
     _e: FilterEnvoyPtr,
-    _m: *const c_void,
-    _event: u64,
-) {
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
-    _e: ConfigEnvoyPtr,
     _m: *const c_void,
     _event: u64,
 ) {
@@ -347,20 +484,6 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
     _m: *const c_void,
     _id: u64,
     _reason: CEnum,
-) {
-}
-
-#[no_mangle]
-#[allow(clippy::too_many_arguments)]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
-    _e: ConfigEnvoyPtr,
-    _m: *const c_void,
-    _id: u64,
-    _r: CEnum,
-    _h: *const EnvoyHttpHeader,
-    _hn: usize,
-    _b: *const EnvoyBuffer,
-    _bn: usize,
 ) {
 }
 

@@ -9,7 +9,8 @@
 //! * cold: every prompt is new text (nothing in the segment cache);
 //! * warm: a multi-turn conversation whose earlier turns were already seen, with a new last turn.
 //!
-//! Results go to stdout and `target/bench/filter.json`.
+//! Results go to stdout and `target/bench/filter.json`. With `KVROUTE_FILTER_BUILD=native` the
+//! filter Envoy runs the native dynamic module instead (`target/bench/filter-native.json`).
 
 mod common;
 
@@ -157,12 +158,17 @@ fn filter_added_latency() {
     );
     let out = workspace().join("target/bench");
     std::fs::create_dir_all(&out).expect("mkdir target/bench");
-    let report = json!({"envoy_concurrency": 1, "results": results, "vm_memory_bytes": vm_memory,
-                        "wasm_bytes": std::fs::metadata(wasm_path()).map(|m| m.len()).unwrap_or(0)});
+    let (build, file, artifact) = match filter_build() {
+        FilterBuild::Wasm => ("wasm", "filter.json", wasm_path()),
+        FilterBuild::Native => ("native", "filter-native.json", native_module_path()),
+    };
+    let report = json!({"build": build, "envoy_concurrency": 1, "results": results,
+                        "vm_memory_bytes": vm_memory,
+                        "artifact_bytes": std::fs::metadata(artifact).map(|m| m.len()).unwrap_or(0)});
     std::fs::write(
-        out.join("filter.json"),
+        out.join(file),
         serde_json::to_string_pretty(&report).unwrap_or_default(),
     )
-    .expect("write target/bench/filter.json");
+    .expect("write the report under target/bench");
     std::thread::sleep(Duration::from_millis(10));
 }

@@ -189,10 +189,15 @@ fn clients_that_leave_while_the_route_call_is_pending_leak_nothing() {
         s.envoy.stat("http.kvroute_ingress.downstream_rq_active") == 0
     });
     kill_signal(s.indexer.proc.pid(), "CONT");
-    // The indexer decided all 20 (so each was counted in flight, at least for a moment) ...
-    wait_for("20 route decisions", BOUND, || {
-        s.indexer.metric("kvroute_indexer_routed_total") >= routed_before + 20.0
-    });
+    if !s.envoy.native {
+        // The indexer decided all 20 (so each was counted in flight, at least for a moment) ...
+        wait_for("20 route decisions", BOUND, || {
+            s.indexer.metric("kvroute_indexer_routed_total") >= routed_before + 20.0
+        });
+    }
+    // (The native build's route call belongs to its stream, and Envoy cancels it with the stream:
+    // the stopped indexer decides only those whose request it read before the reset. Decided or
+    // not, each is reported abandoned by its callout id, and none may stay in flight.)
     // ... and the filter's abandon reports released every one: no phantom load.
     wait_in_flight(&s, 0.0, "after 20 aborted requests");
     assert_eq!(s.envoy.kv("abandoned"), 20, "each abort was reported");

@@ -12,6 +12,19 @@ use crate::cmd;
 use crate::paths::{cargo_bin, Layout};
 use crate::setup;
 
+/// The e2e suites of the filter (`filter/tests/<name>.rs`) that run against both builds: once in
+/// the workspace's test step (the Wasm filter), once more with `KVROUTE_FILTER_BUILD=native` (the
+/// dynamic module). `e2e_native` pins the native build itself and runs once.
+const E2E_BOTH_BUILDS: [&str; 7] = [
+    "e2e_fail_open",
+    "e2e_hostile",
+    "e2e_inflight",
+    "e2e_paths",
+    "e2e_routing",
+    "e2e_security",
+    "e2e_tokens",
+];
+
 /// proptest's seed variable, and the seed `cargo xtask test` uses when it is not set.
 const PROPTEST_SEED_VAR: &str = "PROPTEST_RNG_SEED";
 const PROPTEST_SEED: &str = "20261201";
@@ -209,7 +222,8 @@ fn plan(opts: &TestOptions) -> Vec<Step> {
     ));
     steps.push(step("binaries", cargo(&["build", "--workspace", "--bins"])));
 
-    if !opts.no_nextest && nextest_available() {
+    let nextest = !opts.no_nextest && nextest_available();
+    if nextest {
         let mut run = cargo(&["nextest", "run", "--workspace", "--no-fail-fast"]);
         run.args(&opts.filters);
         steps.push(Step {
@@ -237,6 +251,11 @@ fn plan(opts: &TestOptions) -> Vec<Step> {
             tally_libtest: true,
         });
     }
+    steps.push(Step {
+        name: "e2e (native build)",
+        command: native_e2e(nextest, &opts.filters),
+        tally_libtest: true,
+    });
     if opts.filters.is_empty() {
         // The standing chaos suite's short form, on the debug binaries built above.
         let mut chaos = Command::new(std::env::current_exe().unwrap_or_else(|_| "xtask".into()));
@@ -244,6 +263,27 @@ fn plan(opts: &TestOptions) -> Vec<Step> {
         steps.push(step("chaos (short)", chaos));
     }
     steps
+}
+
+/// The e2e suites once more, in Envoy with the native dynamic module instead of the Wasm filter.
+fn native_e2e(nextest: bool, filters: &[String]) -> Command {
+    let mut command = Command::new(cargo_bin());
+    if nextest {
+        command.args(["nextest", "run", "--no-fail-fast", "--no-tests=pass"]);
+    } else {
+        command.args(["test", "--no-fail-fast"]);
+    }
+    command.args(["-p", "kvroute-filter"]);
+    for suite in E2E_BOTH_BUILDS {
+        command.args(["--test", suite]);
+    }
+    if nextest {
+        command.args(filters);
+    } else if !filters.is_empty() {
+        command.arg("--").args(filters);
+    }
+    command.env("KVROUTE_FILTER_BUILD", "native");
+    command
 }
 
 fn nextest_available() -> bool {
@@ -352,7 +392,20 @@ fn run_tallying(command: &mut Command, overall: &mut Tally) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::Tally;
+    use super::{Tally, E2E_BOTH_BUILDS};
+
+    #[test]
+    fn every_e2e_suite_but_the_native_one_runs_against_both_builds() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../filter/tests");
+        let mut suites: Vec<String> = std::fs::read_dir(&dir)
+            .expect("filter/tests")
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter_map(|n| n.strip_suffix(".rs").map(str::to_owned))
+            .filter(|n| n.starts_with("e2e_") && n != "e2e_native")
+            .collect();
+        suites.sort();
+        assert_eq!(suites, E2E_BOTH_BUILDS);
+    }
 
     #[test]
     fn tally_sums_libtest_result_lines() {

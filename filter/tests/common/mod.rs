@@ -67,6 +67,22 @@ fn newest_mtime(dir: &Path) -> Option<std::time::SystemTime> {
     newest
 }
 
+/// Which build of the filter the e2e tests run in Envoy: `KVROUTE_FILTER_BUILD=wasm` (default)
+/// or `native` (the dynamic module); `cargo xtask test` runs the e2e suites with both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FilterBuild {
+    Wasm,
+    Native,
+}
+
+pub fn filter_build() -> FilterBuild {
+    match std::env::var("KVROUTE_FILTER_BUILD").as_deref() {
+        Err(_) | Ok("") | Ok("wasm") => FilterBuild::Wasm,
+        Ok("native") => FilterBuild::Native,
+        Ok(other) => panic!("KVROUTE_FILTER_BUILD={other:?}: expected wasm or native"),
+    }
+}
+
 /// The native dynamic module (`KVROUTE_FILTER_NATIVE`, or the release build in the target
 /// directory: `cargo build -p kvroute-filter-native --release`, which `cargo xtask test` runs).
 pub fn native_module_path() -> PathBuf {
@@ -110,7 +126,7 @@ impl EnvoyOptions {
             concurrency: 1,
             vm_config: Value::Null,
             yaml_edits: Vec::new(),
-            native_module: None,
+            native_module: (filter_build() == FilterBuild::Native).then(native_module_path),
         }
     }
 }
@@ -120,6 +136,8 @@ pub struct Envoy {
     pub port: u16,
     pub admin: u16,
     pub concurrency: usize,
+    /// Runs the native dynamic module (one plugin per process) rather than the Wasm filter.
+    pub native: bool,
 }
 
 /// Removes the `- name: envoy.filters.http.wasm` list item (up to the next filter).
@@ -160,9 +178,12 @@ fn has_placeholder(yaml: &str) -> bool {
 }
 
 pub fn render_envoy(opts: &EnvoyOptions, listen: u16, admin: u16) -> String {
-    let file = match opts.native_module {
-        Some(_) => "envoy/envoy-native.yaml",
-        None => "envoy/envoy.yaml",
+    // Plain Envoy (no filter) is the Wasm template with the filter cut out.
+    let native = opts.with_filter && opts.native_module.is_some();
+    let file = if native {
+        "envoy/envoy-native.yaml"
+    } else {
+        "envoy/envoy.yaml"
     };
     let template = std::fs::read_to_string(workspace().join(file)).expect("read envoy template");
     let mut text = template;
@@ -177,7 +198,7 @@ pub fn render_envoy(opts: &EnvoyOptions, listen: u16, admin: u16) -> String {
             serde_json::json!({"endpoint": {"address": {"socket_address": {"address": addr.ip().to_string(), "port_value": addr.port()}}}})
         })
         .collect();
-    let wasm = if opts.with_filter {
+    let wasm = if opts.with_filter && !native {
         wasm_path().display().to_string()
     } else {
         "unused".to_string()
@@ -212,8 +233,20 @@ pub fn render_envoy(opts: &EnvoyOptions, listen: u16, admin: u16) -> String {
         )
         .replace(
             "{{PLUGIN_CONFIG}}",
-            &Value::String(opts.plugin_config.to_string()).to_string(),
+            &Value::String(filter_config(opts, native).to_string()).to_string(),
         )
+}
+
+/// The filter's configuration: the native build has one string, so the VM configuration rides
+/// in it as a `vm_config` member (docs/filter.md, "Native build").
+fn filter_config(opts: &EnvoyOptions, native: bool) -> Value {
+    let mut config = opts.plugin_config.clone();
+    if native && !opts.vm_config.is_null() {
+        if let Value::Object(fields) = &mut config {
+            fields.insert("vm_config".into(), opts.vm_config.clone());
+        }
+    }
+    config
 }
 
 impl Envoy {
@@ -260,6 +293,7 @@ impl Envoy {
             port,
             admin,
             concurrency: opts.concurrency,
+            native: opts.with_filter && opts.native_module.is_some(),
         }
     }
 
@@ -296,9 +330,15 @@ impl Envoy {
             .collect()
     }
 
-    /// A filter counter, `wasmcustom.kvroute.<name>`.
+    /// A filter counter, `wasmcustom.kvroute.<name>` (`dynamicmodulescustom.` for the native
+    /// build).
     pub fn kv(&self, name: &str) -> u64 {
-        self.stat(&format!("wasmcustom.kvroute.{name}"))
+        let namespace = if self.native {
+            "dynamicmodulescustom"
+        } else {
+            "wasmcustom"
+        };
+        self.stat(&format!("{namespace}.kvroute.{name}"))
     }
 
     pub fn log(&self) -> String {
@@ -307,9 +347,14 @@ impl Envoy {
 
     /// Waits until every VM that serves requests loaded the tokenizers of `models` models: one
     /// VM per worker plus the main thread's (Envoy 1.40 also starts a short-lived base VM whose
-    /// fetch never completes).
+    /// fetch never completes); the native build loads each once per process.
     pub fn wait_tokenizers(&self, models: u64) {
-        let n = models * (self.concurrency as u64 + 1);
+        let per_model = if self.native {
+            1
+        } else {
+            self.concurrency as u64 + 1
+        };
+        let n = models * per_model;
         let start = Instant::now();
         while self.kv("tokenizer_loaded") < n {
             assert!(
