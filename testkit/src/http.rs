@@ -89,7 +89,7 @@ pub fn request(
             || name.eq_ignore_ascii_case("transfer-encoding");
         head.push_str(&format!("{name}: {value}\r\n"));
     }
-    if !framed && !(body.is_empty() && matches!(method, "GET" | "HEAD")) {
+    if !(framed || (body.is_empty() && matches!(method, "GET" | "HEAD"))) {
         head.push_str(&format!("content-length: {}\r\n", body.len()));
     }
     head.push_str("\r\n");
