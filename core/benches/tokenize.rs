@@ -7,7 +7,6 @@
 //! `cargo bench -p kvroute-core --bench tokenize`
 
 use std::hint::black_box;
-use std::path::PathBuf;
 
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion};
 use kvroute_core::request::{Endpoint, ModelFiles, ModelTokenizer, PromptTokens, TokenizerOptions};

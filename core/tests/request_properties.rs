@@ -11,7 +11,6 @@
 //! Cases: `PROPTEST_CASES` (default per test below); failures are shrunk, printed and persisted
 //! in `proptest-regressions/`. See docs/fuzzing.md.
 
-use std::path::PathBuf;
 use std::sync::LazyLock;
 
 use kvroute_core::hashing::ExtraKeyStyle;

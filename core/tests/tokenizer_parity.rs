@@ -7,7 +7,7 @@
 //! same token ids through every path: uncached whole-text tokenisation, the segment cache cold
 //! and warm, and fine line chunks. Both sides must reject the same cases.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use kvroute_core::request::{

@@ -6,7 +6,7 @@
 //! fetched vLLM module (tests/vllm_reference/fetch_vllm.py); both come from `cargo xtask setup`.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use kvroute_core::events::{

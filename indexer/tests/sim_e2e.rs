@@ -526,7 +526,7 @@ async fn indexer_routes_a_simulated_fleet_found_through_kv_event_sources() {
 
 /// The gauge `name` in the indexer's metrics (the test's one replica).
 async fn replica_gauge(c: &reqwest::Client, base: &str, name: &str) -> f64 {
-    let text = get_text(&c, &format!("{base}/metrics")).await;
+    let text = get_text(c, &format!("{base}/metrics")).await;
     metric_sum(&text, name).unwrap_or_else(|| panic!("{name} in\n{text}"))
 }
 

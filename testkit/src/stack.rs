@@ -670,6 +670,12 @@ pub fn render(template: &str, values: &[(&str, String)]) -> Result<String> {
     Ok(text)
 }
 
+/// The indexer's log filter in a local stack: `warn`, or `KVROUTE_STACK_INDEXER_LOG` (e.g.
+/// `warn,kvroute_indexer::route=debug` to log every decision and every prefix given away).
+fn indexer_log_filter() -> String {
+    std::env::var("KVROUTE_STACK_INDEXER_LOG").unwrap_or_else(|_| "warn".to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::render;
@@ -801,10 +807,4 @@ mod tests {
         .expect("render");
         assert!(out.contains("lb_policy: ROUND_ROBIN"));
     }
-}
-
-/// The indexer's log filter in a local stack: `warn`, or `KVROUTE_STACK_INDEXER_LOG` (e.g.
-/// `warn,kvroute_indexer::route=debug` to log every decision and every prefix given away).
-fn indexer_log_filter() -> String {
-    std::env::var("KVROUTE_STACK_INDEXER_LOG").unwrap_or_else(|_| "warn".to_string())
 }
