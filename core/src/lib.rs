@@ -17,6 +17,7 @@ pub mod api;
 pub mod calibration;
 pub mod events;
 pub mod hashing;
+pub mod hybrid;
 pub mod prometheus;
 pub mod request;
 pub mod rng;
