@@ -45,7 +45,10 @@ pub enum GroupKindError {
 impl GroupKind {
     /// From a `BlockStored`'s `kv_cache_spec_kind` / `kv_cache_spec_sliding_window`. A missing
     /// kind (vLLM before 0.22, one group) is full attention.
-    pub fn from_event(kind: Option<&str>, window: Option<i64>) -> Result<GroupKind, GroupKindError> {
+    pub fn from_event(
+        kind: Option<&str>,
+        window: Option<i64>,
+    ) -> Result<GroupKind, GroupKindError> {
         match kind {
             None | Some("full_attention" | "mla_attention" | "sink_full_attention") => {
                 Ok(GroupKind::FullAttention)
@@ -143,7 +146,7 @@ pub fn hit_blocks(
 mod tests {
     use super::*;
 
-    fn held_from(sets: &[&[usize]]) -> impl Fn(usize, usize) -> bool + '_ {
+    fn held_from<'a>(sets: &'a [&'a [usize]]) -> impl Fn(usize, usize) -> bool + 'a {
         move |g, i| sets[g].contains(&i)
     }
 
@@ -182,7 +185,10 @@ mod tests {
 
     #[test]
     fn kinds_from_events() {
-        assert_eq!(GroupKind::from_event(None, None), Ok(GroupKind::FullAttention));
+        assert_eq!(
+            GroupKind::from_event(None, None),
+            Ok(GroupKind::FullAttention)
+        );
         assert_eq!(
             GroupKind::from_event(Some("sliding_window"), Some(1024)),
             Ok(GroupKind::SlidingWindow { window: 1024 })

@@ -778,11 +778,8 @@ async fn on_a_hybrid_sim_the_index_predicts_the_engines_hit_and_group_zero_alone
     spec.blocks = 27;
     let _sim = spec.start(&bin, &dir.0, "first");
     let (_d1, idx, base) = indexer_for(&spec, "sim-e2e-hybrid-ix", "");
-    let (_d2, idx0, base0) = indexer_for(
-        &spec,
-        "sim-e2e-hybrid-ix0",
-        "[index]\nkv_cache_group = 0\n",
-    );
+    let (_d2, idx0, base0) =
+        indexer_for(&spec, "sim-e2e-hybrid-ix0", "[index]\nkv_cache_group = 0\n");
     let c = client();
     for (i, b) in [(&idx, &base), (&idx0, &base0)] {
         wait_debug(&c, b, i, "connection", Duration::from_secs(30), |d| {
@@ -812,7 +809,11 @@ async fn on_a_hybrid_sim_the_index_predicts_the_engines_hit_and_group_zero_alone
     assert_eq!(r["matched_tokens"]["gpu"], 12 * BS, "{r}");
     // What the engine gives.
     let hit = cached(&complete(&c, &spec, &p, 1).await);
-    assert_eq!(hit, predicted * BS, "engine hit vs the hybrid index's prediction");
+    assert_eq!(
+        hit,
+        predicted * BS,
+        "engine hit vs the hybrid index's prediction"
+    );
     // Group-0-only indexing predicted 0 blocks (waited for above): wrong by 192 tokens.
     assert_eq!(hit, 192);
 }

@@ -303,9 +303,7 @@ pub fn parse_kv_cache_layout(
                     Some((k, w)) => (
                         k,
                         Some(w.parse::<i64>().map_err(|_| {
-                            CliError::Invalid(format!(
-                                "--kv-cache-layout: bad window in {item:?}"
-                            ))
+                            CliError::Invalid(format!("--kv-cache-layout: bad window in {item:?}"))
                         })?),
                     ),
                     None => (item, None),
@@ -327,7 +325,9 @@ pub fn parse_kv_cache_layout(
         ));
     }
     if sliding_window == Some(0) {
-        return Err(CliError::Invalid("--sliding-window must be positive".into()));
+        return Err(CliError::Invalid(
+            "--sliding-window must be positive".into(),
+        ));
     }
     Ok(groups)
 }

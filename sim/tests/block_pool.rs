@@ -147,8 +147,14 @@ fn lru_eviction_order_tail_blocks_first_and_events() {
         .copied()
         .filter(|b| kv.pool().block_hash(*b).is_some())
         .collect();
-    assert_eq!(kv.pool().block_hash(a_blocks[0]), Some((a.block_hashes[1], 0)));
-    assert_eq!(kv.pool().block_hash(a_blocks[1]), Some((a.block_hashes[0], 0)));
+    assert_eq!(
+        kv.pool().block_hash(a_blocks[0]),
+        Some((a.block_hashes[1], 0))
+    );
+    assert_eq!(
+        kv.pool().block_hash(a_blocks[1]),
+        Some((a.block_hashes[0], 0))
+    );
 
     // Queue now: [a's partial block (never hashed, prepended), the never-used block, a's block 1,
     // a's block 0]. A 16-token unrelated request takes all four: a's block 1 is evicted before

@@ -80,11 +80,8 @@ impl KvIndex {
                 }
             }
         }
-        let mut layouts: Vec<(ReplicaId, Vec<Option<LearnedGroup>>)> = self
-            .layouts
-            .iter()
-            .map(|(&r, l)| (r, l.clone()))
-            .collect();
+        let mut layouts: Vec<(ReplicaId, Vec<Option<LearnedGroup>>)> =
+            self.layouts.iter().map(|(&r, l)| (r, l.clone())).collect();
         layouts.sort_unstable_by_key(|(r, _)| *r);
         let blocks = self.stats.blocks as usize;
         let mut snap = IndexSnapshot {

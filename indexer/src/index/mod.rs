@@ -78,8 +78,8 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use hashbrown::HashTable;
 use kvroute_core::events::{BlockRemoved, BlockStored, KvEvent, Medium};
-pub use kvroute_core::hybrid::GroupKind;
 use kvroute_core::hybrid::hit_blocks;
+pub use kvroute_core::hybrid::GroupKind;
 use kvroute_core::router_key::{event_keys, RouterKey, RouterKeyError, ROOT};
 use serde::{Deserialize, Serialize};
 
@@ -612,7 +612,11 @@ impl KvIndex {
             + self.slots.capacity() * std::mem::size_of::<Option<SlotInfo>>()
             + self.slot_of.capacity() * 16
             + self.layouts.capacity() * 32
-            + self.layouts.values().map(|l| l.capacity() * 12).sum::<usize>()
+            + self
+                .layouts
+                .values()
+                .map(|l| l.capacity() * 12)
+                .sum::<usize>()
     }
 
     fn refresh_bytes(&mut self) {
@@ -1270,12 +1274,12 @@ impl KvIndex {
                 self.replica_of_slot(s as u32)
                     .filter(|&r| !any_hybrid || !self.is_hybrid(r))
                     .map(|replica| ReplicaMatch {
-                    replica,
-                    gpu: w.gpu,
-                    predicted: w.predicted,
-                    cpu: w.cpu,
-                    storage: w.storage,
-                })
+                        replica,
+                        gpu: w.gpu,
+                        predicted: w.predicted,
+                        cpu: w.cpu,
+                        storage: w.storage,
+                    })
             })
             .collect();
         if any_hybrid {
@@ -1306,7 +1310,10 @@ impl KvIndex {
         // slot's contiguous run continues (a full group needs every block before the hit).
         let mut reach = vec![0usize; self.slots.len()];
         let all_windows = self.layouts.values().any(|l| {
-            !l.is_empty() && l.iter().flatten().all(|g| g.kind != GroupKind::FullAttention)
+            !l.is_empty()
+                && l.iter()
+                    .flatten()
+                    .all(|g| g.kind != GroupKind::FullAttention)
         });
         for (i, key) in keys.iter().enumerate() {
             let mut alive = false;

@@ -18,7 +18,12 @@ pub(super) fn eh(conv: u32, b: usize, salt: u64) -> u64 {
     (u64::from(conv) << 32 | b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ salt
 }
 
-pub(super) fn stored(conv: u32, blocks: std::ops::Range<usize>, medium: Medium, salt: u64) -> KvEvent {
+pub(super) fn stored(
+    conv: u32,
+    blocks: std::ops::Range<usize>,
+    medium: Medium,
+    salt: u64,
+) -> KvEvent {
     let parent = if blocks.start == 0 {
         None
     } else {

@@ -141,7 +141,8 @@ fn plain_and_hybrid_replicas_side_by_side() {
 fn predictions_stand_for_every_group() {
     let mut ix = KvIndex::default();
     gpt_oss_like(&mut ix, 0, 1, 3);
-    ix.insert_predicted(0, &keys(1, 6), 1_000, 500).expect("predicted");
+    ix.insert_predicted(0, &keys(1, 6), 1_000, 500)
+        .expect("predicted");
     assert_eq!(ix.lookup(&keys(1, 6), 1_000), vec![m(0, 3, 3, 0, 0)]);
     assert_eq!(ix.lookup(&keys(1, 6), 2_000), vec![m(0, 3, 0, 0, 0)]);
 }
