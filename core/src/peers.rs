@@ -63,6 +63,8 @@ pub struct SharedDecision {
     pub decode_ms: u32,
     /// Output tokens expected.
     pub output_tokens: u64,
+    /// The sender's predicted time to first token, ms (when its KV blocks come back).
+    pub ttft_ms: u32,
     /// Router keys of the blocks the decision predicts the replica will hold (the new part of the
     /// prefix, in prompt order, starting right after what was already matched there: `skip`).
     pub predicted_keys: Vec<u64>,
@@ -163,6 +165,7 @@ mod tests {
             prefill_ms: 40,
             decode_ms: 5_000,
             output_tokens: 128,
+            ttft_ms: 60,
             predicted_keys: (0..100u64)
                 .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
                 .collect(),

@@ -90,7 +90,9 @@ fn routed(
             prefill_time: Duration::from_millis(u64::from(d.prefill_ms)).min(MAX_PREFILL_ESTIMATE),
             decode_time: Duration::from_millis(u64::from(d.decode_ms)),
             output_tokens: d.output_tokens,
-            predicted_ttft_s: 0.0,
+            output_blocks: u32::try_from(d.output_tokens.div_ceil(u64::from(d.block_size.max(1))))
+                .unwrap_or(u32::MAX),
+            predicted_ttft_s: f64::from(d.ttft_ms) / 1000.0,
             callout: None,
         },
         link.cfg.max_remote_pending,
