@@ -12,12 +12,15 @@
 //! * [`prometheus`]: reading Prometheus text exposition (engine metrics; tests read ours).
 //! * [`rng`]: SplitMix64, the one small deterministic generator of the workspace.
 //! * `shutdown` (feature `shutdown`, needs tokio): waiting for Ctrl-C or SIGTERM in a server.
+//! * `peers` (feature `peers`): the decision that gateways' indexers share with each other.
 
 pub mod api;
 pub mod calibration;
 pub mod events;
 pub mod hashing;
 pub mod hybrid;
+#[cfg(feature = "peers")]
+pub mod peers;
 pub mod prometheus;
 pub mod request;
 pub mod rng;

@@ -139,7 +139,9 @@ async fn complete_handler(State(state): State<Arc<AppState>>, body: Bytes) -> Re
     let Some(decision_id) = req.decision_id.as_deref() else {
         if let (Some(callout), true) = (req.callout_id.as_deref(), req.abandoned) {
             m.completions_abandoned.fetch_add(1, Ordering::Relaxed);
-            let _ = state.load.abandon_callout(callout);
+            if let Some(p) = state.load.abandon_callout(callout) {
+                share_end(&state, &p);
+            }
             return StatusCode::NO_CONTENT.into_response();
         }
         m.completions_missing_id.fetch_add(1, Ordering::Relaxed);
@@ -159,6 +161,7 @@ async fn complete_handler(State(state): State<Arc<AppState>>, body: Bytes) -> Re
         .and_then(|id| state.load.completed(id));
     match done {
         Some(p) => {
+            share_end(&state, &p);
             if let Some(us) = req.ttft_us.filter(|_| !req.abandoned) {
                 m.record_ttft(&p.replica.name, us as f64 / 1e6, p.predicted_ttft_s);
             }
@@ -179,6 +182,15 @@ async fn complete_handler(State(state): State<Arc<AppState>>, body: Bytes) -> Re
         }
     }
     StatusCode::NO_CONTENT.into_response()
+}
+
+/// Tells the peer gateways that a decision ended (no-op without `[peers]`).
+fn share_end(state: &AppState, p: &crate::load::Pending) {
+    if let Some(link) = &state.peers {
+        link.publish(kvroute_core::peers::PeerMessage::Ended {
+            decision_id: p.id.to_string(),
+        });
+    }
 }
 
 async fn models_handler(State(state): State<Arc<AppState>>) -> Response {
@@ -358,6 +370,9 @@ async fn readyz_handler(State(state): State<Arc<AppState>>) -> Response {
                 ));
             }
         }
+    }
+    if let Some(problem) = state.peers.as_ref().and_then(|l| l.problem()) {
+        problems.push(problem);
     }
     let status = if !ready {
         "not_ready"

@@ -96,6 +96,10 @@ pub struct Config {
     /// How recomputation after eviction is recognised (`[reuse]`).
     #[serde(default)]
     pub reuse: crate::reuse::ReuseConfig,
+    /// Decisions shared with the other gateways' indexers through Redis (`[peers]`; off when
+    /// absent).
+    #[serde(default)]
+    pub peers: Option<crate::peers::PeersSection>,
     /// Served models, each with its replicas.
     #[serde(default)]
     pub models: Vec<ModelConfig>,
@@ -525,6 +529,10 @@ impl Config {
         self.reuse
             .validate()
             .map_err(|(f, msg)| invalid(format!("reuse.{f}"), msg))?;
+        if let Some(p) = &self.peers {
+            p.validate()
+                .map_err(|(f, msg)| invalid(format!("peers.{f}"), msg))?;
+        }
         self.scoring
             .validate()
             .map_err(|(f, msg)| invalid(format!("scoring.{f}"), msg))?;

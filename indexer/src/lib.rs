@@ -9,6 +9,7 @@ pub mod config;
 pub mod load;
 pub mod membership;
 pub mod metrics;
+pub mod peers;
 pub mod policies;
 pub mod reuse;
 pub mod route;

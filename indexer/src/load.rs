@@ -16,6 +16,10 @@
 //!   crash, Envoy killed) go away on their own;
 //! * its eviction, when more than `max_pending` are remembered (earliest deadline first).
 //!
+//! Decisions of peer gateways (`crate::peers`) are counted the same way ([`LoadTracker::routed_remote`]),
+//! keyed by their sender's id, ended by the sender's `Ended` message or their own deadline, and
+//! bounded separately (oldest first).
+//!
 //! Each decision also adds the request's uncached prompt blocks to the replica's pending prefill
 //! (`Replica::pending_prefill_blocks`, the scorer's queue term) until the prefill is estimated done
 //! (uncached tokens at the configured prefill rate, measured from the later of the decision and the
@@ -28,12 +32,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvroute_core::scoring::KvRelease;
 use serde::{Deserialize, Serialize};
 
 use crate::membership::{lock, Replica};
 
 /// Longest a decision's prefill is estimated to stay pending, queueing included.
 pub const MAX_PREFILL_ESTIMATE: Duration = Duration::from_secs(60);
+/// How long [`LoadTracker::kv_release`] reuses its curves.
+pub const RELEASE_REFRESH: Duration = Duration::from_millis(100);
 /// Longest accepted `callout_id`.
 pub const MAX_CALLOUT_ID_BYTES: usize = 128;
 
@@ -180,6 +187,8 @@ impl fmt::Display for DecisionId {
 /// What was decided for one request.
 #[derive(Debug, Clone)]
 pub struct Pending {
+    /// The decision's id (a peer's decision has one of this process too, never handed out).
+    pub id: DecisionId,
     /// The replica.
     pub replica: Arc<Replica>,
     /// Tokens the index said were cached there (usable hit, all tiers).
@@ -195,9 +204,13 @@ pub struct Pending {
     pub uncached_blocks: u32,
     /// Output tokens it is expected to generate (counted in the replica's remaining output).
     pub output_tokens: u64,
+    /// KV blocks it frees when it finishes: its uncached prompt and its output.
+    pub freed_blocks: u32,
     /// The time to first token the model predicted, seconds (0 for policies that do not predict).
     pub predicted_ttft_s: f64,
     callout: Option<Box<str>>,
+    /// For a peer's decision, its key (sender and sender's decision id).
+    remote: Option<Box<str>>,
 }
 
 /// A decision to record.
@@ -215,6 +228,8 @@ pub struct NewDecision {
     pub decode_time: Duration,
     /// Output tokens expected.
     pub output_tokens: u64,
+    /// KV blocks its output takes (`output_tokens` in the model's blocks).
+    pub output_blocks: u32,
     /// The predicted time to first token, seconds.
     pub predicted_ttft_s: f64,
     /// The filter's id for this route call (to abandon it before the answer reached it).
@@ -241,6 +256,8 @@ pub struct LoadStats {
     pub abandoned: AtomicU64,
     /// Abandons that arrived before their route (that route was not counted).
     pub abandoned_before_route: AtomicU64,
+    /// Peers' decisions dropped because `[peers] max_remote_pending` were remembered.
+    pub remote_evicted: AtomicU64,
 }
 
 /// The pending-request table.
@@ -249,6 +266,8 @@ pub struct LoadTracker {
     cfg: InflightConfig,
     nonce: u32,
     inner: Mutex<Inner>,
+    /// Release curves per replica (by name), and when they were computed.
+    releases: Mutex<Option<(Instant, HashMap<String, KvRelease>)>>,
     /// How decisions ended other than by completion.
     pub stats: LoadStats,
 }
@@ -274,6 +293,10 @@ struct Inner {
     /// Callouts abandoned before their route arrived, with when.
     abandoned: HashMap<Box<str>, Instant>,
     abandoned_order: VecDeque<(Instant, Box<str>)>,
+    /// Peer decision key -> decision.
+    remote: HashMap<Box<str>, u64>,
+    /// Peers' decisions in arrival order (ended ones are skipped and compacted).
+    remote_order: VecDeque<u64>,
 }
 
 impl LoadTracker {
@@ -286,6 +309,7 @@ impl LoadTracker {
             cfg,
             nonce,
             inner: Mutex::new(Inner::default()),
+            releases: Mutex::new(None),
             stats: LoadStats::default(),
         }
     }
@@ -317,8 +341,9 @@ impl LoadTracker {
         };
         let callout = d
             .callout
+            .as_deref()
             .filter(|c| !c.is_empty() && c.len() <= MAX_CALLOUT_ID_BYTES)
-            .map(String::into_boxed_str);
+            .map(Box::<str>::from);
         if let Some(c) = &callout {
             if inner.abandoned.remove(c).is_some() {
                 self.stats
@@ -327,63 +352,76 @@ impl LoadTracker {
                 return Routed { id, counted: false };
             }
         }
-        let replica = d.replica;
-        replica.in_flight.fetch_add(1, Ordering::Relaxed);
-        replica
-            .in_flight_uncached_blocks
-            .fetch_add(i64::from(d.prefill_blocks), Ordering::Relaxed);
-        if d.prefill_blocks > 0 {
-            replica
-                .pending_prefill_blocks
-                .fetch_add(i64::from(d.prefill_blocks), Ordering::Relaxed);
-            replica
-                .pending_prefill_requests
-                .fetch_add(1, Ordering::Relaxed);
-        }
-        replica.remaining_output_tokens.fetch_add(
-            i64::try_from(d.output_tokens).unwrap_or(i64::MAX),
-            Ordering::Relaxed,
-        );
-        let start = inner
-            .busy_until
-            .get(&replica.name)
-            .copied()
-            .filter(|t| *t > now)
-            .unwrap_or(now);
-        let done = (start + d.prefill_time).min(now + MAX_PREFILL_ESTIMATE);
-        inner.busy_until.insert(replica.name.clone(), done);
-        if d.prefill_blocks > 0 {
-            inner.prefill_done.push(Reverse((done, seq)));
-        }
-        let estimate = done.saturating_duration_since(now) + d.decode_time;
-        let deadline = now + estimate.clamp(self.cfg.floor(), self.cfg.cap());
-        inner.deadlines.push(Reverse((deadline, seq)));
         if let Some(c) = &callout {
             // A reused callout id (never from one filter VM) keeps only the newest handle; the
             // older decision still ends by its id or its deadline.
             inner.callouts.insert(c.clone(), seq);
         }
-        inner.pending.insert(
-            seq,
-            Pending {
-                replica,
-                predicted_tokens: d.predicted_tokens,
-                at: now,
-                deadline,
-                prefill_blocks: d.prefill_blocks,
-                uncached_blocks: d.prefill_blocks,
-                output_tokens: d.output_tokens,
-                predicted_ttft_s: d.predicted_ttft_s,
-                callout,
-            },
-        );
-        while inner.pending.len() > self.cfg.max_pending {
+        inner.count(id, d, callout, None, now, &self.cfg);
+        while inner.pending.len().saturating_sub(inner.remote.len()) > self.cfg.max_pending {
             if !inner.pop_earliest() {
                 break;
             }
             self.stats.evicted.fetch_add(1, Ordering::Relaxed);
         }
         Routed { id, counted: true }
+    }
+
+    /// Counts a peer gateway's decision, keyed by `key` (its sender and the sender's decision id),
+    /// exactly as a decision of this indexer; at most `max_remote` are remembered (the oldest go
+    /// first). Returns false when `key` is already counted (a duplicate delivery).
+    pub fn routed_remote(&self, key: &str, d: NewDecision, max_remote: usize) -> bool {
+        let now = Instant::now();
+        let mut inner = lock(&self.inner);
+        inner.expire(now, &self.cfg, &self.stats);
+        if inner.remote.contains_key(key) {
+            return false;
+        }
+        let seq = inner.next;
+        inner.next += 1;
+        let id = DecisionId {
+            nonce: self.nonce,
+            seq,
+        };
+        let key: Box<str> = key.into();
+        inner.remote.insert(key.clone(), seq);
+        inner.remote_order.push_back(seq);
+        inner.count(id, d, None, Some(key), now, &self.cfg);
+        while inner.remote.len() > max_remote {
+            let Some(old) = inner.remote_order.pop_front() else {
+                break;
+            };
+            if inner.pending.get(&old).is_some_and(|p| p.remote.is_some())
+                && inner.remove(old).is_some()
+            {
+                self.stats.remote_evicted.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if inner.remote_order.len() > 2 * inner.remote.len() + 1024 {
+            let pending = &inner.pending;
+            let live: VecDeque<u64> = inner
+                .remote_order
+                .iter()
+                .copied()
+                .filter(|s| pending.get(s).is_some_and(|p| p.remote.is_some()))
+                .collect();
+            inner.remote_order = live;
+        }
+        true
+    }
+
+    /// Ends a peer's decision by its key; returns it, or `None` when unknown (ended, expired,
+    /// evicted, or never received).
+    pub fn ended_remote(&self, key: &str) -> Option<Pending> {
+        let mut inner = lock(&self.inner);
+        inner.expire(Instant::now(), &self.cfg, &self.stats);
+        let seq = inner.remote.get(key).copied()?;
+        inner.remove(seq)
+    }
+
+    /// Peers' decisions currently counted.
+    pub fn remote_len(&self) -> usize {
+        lock(&self.inner).remote.len()
     }
 
     /// Releases what is due by `now`: pending prefill estimated done, decisions past their
@@ -396,6 +434,10 @@ impl LoadTracker {
     pub fn completed(&self, id: DecisionId) -> Option<Pending> {
         let mut inner = lock(&self.inner);
         inner.expire(Instant::now(), &self.cfg, &self.stats);
+        // A peer's decision ends only by its sender's message or its deadline.
+        if inner.pending.get(&id.seq)?.remote.is_some() {
+            return None;
+        }
         inner.remove(id.seq)
     }
 
@@ -431,6 +473,43 @@ impl LoadTracker {
         inner.abandoned.insert(c.clone(), now);
         inner.abandoned_order.push_back((now, c));
         None
+    }
+
+    /// When `replica` gets the KV blocks of kvroute's requests back: each decision in flight there
+    /// finishes `predicted_ttft_s + output_tokens * step` after it was routed (`step` the replica's
+    /// decode step, from `step_s`), freeing its uncached prompt and output blocks. The curves of
+    /// every replica are computed in one pass and reused for [`RELEASE_REFRESH`].
+    pub fn kv_release(&self, replica: &Replica, step_s: impl Fn(&Replica) -> f64) -> KvRelease {
+        let now = Instant::now();
+        let mut cache = lock(&self.releases);
+        let fresh = cache
+            .as_ref()
+            .is_some_and(|(at, _)| now.saturating_duration_since(*at) < RELEASE_REFRESH);
+        if !fresh {
+            let mut finishes: HashMap<&str, Vec<(f64, u32)>> = HashMap::new();
+            let mut steps: HashMap<&str, f64> = HashMap::new();
+            let inner = lock(&self.inner);
+            for p in inner.pending.values() {
+                let name = p.replica.name.as_str();
+                let step = *steps.entry(name).or_insert_with(|| step_s(&p.replica));
+                let elapsed = now.saturating_duration_since(p.at).as_secs_f64();
+                let left = p.predicted_ttft_s.max(0.0) + p.output_tokens as f64 * step - elapsed;
+                finishes
+                    .entry(name)
+                    .or_default()
+                    .push((left.max(0.0), p.freed_blocks));
+            }
+            let curves = finishes
+                .into_iter()
+                .map(|(name, mut f)| (name.to_string(), KvRelease::from_finishes(&mut f)))
+                .collect();
+            drop(inner);
+            *cache = Some((now, curves));
+        }
+        cache
+            .as_ref()
+            .and_then(|(_, curves)| curves.get(&replica.name).copied())
+            .unwrap_or_default()
     }
 
     /// Decisions currently remembered.
@@ -475,12 +554,79 @@ fn subtract(counter: &std::sync::atomic::AtomicI64, by: i64) {
 }
 
 impl Inner {
+    /// Counts one decision: the replica's in-flight count, pending prefill (queued after the
+    /// prefill already pending there) and expected output go up until it ends.
+    fn count(
+        &mut self,
+        id: DecisionId,
+        d: NewDecision,
+        callout: Option<Box<str>>,
+        remote: Option<Box<str>>,
+        now: Instant,
+        cfg: &InflightConfig,
+    ) {
+        let seq = id.seq;
+        let replica = d.replica;
+        replica.in_flight.fetch_add(1, Ordering::Relaxed);
+        replica
+            .in_flight_uncached_blocks
+            .fetch_add(i64::from(d.prefill_blocks), Ordering::Relaxed);
+        if d.prefill_blocks > 0 {
+            replica
+                .pending_prefill_blocks
+                .fetch_add(i64::from(d.prefill_blocks), Ordering::Relaxed);
+            replica
+                .pending_prefill_requests
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        replica.remaining_output_tokens.fetch_add(
+            i64::try_from(d.output_tokens).unwrap_or(i64::MAX),
+            Ordering::Relaxed,
+        );
+        let start = self
+            .busy_until
+            .get(&replica.name)
+            .copied()
+            .filter(|t| *t > now)
+            .unwrap_or(now);
+        let done = (start + d.prefill_time).min(now + MAX_PREFILL_ESTIMATE);
+        self.busy_until.insert(replica.name.clone(), done);
+        if d.prefill_blocks > 0 {
+            self.prefill_done.push(Reverse((done, seq)));
+        }
+        let estimate = done.saturating_duration_since(now) + d.decode_time;
+        let deadline = now + estimate.clamp(cfg.floor(), cfg.cap());
+        self.deadlines.push(Reverse((deadline, seq)));
+        self.pending.insert(
+            seq,
+            Pending {
+                id,
+                replica,
+                predicted_tokens: d.predicted_tokens,
+                at: now,
+                deadline,
+                prefill_blocks: d.prefill_blocks,
+                uncached_blocks: d.prefill_blocks,
+                output_tokens: d.output_tokens,
+                freed_blocks: d.prefill_blocks.saturating_add(d.output_blocks),
+                predicted_ttft_s: d.predicted_ttft_s,
+                callout,
+                remote,
+            },
+        );
+    }
+
     /// Removes and releases one decision.
     fn remove(&mut self, seq: u64) -> Option<Pending> {
         let p = self.pending.remove(&seq)?;
         if let Some(c) = &p.callout {
             if self.callouts.get(c) == Some(&seq) {
                 self.callouts.remove(c);
+            }
+        }
+        if let Some(k) = &p.remote {
+            if self.remote.get(k) == Some(&seq) {
+                self.remote.remove(k);
             }
         }
         release(&p);
@@ -588,6 +734,7 @@ mod tests {
             prefill_time: prefill,
             decode_time: Duration::ZERO,
             output_tokens: 100,
+            output_blocks: 7,
             predicted_ttft_s: 0.0,
             callout: None,
         }
@@ -703,6 +850,42 @@ mod tests {
         assert_eq!(in_flight(&r), 1);
         assert_eq!(t.stats.abandoned_before_route.load(Ordering::Relaxed), 1);
         assert_eq!(t.stats.abandoned.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn peer_decisions_count_end_once_and_are_bounded_apart() {
+        let fleet = Fleet::new();
+        let r = replica(&fleet, "r0");
+        let t = LoadTracker::default();
+        let local = t.routed(decision(&r, 5, Duration::from_secs(5))).id;
+        assert!(t.routed_remote("a/1", decision(&r, 10, Duration::from_secs(5)), 2));
+        assert!(
+            !t.routed_remote("a/1", decision(&r, 10, Duration::from_secs(5)), 2),
+            "a duplicate delivery counts once"
+        );
+        assert_eq!((in_flight(&r), pending(&r)), (2, 15));
+        assert!(t.routed_remote("a/2", decision(&r, 1, Duration::from_secs(5)), 2));
+        assert!(t.routed_remote("b/1", decision(&r, 1, Duration::from_secs(5)), 2));
+        assert_eq!(t.remote_len(), 2, "the oldest peer decision went");
+        assert_eq!(t.stats.remote_evicted.load(Ordering::Relaxed), 1);
+        assert!(t.ended_remote("a/1").is_none(), "evicted");
+        assert_eq!((in_flight(&r), pending(&r)), (3, 7));
+        // A peer's decision is not ended by a local id of the same sequence number.
+        let guessed = DecisionId {
+            nonce: local.nonce,
+            seq: local.seq + 2,
+        };
+        assert!(t.completed(guessed).is_none());
+        assert!(t.ended_remote("a/2").is_some());
+        assert!(t.ended_remote("a/2").is_none(), "ends once");
+        assert!(t.completed(local).is_some());
+        assert_eq!((in_flight(&r), pending(&r)), (1, 1));
+        t.expire(Instant::now() + Duration::from_secs(31));
+        assert_eq!(
+            (in_flight(&r), t.remote_len()),
+            (0, 0),
+            "peer decisions expire too"
+        );
     }
 
     #[test]

@@ -394,6 +394,11 @@ pub fn render(state: &AppState) -> String {
             &state.load.stats.abandoned_before_route,
         ),
         (
+            "decisions_remote_evicted_total",
+            "Peers' decisions dropped because [peers] max_remote_pending were counted.",
+            &state.load.stats.remote_evicted,
+        ),
+        (
             "predicted_hit_tokens_total",
             "Matched tokens at decision time, for completions that reported cached_tokens.",
             &m.predicted_hit_tokens,
@@ -473,6 +478,9 @@ pub fn render(state: &AppState) -> String {
     let full = format!("{p}_uptime_seconds");
     header(&mut out, &full, "gauge", "Seconds since start.");
     let _ = writeln!(out, "{full} {}", state.started.elapsed().as_secs_f64());
+    if let Some(link) = &state.peers {
+        crate::peers::render_metrics(&mut out, link, state.load.remote_len(), p);
+    }
     out
 }
 

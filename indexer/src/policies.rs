@@ -19,7 +19,8 @@ use kvroute_core::scoring::{self, Candidate, Decision, MatchedBlocks};
 
 use crate::config::PolicySection;
 use crate::membership::{lock, Replica};
-use crate::route::{exact_matches, now_ms, Lookup, RoutePolicy};
+use crate::route::{exact_matches, now_ms, Lookup, RemoteRecord, RoutePolicy};
+use crate::state::AppState;
 
 /// The `--policy` flag.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -319,6 +320,29 @@ impl RoutePolicy for KvPolicy {
             }
         }
     }
+
+    /// The blocks after the replica's GPU-held prefix: what peers must predict (the GPU prefix is
+    /// in their exact index already).
+    fn shared_keys<'a>(&self, l: &'a Lookup<'_>, m: &MatchedBlocks) -> (u32, &'a [RouterKey]) {
+        let usable = l.usable();
+        let skip = (m.gpu as usize).min(usable.len());
+        (skip as u32, &usable[skip..])
+    }
+
+    fn record_remote(&self, state: &AppState, r: &RemoteRecord<'_>) {
+        if r.keys.is_empty() {
+            return;
+        }
+        if let Some(first) = r.replica.streams().first() {
+            let ttl = state.config.index.predicted_ttl_ms;
+            if let Err(e) = state
+                .index
+                .insert_predicted(first.index_id, r.keys, now_ms(), ttl)
+            {
+                tracing::debug!(error = %e, "peer's predicted entries not written");
+            }
+        }
+    }
 }
 
 /// `approx-prefix`: the cost model over a router-side guess of what each replica holds.
@@ -352,6 +376,18 @@ impl RoutePolicy for ApproxPrefixPolicy {
                 l.state
                     .policy_state
                     .approx_record(first.index_id, l.usable());
+            }
+        }
+    }
+
+    fn shared_keys<'a>(&self, l: &'a Lookup<'_>, _m: &MatchedBlocks) -> (u32, &'a [RouterKey]) {
+        (0, l.usable())
+    }
+
+    fn record_remote(&self, state: &AppState, r: &RemoteRecord<'_>) {
+        if let Some(first) = r.replica.streams().first() {
+            if !r.keys.is_empty() {
+                state.policy_state.approx_record(first.index_id, r.keys);
             }
         }
     }
@@ -410,6 +446,12 @@ impl RoutePolicy for SessionPolicy {
             l.state
                 .policy_state
                 .session_put(&l.keys.model.name, s, &chosen.name);
+        }
+    }
+
+    fn record_remote(&self, state: &AppState, r: &RemoteRecord<'_>) {
+        if let Some(s) = r.session {
+            state.policy_state.session_put(r.model, s, &r.replica.name);
         }
     }
 }

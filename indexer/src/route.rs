@@ -238,6 +238,10 @@ impl Lookup<'_> {
                         // Requests in flight are on average half way through their output.
                         remaining_output_tokens: get(&r.remaining_output_tokens) as u64 / 2,
                         arrival_rate_per_s: self.arrival_rate_per_replica,
+                        kv_release: state.load.kv_release(r, |r| {
+                            replica_rates(&state.config.scoring, r, &state.config.calibration)
+                                .decode_step_s
+                        }),
                     },
                     rates: replica_rates(&state.config.scoring, r, &state.config.calibration),
                     healthy: r.healthy(),
@@ -269,6 +273,32 @@ pub trait RoutePolicy: Send + Sync {
 
     /// Remembers the decision (predicted entries, router-side guesses, session bindings).
     fn record(&self, _lookup: &Lookup<'_>, _chosen: &Replica) {}
+
+    /// What peer gateways need to replay [`RoutePolicy::record`] for this decision: the number of
+    /// leading usable blocks they need not be told about, and the router keys after them.
+    /// Default: nothing.
+    fn shared_keys<'a>(
+        &self,
+        _lookup: &'a Lookup<'_>,
+        _matched: &MatchedBlocks,
+    ) -> (u32, &'a [RouterKey]) {
+        (0, &[])
+    }
+
+    /// Replays a peer gateway's decision as [`RoutePolicy::record`] did there.
+    fn record_remote(&self, _state: &AppState, _remote: &RemoteRecord<'_>) {}
+}
+
+/// A peer gateway's decision, as a policy replays it (see `crate::peers`).
+pub struct RemoteRecord<'a> {
+    /// Model name.
+    pub model: &'a str,
+    /// The replica it chose.
+    pub replica: &'a Replica,
+    /// The router keys it shared ([`RoutePolicy::shared_keys`]).
+    pub keys: &'a [RouterKey],
+    /// The request's session, if any.
+    pub session: Option<&'a str>,
 }
 
 /// Decides where a request goes and records the decision (load, predicted entries, policy state).
@@ -302,7 +332,7 @@ pub fn route(
     policy.record(&lookup, &chosen);
     let explain = req.explain.then(|| explain(&lookup, &cands, &decision));
     Ok(record(
-        state, req, &lookup, &cands, &decision, label, &chosen, explain,
+        state, req, &lookup, &cands, &decision, label, &chosen, explain, policy,
     ))
 }
 
@@ -425,6 +455,7 @@ fn record(
     label: Option<&'static str>,
     chosen: &Arc<Replica>,
     explain: Option<Vec<CandidateExplain>>,
+    policy: &dyn RoutePolicy,
 ) -> RouteResponse {
     let reason = label.unwrap_or(decision.reason.as_str()).to_string();
     let bs = lookup.keys.block_size;
@@ -436,13 +467,16 @@ fn record(
     let rates = cands
         .get(decision.replica as usize)
         .map_or_else(|| state.config.scoring.prior_rates(), |c| c.rates);
+    let prefill_time = prefill_estimate(&rates, uncached_blocks, bs);
+    let decode_time = state.load.config().decode_time(req.max_tokens);
     let routed = state.load.routed(NewDecision {
         replica: chosen.clone(),
         predicted_tokens,
         prefill_blocks: uncached_blocks,
-        prefill_time: prefill_estimate(&rates, uncached_blocks, bs),
-        decode_time: state.load.config().decode_time(req.max_tokens),
+        prefill_time,
+        decode_time,
         output_tokens: u64::from(lookup.shape.output_tokens),
+        output_blocks: lookup.shape.output_tokens.div_ceil(bs.max(1)),
         predicted_ttft_s: decision.terms.ttft_s,
         callout: req.callout_id.clone(),
     });
@@ -452,12 +486,45 @@ fn record(
         .clone()
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| decision_id.clone());
+    if let (Some(link), true) = (&state.peers, routed.counted) {
+        let (skip, keys) = policy.shared_keys(lookup, &m);
+        let keys = &keys[..keys.len().min(kvroute_core::peers::MAX_SHARED_KEYS)];
+        let ms = |d: Duration| u32::try_from(d.as_millis()).unwrap_or(u32::MAX);
+        let short = |s: &str| s.len() <= kvroute_core::peers::MAX_SHARED_STRING_BYTES;
+        link.publish(kvroute_core::peers::PeerMessage::Routed(
+            kvroute_core::peers::SharedDecision {
+                decision_id: decision_id.clone(),
+                request_id: req.request_id.clone().filter(|s| short(s)),
+                model: lookup.keys.model.name.clone(),
+                replica: chosen.name.clone(),
+                block_size: bs,
+                uncached_blocks,
+                prefill_ms: ms(prefill_time),
+                decode_ms: ms(decode_time),
+                output_tokens: u64::from(lookup.shape.output_tokens),
+                ttft_ms: ms(Duration::try_from_secs_f64(decision.terms.ttft_s).unwrap_or_default()),
+                predicted_keys: keys.iter().map(|k| k.0).collect(),
+                skip,
+                session: lookup.session.filter(|s| short(s)).map(str::to_string),
+            },
+        ));
+    }
     state.metrics.routed.fetch_add(1, Ordering::Relaxed);
     state.metrics.count_decision(&reason);
     let t = &decision.terms;
+    let load = cands
+        .iter()
+        .find(|c| c.replica == decision.replica)
+        .map(|c| c.load)
+        .unwrap_or_default();
     tracing::debug!(
         model = %lookup.keys.model.name,
         replica = %chosen.name,
+        in_flight = load.in_flight,
+        running = load.running,
+        waiting = load.waiting,
+        kv = load.kv_fraction(),
+        pending_tokens = load.pending_prefill_tokens,
         %reason,
         prompt_blocks,
         gpu = m.gpu, cpu = m.cpu, storage = m.storage, predicted = m.predicted,

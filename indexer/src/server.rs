@@ -10,7 +10,7 @@ use anyhow::Context;
 use crate::config::Config;
 use crate::policies::Policy;
 use crate::state::AppState;
-use crate::{api, scrape, snapshot, subscriber};
+use crate::{api, peers, scrape, snapshot, subscriber};
 
 /// Starts every background task and returns the state (used by `serve` and by tests).
 pub fn start(config: Config, policy: Policy) -> anyhow::Result<Arc<AppState>> {
@@ -30,6 +30,7 @@ pub fn start(config: Config, policy: Policy) -> anyhow::Result<Arc<AppState>> {
     }
     tokio::spawn(scrape::run(state.clone()));
     tokio::spawn(snapshot::run(state.clone()));
+    peers::spawn(&state);
     Ok(state)
 }
 

@@ -180,6 +180,8 @@ pub struct AppState {
     pub reuse_counted_from_ms: std::sync::atomic::AtomicU64,
     /// Admin bearer token.
     pub admin_token: Option<String>,
+    /// The decisions shared with peer gateways (`[peers]`).
+    pub peers: Option<crate::peers::PeerLink>,
 }
 
 /// Wall-clock unix time in ms (0 before 1970).
@@ -228,6 +230,7 @@ impl AppState {
         let policy_state = PolicyState::new(&config.policies);
         let load = LoadTracker::new(config.inflight.clone());
         let admin_token = config.admin_token();
+        let peers = config.peers.clone().map(crate::peers::PeerLink::new);
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(5))
             .build()?;
@@ -244,6 +247,7 @@ impl AppState {
             started: Instant::now(),
             reuse_counted_from_ms: std::sync::atomic::AtomicU64::new(unix_ms()),
             admin_token,
+            peers,
         }))
     }
 

@@ -9,6 +9,7 @@
 //! * [`http`]: the one loopback HTTP/1.1 client; [`fake_server`]: a tiny server for fakes;
 //!   [`fake_indexer`]: a programmable indexer API.
 //! * [`prom`]: Prometheus metrics of running processes (kvroute-core's parser).
+//! * [`redis`]: a throwaway Redis server (the gateways' shared decisions).
 //! * [`fleet`]: `kvroute-sim` replicas and `kvroute-indexer` for end-to-end tests;
 //!   [`stack`]: the whole stack (replicas, indexer, Envoy) for xtask and the benchmark.
 //! * [`text`]: deterministic filler prompts.
@@ -26,6 +27,7 @@ pub mod paths;
 pub mod ports;
 pub mod process;
 pub mod prom;
+pub mod redis;
 pub mod stack;
 pub mod supervisor;
 pub mod text;

@@ -48,7 +48,7 @@ pub fn run(layout: &Layout) -> Result<()> {
         .with_context(|| format!("creating {}", layout.cache_dir.display()))?;
 
     let vllm_script = layout.root.join(VLLM_REFERENCE_SCRIPT);
-    let total = if vllm_script.is_file() { 6 } else { 5 };
+    let total = if vllm_script.is_file() { 7 } else { 6 };
     step(1, total, "Rust target for the filter (rustup)", || {
         crate::toolchain::ensure_wasm_target(&layout.root)
     })?;
@@ -62,9 +62,10 @@ pub fn run(layout: &Layout) -> Result<()> {
     step(5, total, "Envoy ABI for the native filter", || {
         check_native_abi(layout)
     })?;
+    step(6, total, "Redis server (Debian redis-server)", ensure_redis)?;
     if vllm_script.is_file() {
         step(
-            6,
+            7,
             total,
             "vLLM reference modules (0.33.0 wheel; 0.11/0.23/0.25 kv_events.py by range reads)",
             || ensure_vllm_reference(layout, &vllm_script),
@@ -95,6 +96,74 @@ fn step<T: std::fmt::Display>(
         started.elapsed().as_secs_f64()
     );
     Ok(value)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Redis
+
+/// The Debian package whose server the peers tests and the multi-gateway benchmark start.
+const REDIS_PACKAGE: &str = "redis-server";
+/// Oldest accepted major version (ACL users, RESP3 and pub/sub as used: Redis 6; bookworm has 7).
+const REDIS_MIN_MAJOR: u32 = 6;
+
+/// Installs Debian's `redis-server` with apt-get when it is missing (the distribution's package,
+/// so security updates come with the distribution; the version is checked, not frozen: a frozen
+/// Debian version disappears from the mirror at its next point release).
+fn ensure_redis() -> Result<String> {
+    let bin = kvroute_testkit::redis::redis_server_bin();
+    if !bin.exists() {
+        if !Path::new("/usr/bin/apt-get").exists() {
+            bail!(
+                "{} not found and no apt-get: install Redis {REDIS_MIN_MAJOR}+ (or Valkey) and set KVROUTE_REDIS_SERVER to its server binary",
+                bin.display()
+            );
+        }
+        let apt = |args: &[&str]| -> Result<()> {
+            let status = Command::new("apt-get")
+                .args(args)
+                .env("DEBIAN_FRONTEND", "noninteractive")
+                .status()
+                .context("running apt-get")?;
+            if !status.success() {
+                bail!(
+                    "`apt-get {}` failed ({status}); run it as root",
+                    args.join(" ")
+                );
+            }
+            Ok(())
+        };
+        apt(&["update", "-q"])?;
+        apt(&[
+            "install",
+            "-y",
+            "-q",
+            "--no-install-recommends",
+            REDIS_PACKAGE,
+        ])?;
+    }
+    let out = Command::new(&bin)
+        .arg("--version")
+        .output()
+        .with_context(|| format!("running {} --version", bin.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    // "Redis server v=7.0.15 sha=..."
+    let version = text
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("v="))
+        .unwrap_or("")
+        .to_string();
+    let major: u32 = version
+        .split('.')
+        .next()
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(0);
+    if major < REDIS_MIN_MAJOR {
+        bail!(
+            "{} is version {version:?}; Redis {REDIS_MIN_MAJOR} or newer is needed",
+            bin.display()
+        );
+    }
+    Ok(format!("{} {version}", bin.display()))
 }
 
 // ---------------------------------------------------------------------------------------------
