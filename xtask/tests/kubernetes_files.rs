@@ -259,10 +259,25 @@ fn each_schema_render_and_agreement_problem_is_reported() {
             "snapshot.path /var/lib/kvroute/index.snap is not on a writable volume",
         ),
     ];
-    for (file, from, to, expected) in cases {
-        let copy = Copy::new();
-        copy.edit(file, from, to);
-        let (ok, out) = validate(&copy.root, &base_args());
+    // Each case is a separate validate.py run (a few seconds each, mostly `kubectl kustomize`):
+    // run them side by side.
+    let results: Vec<(bool, String)> = std::thread::scope(|s| {
+        let handles: Vec<_> = cases
+            .iter()
+            .map(|(file, from, to, _)| {
+                s.spawn(move || {
+                    let copy = Copy::new();
+                    copy.edit(file, from, to);
+                    validate(&copy.root, &base_args())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("case thread"))
+            .collect()
+    });
+    for ((file, from, to, expected), (ok, out)) in cases.iter().zip(results) {
         assert!(!ok, "{file}: {from:?} -> {to:?} was not reported:\n{out}");
         assert!(
             out.contains(expected),
