@@ -406,9 +406,12 @@ async fn one_indexer_follows_100_replicas_of_30k_blocks() {
             .flat_map(|b| tokens(prompt_id, b))
             .chain((0..TAIL_BLOCKS).flat_map(|b| tokens(tail_id(0, 1_000_000 + k), b)))
             .collect();
-        let (status, d) =
-            procs::post_json(&c, &format!("{base}/debug/lookup"), &json!({"model": "m", "token_ids": toks}))
-                .await;
+        let (status, d) = procs::post_json(
+            &c,
+            &format!("{base}/debug/lookup"),
+            &json!({"model": "m", "token_ids": toks}),
+        )
+        .await;
         assert_eq!(status, 200, "lookup: {d}");
         bodies.push(json!({
             "model": "m",
@@ -438,7 +441,10 @@ async fn one_indexer_follows_100_replicas_of_30k_blocks() {
         if i >= 200 {
             lat.push(t.elapsed());
         }
-        assert!(answer["replica"].is_string() || answer["endpoint"].is_string(), "{answer}");
+        assert!(
+            answer["replica"].is_string() || answer["endpoint"].is_string(),
+            "{answer}"
+        );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     stop_tx.send(true).expect("stop churn");
