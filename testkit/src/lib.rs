@@ -11,6 +11,7 @@
 //! * [`prom`]: Prometheus metrics of running processes (kvroute-core's parser).
 //! * [`fleet`]: `kvroute-sim` replicas and `kvroute-indexer` for end-to-end tests;
 //!   [`stack`]: the whole stack (replicas, indexer, Envoy) for xtask and the benchmark.
+//! * [`peer_install`]: peer routers (LiteLLM, vllm-router, ...) pinned, each in its own venv.
 //! * [`text`]: deterministic filler prompts.
 //! * [`cases`], [`json`], [`mutate`]: proptest configuration and hostile-input strategies.
 
@@ -23,6 +24,7 @@ pub mod http;
 pub mod json;
 pub mod mutate;
 pub mod paths;
+pub mod peer_install;
 pub mod ports;
 pub mod process;
 pub mod prom;
