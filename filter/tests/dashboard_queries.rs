@@ -91,7 +91,12 @@ fn selected(selector: &VectorSelector, exported: &BTreeSet<String>) -> Vec<Strin
         .collect();
     exported
         .iter()
-        .filter(|n| selector.name.as_deref().is_none_or(|want| want == n.as_str()))
+        .filter(|n| {
+            selector
+                .name
+                .as_deref()
+                .is_none_or(|want| want == n.as_str())
+        })
         .filter(|n| by_name.iter().all(|m| m.is_match(n)))
         .cloned()
         .collect()
@@ -188,7 +193,11 @@ fn dashboard_and_alert_queries_parse_and_name_only_exported_metrics() {
 
     let dashboard = dashboard_exprs();
     let rules = rule_exprs();
-    assert!(dashboard.len() >= 40, "{} dashboard queries", dashboard.len());
+    assert!(
+        dashboard.len() >= 40,
+        "{} dashboard queries",
+        dashboard.len()
+    );
     assert!(rules.len() >= 15, "{} alert rules", rules.len());
     let all: Vec<_> = dashboard.into_iter().chain(rules).collect();
     let found = problems(&all, &exported);
@@ -196,9 +205,18 @@ fn dashboard_and_alert_queries_parse_and_name_only_exported_metrics() {
 
     // The check can fail: a misspelt name, a regex matching nothing, and a syntax error.
     let broken = [
-        ("typo".to_string(), "rate(vllm:prefix_cache_hit_total[5m])".to_string()),
-        ("regex".to_string(), r#"sum({__name__=~"kvroute_failopen_.+"})"#.to_string()),
-        ("syntax".to_string(), "sum(rate(kvroute_requests[5m])".to_string()),
+        (
+            "typo".to_string(),
+            "rate(vllm:prefix_cache_hit_total[5m])".to_string(),
+        ),
+        (
+            "regex".to_string(),
+            r#"sum({__name__=~"kvroute_failopen_.+"})"#.to_string(),
+        ),
+        (
+            "syntax".to_string(),
+            "sum(rate(kvroute_requests[5m])".to_string(),
+        ),
     ];
     let found = problems(&broken, &exported);
     assert_eq!(found.len(), 3, "{found:?}");
@@ -229,7 +247,11 @@ fn matching_follows_names_and_name_regexes() {
     assert_eq!(pick("kvroute_missing"), vec![Vec::<String>::new()]);
     assert!(matches!(
         parser::parse(r#"x{a=~"b"}"#).map(|e| match e {
-            Expr::VectorSelector(v) => v.matchers.matchers.iter().any(|m| matches!(m.op, MatchOp::Re(_))),
+            Expr::VectorSelector(v) => v
+                .matchers
+                .matchers
+                .iter()
+                .any(|m| matches!(m.op, MatchOp::Re(_))),
             _ => false,
         }),
         Ok(true)

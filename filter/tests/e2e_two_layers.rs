@@ -110,7 +110,6 @@ struct Outcome {
     replica: usize,
     hits: u64,
     usage: Value,
-    response: Response,
 }
 
 fn usage_of(r: &Response, streaming: bool) -> Value {
@@ -218,7 +217,6 @@ impl TwoLayers {
             replica,
             hits: after[replica].1 - before[replica].1,
             usage,
-            response,
         }
     }
 
@@ -401,7 +399,10 @@ fn litellm_on_top_routes_like_kvroute_alone_and_adds_no_retries_or_leaks() {
         &[(SESSION_HEADER, sid)],
     );
     assert_eq!(
-        (f.decisions("session_new") - new0, f.decisions("session") - bound0),
+        (
+            f.decisions("session_new") - new0,
+            f.decisions("session") - bound0
+        ),
         (1.0, 1.0),
         "the first request opened the session, the second was routed by it"
     );

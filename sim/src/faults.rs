@@ -108,7 +108,8 @@ mod tests {
         let plan: FailPlan = serde_json::from_str(r#"{"requests": 1}"#).expect("plan");
         assert_eq!(plan.status, 500);
         assert!(plan.check().is_ok());
-        let bad: FailPlan = serde_json::from_str(r#"{"requests": 1, "status": 404}"#).expect("plan");
+        let bad: FailPlan =
+            serde_json::from_str(r#"{"requests": 1, "status": 404}"#).expect("plan");
         assert!(bad.check().is_err());
         assert!(serde_json::from_str::<FailPlan>(r#"{"request": 1}"#).is_err());
     }

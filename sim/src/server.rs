@@ -691,7 +691,11 @@ async fn admin_fail(State(s): State<Arc<AppState>>, req: axum::extract::Request)
         return ApiError::bad_request(e).into_response();
     }
     s.faults.arm(plan);
-    tracing::info!(requests = plan.requests, status = plan.status, "failures armed");
+    tracing::info!(
+        requests = plan.requests,
+        status = plan.status,
+        "failures armed"
+    );
     Json(json!(plan)).into_response()
 }
 

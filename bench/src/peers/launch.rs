@@ -290,7 +290,10 @@ fn two_layer_config(root: &Path, model: &str, kvroute: &str) -> Result<String> {
     let path = root.join(TWO_LAYER_DIR).join("config.yaml");
     let text = fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     if model != "qwen3" {
-        bail!("{} serves model qwen3, the benchmark {model}", path.display());
+        bail!(
+            "{} serves model qwen3, the benchmark {model}",
+            path.display()
+        );
     }
     if text.matches(TWO_LAYER_API_BASE).count() != 1 {
         bail!(

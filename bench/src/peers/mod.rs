@@ -17,10 +17,10 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
 use crate::router_usage as usage;
-use kvroute_testkit::peer_install as install;
 pub use crate::router_usage::{RouterCost, Usage};
 pub use crate::text_vocab::TextVocab;
 pub use install::Product;
+use kvroute_testkit::peer_install as install;
 
 use crate::http;
 use crate::stack::Stack;
