@@ -28,12 +28,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvroute_core::scoring::KvRelease;
 use serde::{Deserialize, Serialize};
 
 use crate::membership::{lock, Replica};
 
 /// Longest a decision's prefill is estimated to stay pending, queueing included.
 pub const MAX_PREFILL_ESTIMATE: Duration = Duration::from_secs(60);
+/// How long [`LoadTracker::kv_release`] reuses its curves.
+pub const RELEASE_REFRESH: Duration = Duration::from_millis(100);
 /// Longest accepted `callout_id`.
 pub const MAX_CALLOUT_ID_BYTES: usize = 128;
 
@@ -195,6 +198,8 @@ pub struct Pending {
     pub uncached_blocks: u32,
     /// Output tokens it is expected to generate (counted in the replica's remaining output).
     pub output_tokens: u64,
+    /// KV blocks it frees when it finishes: its uncached prompt and its output.
+    pub freed_blocks: u32,
     /// The time to first token the model predicted, seconds (0 for policies that do not predict).
     pub predicted_ttft_s: f64,
     callout: Option<Box<str>>,
@@ -215,6 +220,8 @@ pub struct NewDecision {
     pub decode_time: Duration,
     /// Output tokens expected.
     pub output_tokens: u64,
+    /// KV blocks its output takes (`output_tokens` in the model's blocks).
+    pub output_blocks: u32,
     /// The predicted time to first token, seconds.
     pub predicted_ttft_s: f64,
     /// The filter's id for this route call (to abandon it before the answer reached it).
@@ -249,6 +256,8 @@ pub struct LoadTracker {
     cfg: InflightConfig,
     nonce: u32,
     inner: Mutex<Inner>,
+    /// Release curves per replica (by name), and when they were computed.
+    releases: Mutex<Option<(Instant, HashMap<String, KvRelease>)>>,
     /// How decisions ended other than by completion.
     pub stats: LoadStats,
 }
@@ -286,6 +295,7 @@ impl LoadTracker {
             cfg,
             nonce,
             inner: Mutex::new(Inner::default()),
+            releases: Mutex::new(None),
             stats: LoadStats::default(),
         }
     }
@@ -373,6 +383,7 @@ impl LoadTracker {
                 prefill_blocks: d.prefill_blocks,
                 uncached_blocks: d.prefill_blocks,
                 output_tokens: d.output_tokens,
+                freed_blocks: d.prefill_blocks.saturating_add(d.output_blocks),
                 predicted_ttft_s: d.predicted_ttft_s,
                 callout,
             },
@@ -431,6 +442,43 @@ impl LoadTracker {
         inner.abandoned.insert(c.clone(), now);
         inner.abandoned_order.push_back((now, c));
         None
+    }
+
+    /// When `replica` gets the KV blocks of kvroute's requests back: each decision in flight there
+    /// finishes `predicted_ttft_s + output_tokens * step` after it was routed (`step` the replica's
+    /// decode step, from `step_s`), freeing its uncached prompt and output blocks. The curves of
+    /// every replica are computed in one pass and reused for [`RELEASE_REFRESH`].
+    pub fn kv_release(&self, replica: &Replica, step_s: impl Fn(&Replica) -> f64) -> KvRelease {
+        let now = Instant::now();
+        let mut cache = lock(&self.releases);
+        let fresh = cache
+            .as_ref()
+            .is_some_and(|(at, _)| now.saturating_duration_since(*at) < RELEASE_REFRESH);
+        if !fresh {
+            let mut finishes: HashMap<&str, Vec<(f64, u32)>> = HashMap::new();
+            let mut steps: HashMap<&str, f64> = HashMap::new();
+            let inner = lock(&self.inner);
+            for p in inner.pending.values() {
+                let name = p.replica.name.as_str();
+                let step = *steps.entry(name).or_insert_with(|| step_s(&p.replica));
+                let elapsed = now.saturating_duration_since(p.at).as_secs_f64();
+                let left = p.predicted_ttft_s.max(0.0) + p.output_tokens as f64 * step - elapsed;
+                finishes
+                    .entry(name)
+                    .or_default()
+                    .push((left.max(0.0), p.freed_blocks));
+            }
+            let curves = finishes
+                .into_iter()
+                .map(|(name, mut f)| (name.to_string(), KvRelease::from_finishes(&mut f)))
+                .collect();
+            drop(inner);
+            *cache = Some((now, curves));
+        }
+        cache
+            .as_ref()
+            .and_then(|(_, curves)| curves.get(&replica.name).copied())
+            .unwrap_or_default()
     }
 
     /// Decisions currently remembered.
@@ -588,6 +636,7 @@ mod tests {
             prefill_time: prefill,
             decode_time: Duration::ZERO,
             output_tokens: 100,
+            output_blocks: 7,
             predicted_ttft_s: 0.0,
             callout: None,
         }

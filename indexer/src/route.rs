@@ -238,6 +238,10 @@ impl Lookup<'_> {
                         // Requests in flight are on average half way through their output.
                         remaining_output_tokens: get(&r.remaining_output_tokens) as u64 / 2,
                         arrival_rate_per_s: self.arrival_rate_per_replica,
+                        kv_release: state.load.kv_release(r, |r| {
+                            replica_rates(&state.config.scoring, r, &state.config.calibration)
+                                .decode_step_s
+                        }),
                     },
                     rates: replica_rates(&state.config.scoring, r, &state.config.calibration),
                     healthy: r.healthy(),
@@ -443,6 +447,7 @@ fn record(
         prefill_time: prefill_estimate(&rates, uncached_blocks, bs),
         decode_time: state.load.config().decode_time(req.max_tokens),
         output_tokens: u64::from(lookup.shape.output_tokens),
+        output_blocks: lookup.shape.output_tokens.div_ceil(bs.max(1)),
         predicted_ttft_s: decision.terms.ttft_s,
         callout: req.callout_id.clone(),
     });
@@ -455,9 +460,19 @@ fn record(
     state.metrics.routed.fetch_add(1, Ordering::Relaxed);
     state.metrics.count_decision(&reason);
     let t = &decision.terms;
+    let load = cands
+        .iter()
+        .find(|c| c.replica == decision.replica)
+        .map(|c| c.load)
+        .unwrap_or_default();
     tracing::debug!(
         model = %lookup.keys.model.name,
         replica = %chosen.name,
+        in_flight = load.in_flight,
+        running = load.running,
+        waiting = load.waiting,
+        kv = load.kv_fraction(),
+        pending_tokens = load.pending_prefill_tokens,
         %reason,
         prompt_blocks,
         gpu = m.gpu, cpu = m.cpu, storage = m.storage, predicted = m.predicted,

@@ -64,6 +64,80 @@ pub struct Load {
     /// healthy replicas).
     #[serde(default)]
     pub arrival_rate_per_s: f64,
+    /// When the KV blocks of kvroute's requests running here are expected back (empty when
+    /// kvroute has none here).
+    #[serde(default)]
+    pub kv_release: KvRelease,
+}
+
+/// One point of a [`KvRelease`] curve.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct ReleasePoint {
+    /// Seconds from now.
+    pub after_s: f32,
+    /// KV blocks freed by then (cumulative).
+    pub blocks: u32,
+    /// Requests finished by then (cumulative).
+    pub requests: u32,
+}
+
+/// When a replica gets its KV blocks back: a cumulative curve of the blocks its running requests
+/// free as they finish (prompt and output blocks each), sampled at the 1st, 2nd, 4th, ... finishing
+/// request and the last. Between points the blocks come back linearly.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct KvRelease {
+    /// The points, ascending in time and blocks; only the first `len` are set.
+    pub points: [ReleasePoint; KvRelease::MAX_POINTS],
+    /// How many points are set.
+    pub len: u8,
+}
+
+impl KvRelease {
+    /// Points kept.
+    pub const MAX_POINTS: usize = 8;
+
+    /// The curve of requests finishing after `(seconds from now, blocks they free)`; `finishes`
+    /// is sorted in place. Negative or non-finite times count as now.
+    pub fn from_finishes(finishes: &mut [(f64, u32)]) -> Self {
+        let mut out = KvRelease::default();
+        if finishes.is_empty() {
+            return out;
+        }
+        for f in finishes.iter_mut() {
+            if !(f.0.is_finite() && f.0 > 0.0) {
+                f.0 = 0.0;
+            }
+        }
+        finishes.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let last = finishes.len() - 1;
+        let mut cumulative: u32 = 0;
+        let mut next_sample = 0usize;
+        for (i, &(after_s, blocks)) in finishes.iter().enumerate() {
+            cumulative = cumulative.saturating_add(blocks);
+            let sample = i == next_sample || i == last;
+            if i == next_sample {
+                next_sample = 2 * next_sample + 1;
+            }
+            if !sample {
+                continue;
+            }
+            let slot = usize::from(out.len).min(Self::MAX_POINTS - 1);
+            if i == last || slot < Self::MAX_POINTS - 1 {
+                out.points[slot] = ReleasePoint {
+                    after_s: after_s as f32,
+                    blocks: cumulative,
+                    requests: u32::try_from(i + 1).unwrap_or(u32::MAX),
+                };
+                out.len = (slot + 1) as u8;
+            }
+        }
+        out
+    }
+
+    /// The set points.
+    pub fn points(&self) -> &[ReleasePoint] {
+        &self.points[..usize::from(self.len).min(Self::MAX_POINTS)]
+    }
 }
 
 impl Load {

@@ -24,7 +24,9 @@ mod predict;
 
 pub use crate::rng::SplitMix64;
 pub use config::{ConfigError, ScoringConfig};
-pub use inputs::{Candidate, Load, MatchedBlocks, ReplicaRates, RequestShape};
+pub use inputs::{
+    Candidate, KvRelease, Load, MatchedBlocks, ReleasePoint, ReplicaRates, RequestShape,
+};
 pub use policies::{choose_least_loaded, choose_random, choose_round_robin};
 pub use predict::{predict, CostTerms};
 

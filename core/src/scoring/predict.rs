@@ -8,8 +8,11 @@
 //! queue_wait   = compute(ahead)
 //! prefill      = compute(ahead + uncached) - compute(ahead)
 //! tier_load    = cpu_tokens / cpu_load_rate + storage_tokens / storage_load_rate
-//! kv_pressure  = deficit_blocks / used_blocks * remaining_per_running * step       (0 if it fits;
-//!                used counts the blocks of the queue ahead)
+//! kv_pressure  = 0 if the prompt's new blocks fit the free blocks (after the queue ahead), else
+//!                the first t with free + released(t) - grown(t) >= need, where released is the
+//!                curve of kvroute's running requests' blocks coming back as they finish and
+//!                grown the blocks the still-decoding batch adds; without a curve,
+//!                deficit_blocks / used_blocks * remaining_per_running * step
 //! ttft         = queue_wait + prefill + tier_load + kv_pressure
 //! harm         = decoding * weight * (uncached / prefill_rate + min(output, remaining) * per_seq_step)
 //!              + arrival_rate * prefill * (queue_wait + prefill / 2)
@@ -25,7 +28,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::config::ScoringConfig;
-use super::inputs::{Candidate, RequestShape};
+use super::inputs::{Candidate, KvRelease, ReleasePoint, RequestShape};
 
 /// Every term of one candidate's prediction, in seconds unless named otherwise.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
@@ -116,7 +119,11 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
     } else {
         f64::from(cfg.default_remaining_output_tokens.max(1))
     };
-    let kv_pressure_s = kv_pressure(req, c, uncached, ahead, bs, remaining_per_running * step);
+    let kv = KvState::of(c, ahead, bs);
+    let kv_pressure_s = match c.load.kv_release.points() {
+        [] => kv.drain_wait(req, uncached, remaining_per_running * step),
+        release => kv.release_wait(uncached.div_ceil(bs), release, decoding, step),
+    };
     let ttft_s = queue_wait_s + prefill_s + tier_load_s + kv_pressure_s;
 
     let weight = cfg.ttft_objective_s / (remaining_per_running * cfg.itl_objective_s);
@@ -148,37 +155,86 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
     }
 }
 
-/// Expected wait for KV blocks: when the request's new blocks (its uncached prompt and its output)
-/// do not fit the replica's free blocks, it waits for running requests to finish and free theirs.
-/// Those free `used` blocks over the time the running requests still decode (`drain_s`), so the
-/// deficit takes `deficit / used * drain_s`. The prefill queued ahead (`ahead` tokens: kvroute's
-/// pending requests and the engine's other waiting ones) takes its blocks first.
-fn kv_pressure(
-    req: &RequestShape,
-    c: &Candidate,
-    uncached: u64,
-    ahead: u64,
+/// A replica's KV blocks as the request would find them: capacity, and what is used once the
+/// prefill queued ahead of it (`ahead` tokens: kvroute's pending requests and the engine's other
+/// waiting ones) has taken its blocks.
+struct KvState {
+    capacity: u64,
+    used: u64,
     bs: u64,
-    drain_s: f64,
-) -> f64 {
-    let capacity = u64::from(c.rates.kv_capacity_blocks);
-    if capacity == 0 {
-        return 0.0;
+}
+
+impl KvState {
+    fn of(c: &Candidate, ahead: u64, bs: u64) -> Self {
+        let capacity = u64::from(c.rates.kv_capacity_blocks);
+        let scraped = (c.load.kv_fraction() * capacity as f64).round() as u64;
+        let used = scraped.saturating_add(ahead.div_ceil(bs)).min(capacity);
+        KvState { capacity, used, bs }
     }
-    let need = uncached.div_ceil(bs) + u64::from(req.output_tokens).div_ceil(bs);
-    let scraped = (c.load.kv_fraction() * capacity as f64).round() as u64;
-    let queued = ahead.div_ceil(bs);
-    let used = scraped.saturating_add(queued).min(capacity);
-    let free = capacity - used;
-    if need <= free {
-        return 0.0;
+
+    fn free(&self) -> u64 {
+        self.capacity - self.used
     }
-    let deficit = (need - free) as f64;
-    if used == 0 {
-        // It cannot fit even an empty replica: it will be refused there, whatever the cost.
-        return f64::MAX / 4.0;
+
+    /// Without a release curve: when the request's new blocks (its uncached prompt and its
+    /// output) do not fit, it waits for running requests to free theirs, which free `used` blocks
+    /// over the time they still decode (`drain_s`), so the deficit takes `deficit / used * drain_s`.
+    fn drain_wait(&self, req: &RequestShape, uncached: u64, drain_s: f64) -> f64 {
+        if self.capacity == 0 {
+            return 0.0;
+        }
+        let need = uncached.div_ceil(self.bs) + u64::from(req.output_tokens).div_ceil(self.bs);
+        if need <= self.free() {
+            return 0.0;
+        }
+        if self.used == 0 {
+            // It cannot fit even an empty replica: it will be refused there, whatever the cost.
+            return f64::MAX / 4.0;
+        }
+        (need - self.free()) as f64 / self.used as f64 * drain_s
     }
-    deficit / used as f64 * drain_s
+
+    /// With the release curve of kvroute's running requests: the engine admits the request when
+    /// its `need` prompt blocks are free. If they are not free now, they become free when the
+    /// running requests finish and give theirs back, while the batch keeps growing by one block
+    /// per `bs` tokens of each sequence still decoding. The margin at `t` is
+    /// `free + released(t) - grown(t) - need`; the request waits until it is first positive.
+    /// (A batch that will outgrow its KV later preempts whoever the engine admitted last, which
+    /// is the same wherever this request goes; only a shortfall now is this request's wait.)
+    fn release_wait(&self, need: u64, release: &[ReleasePoint], decoding: u32, step: f64) -> f64 {
+        if self.capacity == 0 || need <= self.free() {
+            return 0.0;
+        }
+        if need > self.capacity {
+            return f64::MAX / 4.0;
+        }
+        let per_seq = 1.0 / (self.bs as f64 * step);
+        let decoding = f64::from(decoding);
+        let base = self.free() as f64 - need as f64;
+        // (time, margin) at now and at each point of the curve.
+        let mut samples = [(0.0f64, base); KvRelease::MAX_POINTS + 1];
+        let (mut t_prev, mut done_prev, mut grown) = (0.0f64, 0.0f64, 0.0f64);
+        for (slot, p) in samples[1..].iter_mut().zip(release) {
+            let t = f64::from(p.after_s).max(t_prev);
+            let done = f64::from(p.requests).max(done_prev);
+            // Sequences still decoding fall linearly from one point to the next.
+            let before = (decoding - done_prev).max(0.0);
+            let after = (decoding - done).max(0.0);
+            grown += (before + after) / 2.0 * (t - t_prev) * per_seq;
+            *slot = (t, base + f64::from(p.blocks) - grown);
+            (t_prev, done_prev) = (t, done);
+        }
+        let samples = &samples[..=release.len()];
+        let Some(k) = samples.iter().position(|&(_, m)| m >= 0.0) else {
+            // Short even when kvroute's requests have finished: others hold the blocks; wait
+            // as long again as the curve lasted, at least.
+            let (t_last, _) = samples[release.len()];
+            return t_last.max(f64::MIN_POSITIVE) * 2.0;
+        };
+        // k > 0: the margin at now is negative.
+        let ((t0, m0), (t1, m1)) = (samples[k - 1], samples[k]);
+        t0 + (-m0) / (m1 - m0) * (t1 - t0)
+    }
 }
 
 fn positive(v: f64, fallback: f64) -> f64 {

@@ -492,3 +492,73 @@ fn a_kv_bound_holders_waiting_queue_is_sized_like_what_kvroute_sends_it() {
     let t = predict(&cfg, &req(450), &unknown);
     assert_eq!(t.ahead_tokens, 20 * 450 * u64::from(BS));
 }
+
+#[test]
+fn release_curves_sample_the_first_finishes_densely_and_keep_the_last() {
+    assert!(KvRelease::from_finishes(&mut []).points().is_empty());
+    let mut finishes: Vec<(f64, u32)> = (0..300).rev().map(|i| (f64::from(i), 10)).collect();
+    finishes.push((-3.0, 10));
+    let curve = KvRelease::from_finishes(&mut finishes);
+    let points = curve.points();
+    assert_eq!(points.len(), KvRelease::MAX_POINTS);
+    let requests: Vec<u32> = points.iter().map(|p| p.requests).collect();
+    assert_eq!(requests, [1, 2, 4, 8, 16, 32, 64, 301]);
+    assert_eq!(points[0].after_s, 0.0, "a past finish counts as now");
+    assert_eq!(points[7].blocks, 3_010);
+    assert_eq!(points[7].after_s, 299.0);
+    assert!(points.windows(2).all(|w| w[0].after_s <= w[1].after_s));
+}
+
+/// A replica whose KV is full of kvroute's requests, which finish from `first_s` on.
+fn full_until(replica: u32, gpu: u32, first_s: f64) -> Candidate {
+    let mut c = cand(replica, gpu, 180);
+    c.rates.kv_capacity_blocks = 32_768;
+    c.rates.decode_step_s = 0.06;
+    c.load.kv_usage = 0.999;
+    c.load.in_flight_uncached_tokens = 180 * 75 * u64::from(BS);
+    c.load.remaining_output_tokens = 180 * 500;
+    let mut finishes: Vec<(f64, u32)> = (0..180)
+        .map(|i| (first_s + f64::from(i) * 0.2, 140))
+        .collect();
+    c.load.kv_release = KvRelease::from_finishes(&mut finishes);
+    c
+}
+
+#[test]
+fn a_full_replica_waits_until_its_running_requests_free_enough_blocks() {
+    let cfg = ScoringConfig::default();
+    // Nothing finishes for 12 s, and 180 decoding sequences grow by ~190 blocks a second: the
+    // request waits at least until the first finishes, and longer than the uniform-drain guess.
+    let holder = full_until(0, 375, 12.0);
+    let t = predict(&cfg, &req(450), &holder);
+    assert!(t.kv_pressure_s > 12.0, "{t:?}");
+    let mut no_curve = holder;
+    no_curve.load.kv_release = KvRelease::default();
+    let guess = predict(&cfg, &req(450), &no_curve);
+    assert!(guess.kv_pressure_s < 1.0, "{guess:?}");
+    // Finishing soon, it waits only until then.
+    let soon = predict(&cfg, &req(450), &full_until(0, 375, 0.5));
+    assert!(soon.kv_pressure_s < t.kv_pressure_s, "{soon:?}");
+    // With room for its prompt and for the batch's growth until its requests finish: no wait.
+    let mut roomy = full_until(0, 375, 1.0);
+    roomy.load.kv_usage = 0.5;
+    assert_eq!(predict(&cfg, &req(450), &roomy).kv_pressure_s, 0.0);
+}
+
+#[test]
+fn a_holder_whose_kv_runs_out_gives_the_request_to_a_replica_with_room() {
+    // Seen at 18 req/s on shared-prefix: every replica near full KV, none of kvroute's requests
+    // finishing for another 12 s; the holder of the 375-block prefix had no free block, and its
+    // waiting requests then waited ~30 s. A replica with 1,500 free blocks serves it sooner even
+    // if it must compute the whole prompt.
+    let cfg = ScoringConfig::default();
+    let holder = full_until(0, 375, 12.0);
+    let mut roomy = full_until(1, 0, 12.0);
+    roomy.load.kv_usage = 0.9;
+    let d = choose(&cfg, &req(450), &[holder, roomy], 3).expect("decision");
+    assert_eq!(d.replica, 1, "{:#?}", d.candidates);
+    assert_eq!(d.reason, DecisionReason::LoadOverPrefix);
+    // With its blocks coming back soon, the holder keeps its hit.
+    let d = choose(&cfg, &req(450), &[full_until(0, 375, 0.2), roomy], 3).expect("decision");
+    assert_eq!(d.replica, 0, "{:#?}", d.candidates);
+}
