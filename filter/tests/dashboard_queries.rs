@@ -102,13 +102,30 @@ fn selected(selector: &VectorSelector, exported: &BTreeSet<String>) -> Vec<Strin
         .collect()
 }
 
-/// Sample names of a Prometheus text exposition.
+/// The names a Prometheus text exposition exports: its samples', and those of every declared
+/// family (`# TYPE`), which a counter with no label set yet (`route_errors_total{status}`) has
+/// without samples.
 fn names(text: &str) -> BTreeSet<String> {
-    text.lines()
+    let mut out: BTreeSet<String> = text
+        .lines()
         .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
         .filter_map(|l| l.split(['{', ' ']).next())
         .map(str::to_string)
-        .collect()
+        .collect();
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        if let (Some("#"), Some("TYPE"), Some(name), Some(kind)) =
+            (words.next(), words.next(), words.next(), words.next())
+        {
+            let suffixes: &[&str] = match kind {
+                "counter" if !name.ends_with("_total") => &["_total"],
+                "histogram" => &["_bucket", "_sum", "_count"],
+                _ => &[""],
+            };
+            out.extend(suffixes.iter().map(|s| format!("{name}{s}")));
+        }
+    }
+    out
 }
 
 /// Checks `exprs`; returns one line per problem.
@@ -257,7 +274,10 @@ fn matching_follows_names_and_name_regexes() {
         Ok(true)
     ));
     assert_eq!(
-        names("# HELP x y\nx_total{a=\"1\"} 2\ny 3\n"),
-        ["x_total", "y"].into_iter().map(String::from).collect()
+        names("# HELP x y\nx_total{a=\"1\"} 2\ny 3\n# TYPE z_total counter\n# TYPE h histogram\n"),
+        ["h_bucket", "h_count", "h_sum", "x_total", "y", "z_total"]
+            .into_iter()
+            .map(String::from)
+            .collect()
     );
 }
