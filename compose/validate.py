@@ -23,7 +23,11 @@ docker-compose.sim.yml (kvroute-sim) and check, for each:
 * envoy.yaml: the fallback cluster lists exactly the replicas, the indexer cluster is the indexer's
   `listen` address, the wasm file is where the wasm volume is mounted, the listener port is
   published, and the file equals ../envoy/envoy.yaml rendered with its values except for the
-  listener address.
+  listener address;
+* docker-compose.two-layers.yml's LiteLLM (docs/two-layers.md): the pinned image, one deployment per
+  model group at Envoy's address, num_retries at most 1, no cooldowns, client headers forwarded (the
+  indexer's session header among them), the master key from the environment, custom_auth next to
+  the config, and Envoy published on the host's loopback only.
 
 With --indexer/--model-dir, indexer.toml is also parsed by `kvroute-indexer serve --check-config`
 (the real parser; model_dir pointed at DIR). With --envoy/--wasm, envoy.yaml is checked by
@@ -52,7 +56,14 @@ except ImportError:  # Python 3.10 (README's minimum): the TOML parser pip itsel
     from pip._vendor import tomli as tomllib  # type: ignore[no-redef]
 
 HERE = Path(__file__).resolve().parent
-COMPOSE_FILES = {"docker-compose.yml": "vllm", "docker-compose.sim.yml": "sim"}
+COMPOSE_FILES = {
+    "docker-compose.yml": "vllm",
+    "docker-compose.sim.yml": "sim",
+    "docker-compose.two-layers.yml": "sim",
+}
+# The LiteLLM recipe (docs/two-layers.md): at most this many retries at the top layer.
+LITELLM_MAX_RETRIES = 1
+LITELLM_PIN = "litellm[proxy]==1.108.7"
 KV_EVENTS_KEYS = {
     "enable_kv_cache_events",
     "publisher",
@@ -93,6 +104,8 @@ def interpolate(value: Any, where: str, problems: Problems) -> Any:
     if not isinstance(value, str):
         return value
     out = re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*):-([^}]*)\}", lambda m: m.group(2), value)
+    # `${NAME:?message}`: required, no default (secrets); stands for itself here.
+    out = re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*):\?[^}]*\}", lambda m: f"<{m.group(1)}>", out)
     bare = re.sub(r"\$\$", "", out)
     problems.check(
         "$" not in bare,
@@ -561,8 +574,9 @@ def check_compose(path: Path, expected_kind: str, template: Path, problems: Prob
         b = s.get("build")
         if b:
             df = (path.parent / b.get("context", ".") / b.get("dockerfile", "Dockerfile")).resolve()
-            problems.check(df == (path.parent / "Dockerfile.kvroute").resolve() and df.is_file(), where,
-                           f"service {name} must build compose/Dockerfile.kvroute with the repository as context")
+            own = "Dockerfile.litellm" if name == "litellm" else "Dockerfile.kvroute"
+            problems.check(df == (path.parent / own).resolve() and df.is_file(), where,
+                           f"service {name} must build compose/{own}")
 
     replica_services = {n: s for n, s in services.items() if replica_kind(s)}
     kinds = {replica_kind(s) for s in replica_services.values()}
@@ -607,7 +621,82 @@ def check_compose(path: Path, expected_kind: str, template: Path, problems: Prob
                        and os.path.basename(cp[-1]) == os.path.basename(filename), where,
                        f"filter-wasm writes {cp[-1]}, but Envoy loads {filename} from volume {emount[0]}")
     check_template(envoy, template, ew, problems)
+    if "litellm" in services:
+        check_litellm(services["litellm"], envoy_s, envoy, envoy_ip, cfg, path.parent, where, problems)
     return {"envoy": envoy_file, "toml": toml_file}
+
+
+# ---------------------------------------------------------------------------------------------
+# LiteLLM on top (docs/two-layers.md)
+
+
+def check_litellm(service: dict, envoy_s: dict, envoy: dict, envoy_ip: str | None, toml_cfg: dict,
+                  compose_dir: Path, where: str, problems: Problems) -> None:
+    """The top layer: one deployment per model group, kvroute's Envoy; at most one retry; the
+    session header forwarded; LiteLLM is the only way in."""
+    w = f"{where}: service litellm"
+    b = service.get("build") or {}
+    dockerfile = compose_dir / b.get("context", ".") / b.get("dockerfile", "Dockerfile")
+    problems.check(dockerfile.is_file() and LITELLM_PIN in dockerfile.read_text(), w,
+                   f"must build an image that installs {LITELLM_PIN} (the version the two-layer test runs)")
+    problems.check(bool(published_container_ports(service)), w, "LiteLLM must publish its port (the clients' entry point)")
+    for p in envoy_s.get("ports", []) or []:
+        loopback = isinstance(p, dict) and str(p.get("host_ip", "")) == "127.0.0.1" or str(p).startswith("127.0.0.1:")
+        problems.check(loopback, where,
+                       f"envoy publishes {p!r}: with LiteLLM on top, clients must not reach kvroute around "
+                       "its keys (publish Envoy on the host's loopback at most)")
+    config = config_file(service, "--config", compose_dir, w, problems)
+    if config is None:
+        return
+    doc = yaml.safe_load(config.read_text()) or {}
+    cw = f"{config.parent.name}/{config.name} (for {where})"
+    sock = listener_socket(envoy)
+    want_base = f"http://{envoy_ip}:{sock['port_value']}/v1"
+    groups: dict[str, list[dict]] = {}
+    for d in doc.get("model_list") or []:
+        groups.setdefault(str(d.get("model_name")), []).append(d.get("litellm_params") or {})
+    toml_models = {m.get("name") for m in toml_cfg.get("models", [])}
+    problems.check(set(groups) == toml_models, cw,
+                   f"model groups {sorted(groups)} != indexer.toml models {sorted(toml_models)}")
+    for name, deployments in groups.items():
+        problems.check(len(deployments) == 1, cw,
+                       f"model group {name!r} has {len(deployments)} deployments: kvroute's Envoy must be the "
+                       "only one (LiteLLM would split traffic around kvroute)")
+        for d in deployments:
+            problems.check(d.get("api_base") == want_base, cw,
+                           f"model group {name!r}: api_base {d.get('api_base')!r} != kvroute's Envoy {want_base}")
+            problems.check(str(d.get("model", "")) == f"hosted_vllm/{name}", cw,
+                           f"model group {name!r}: model must be hosted_vllm/{name} (vLLM's OpenAI API, same name)")
+    litellm_settings = doc.get("litellm_settings") or {}
+    router = doc.get("router_settings") or {}
+    for section, values in (("litellm_settings", litellm_settings), ("router_settings", router)):
+        n = values.get("num_retries")
+        problems.check(isinstance(n, int) and 0 <= n <= LITELLM_MAX_RETRIES, cw,
+                       f"{section}.num_retries must be 0..{LITELLM_MAX_RETRIES} (found {n!r}): retries stack "
+                       "with the client's and LiteLLM's default is 2")
+    problems.check(router.get("disable_cooldowns") is True, cw,
+                   "router_settings.disable_cooldowns must be true: the one deployment is the whole fleet, "
+                   "a cooldown would refuse every request of the group")
+    general = doc.get("general_settings") or {}
+    forwarded = ((litellm_settings.get("model_group_settings") or {}).get("forward_client_headers_to_llm_api")
+                 or [])
+    everywhere = general.get("forward_client_headers_to_llm_api") is True
+    for name in groups:
+        problems.check(everywhere or name in forwarded, cw,
+                       f"model group {name!r} must forward client headers "
+                       "(litellm_settings.model_group_settings.forward_client_headers_to_llm_api)")
+    session = str((toml_cfg.get("policy") or {}).get("session_header", "x-session-id")).lower()
+    problems.check(session.startswith("x-") and not session.startswith("x-stainless"), cw,
+                   f"the indexer's session header {session!r} is not one LiteLLM forwards (x-*, not x-stainless-*)")
+    problems.check(str(general.get("master_key", "")).startswith("os.environ/"), cw,
+                   "general_settings.master_key must come from the environment (os.environ/...)")
+    auth = general.get("custom_auth")
+    if auth:
+        module = config.parent / (str(auth).rsplit(".", 1)[0] + ".py")
+        problems.check(module.is_file(), cw, f"custom_auth {auth!r}: {module.name} is not next to the config")
+        inside = flag_values(as_list(service.get("command")), "--config")
+        problems.check(bool(inside) and service.get("working_dir") == os.path.dirname(inside[0]), w,
+                       "working_dir must be the config's directory (LiteLLM imports custom_auth from there)")
 
 
 def run_tool(cmd: list[str], where: str, problems: Problems) -> None:

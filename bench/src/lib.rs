@@ -465,6 +465,7 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
             gpu_blocks: 0,
             topic: "kv-events".to_string(),
             work_dir: out_dir.clone(),
+            kvroute_addr: None,
         },
         peers::run::PeerRunConfig {
             model: "qwen3".to_string(),

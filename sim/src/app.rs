@@ -169,6 +169,7 @@ pub async fn run(cli: Cli) -> Result<(), AppError> {
             .map(|d| d.as_secs_f64())
             .unwrap_or(0.0),
         counter: AtomicU64::new(0),
+        faults: crate::faults::Faults::default(),
         latency: cli.latency_model(),
         speed,
         max_num_batched_tokens: cli.max_num_batched_tokens,

@@ -9,13 +9,15 @@
 //! * [`latency`]: the step-time cost model; [`engine`]: the time-scaled step loop on tokio;
 //! * [`hashing`]: vLLM's block hash via `kvroute_core::hashing`;
 //! * [`events`]: ZeroMQ PUB + ROUTER replay publisher;
-//! * [`openai`], [`server`], [`metrics`]: the HTTP surface; [`cli`], [`app`]: flags and wiring.
+//! * [`openai`], [`server`], [`metrics`]: the HTTP surface; [`faults`]: attempt counts and
+//!   injected failures; [`cli`], [`app`]: flags and wiring.
 
 pub mod app;
 pub mod block_pool;
 pub mod cli;
 pub mod engine;
 pub mod events;
+pub mod faults;
 pub mod free_queue;
 pub mod hashing;
 pub mod kv_manager;

@@ -292,6 +292,28 @@ fn fmt_f(v: f64) -> String {
     }
 }
 
+/// Appends the server's generation attempts (every completions request as it arrived, before
+/// parsing) and the ones failed on purpose (`POST /admin/fail`).
+pub fn render_attempts(out: &mut String, model_name: &str, received: u64, injected: u64) {
+    let model = esc(model_name);
+    for (name, help, v) in [
+        (
+            "kvroute_sim:generate_attempts",
+            "Completions and chat completions requests received (each retry counts).",
+            received,
+        ),
+        (
+            "kvroute_sim:injected_failures",
+            "Requests answered with an error by POST /admin/fail.",
+            injected,
+        ),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} counter");
+        let _ = writeln!(out, "{name}_total{{model_name=\"{model}\"}} {v}.0");
+    }
+}
+
 /// Renders every engine's metrics in Prometheus text format.
 pub fn render(model_name: &str, engines: &[EngineMetrics], process_start_s: f64) -> String {
     let mut out = String::new();

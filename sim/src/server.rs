@@ -1,7 +1,7 @@
 //! The OpenAI-compatible HTTP server (axum), with vLLM's paths and shapes:
 //! `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE), their `/render` variants,
 //! `GET /v1/models`, `/health`, `/version`, `/metrics`, `/kv_event_sources`,
-//! `POST /reset_prefix_cache`; and the simulator's own `POST /admin/speed`,
+//! `POST /reset_prefix_cache`; and the simulator's own `POST /admin/speed`, `POST /admin/fail`,
 //! `GET /admin/latency-model` (loopback peers only).
 
 use std::collections::HashMap;
@@ -67,6 +67,8 @@ pub struct AppState {
     pub max_num_batched_tokens: usize,
     /// `--time-scale`.
     pub time_scale: f64,
+    /// Generation attempts received and failures armed by `POST /admin/fail`.
+    pub faults: crate::faults::Faults,
 }
 
 /// Builds the router.
@@ -83,6 +85,7 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/kv_event_sources", get(kv_event_sources))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/admin/speed", post(admin_speed))
+        .route("/admin/fail", post(admin_fail))
         .route("/admin/latency-model", get(admin_latency_model))
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(state)
@@ -272,6 +275,16 @@ async fn chat_completions(
 }
 
 async fn generate(s: Arc<AppState>, ep: Endpoint, headers: HeaderMap, raw: Bytes) -> Response {
+    if let Some(status) = s.faults.attempt() {
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        return ApiError {
+            status,
+            kind: "InternalServerError",
+            message: "failure injected by POST /admin/fail".into(),
+            param: None,
+        }
+        .into_response();
+    }
     let prep = match s.prepare(ep, &headers, &raw, true) {
         Ok(p) => p,
         Err(e) => return e.into_response(),
@@ -546,7 +559,9 @@ async fn metrics_text(State(s): State<Arc<AppState>>) -> Response {
             Err(p) => p.into_inner().clone(),
         })
         .collect();
-    let text = metrics::render(&s.served_names[0], &snapshot, s.start_unix_s);
+    let mut text = metrics::render(&s.served_names[0], &snapshot, s.start_unix_s);
+    let (received, injected) = s.faults.counts();
+    metrics::render_attempts(&mut text, &s.served_names[0], received, injected);
     (
         [(
             header::CONTENT_TYPE,
@@ -651,6 +666,37 @@ async fn admin_speed(State(s): State<Arc<AppState>>, req: axum::extract::Request
         }
         Err(e) => ApiError::bad_request(e.to_string()).into_response(),
     }
+}
+
+/// `POST /admin/fail` with `{"requests": N, "status": S}`: the next N generation requests answer
+/// status S (default 500) without running; N = 0 disarms. Answers the plan.
+async fn admin_fail(State(s): State<Arc<AppState>>, req: axum::extract::Request) -> Response {
+    if let Some(r) = admin_forbidden(req.extensions().get()) {
+        return r;
+    }
+    let raw = match axum::body::to_bytes(req.into_body(), 64 * 1024).await {
+        Ok(b) => b,
+        Err(e) => return ApiError::bad_request(format!("unreadable body: {e}")).into_response(),
+    };
+    let plan: crate::faults::FailPlan = match serde_json::from_slice(&raw) {
+        Ok(p) => p,
+        Err(e) => {
+            return ApiError::bad_request(format!(
+                "expected {{\"requests\": <count>, \"status\": <500-599>}}: {e}"
+            ))
+            .into_response()
+        }
+    };
+    if let Err(e) = plan.check() {
+        return ApiError::bad_request(e).into_response();
+    }
+    s.faults.arm(plan);
+    tracing::info!(
+        requests = plan.requests,
+        status = plan.status,
+        "failures armed"
+    );
+    Json(json!(plan)).into_response()
 }
 
 #[cfg(test)]

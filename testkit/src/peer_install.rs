@@ -1,5 +1,6 @@
 //! Installs each peer router into its own virtual environment under `<cache>/peers/<name>`, with
-//! the versions pinned in issue 7. A marker file records what was installed, so a second call is
+//! the versions pinned in issue 7 (the routing benchmark's peers; `cargo xtask setup` installs
+//! LiteLLM for the two-layer test). A marker file records what was installed, so a second call is
 //! a cheap check; a venv whose marker differs (or whose program is missing) is rebuilt.
 
 use std::fs;
