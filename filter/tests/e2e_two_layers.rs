@@ -392,7 +392,8 @@ fn litellm_on_top_routes_like_kvroute_alone_and_adds_no_retries_or_leaks() {
         f.indexer_port,
         &["--policy", "session"],
     );
-    ix.wait_ready();
+    // The session policy reads no event stream; the replicas' streams may stay quiet.
+    ix.wait_serving();
     f.indexer = Some(ix);
     let (new0, bound0) = (f.decisions("session_new"), f.decisions("session"));
     let sid = "two-layers-session-0001";
