@@ -48,7 +48,7 @@ pub fn run(layout: &Layout) -> Result<()> {
         .with_context(|| format!("creating {}", layout.cache_dir.display()))?;
 
     let vllm_script = layout.root.join(VLLM_REFERENCE_SCRIPT);
-    let total = if vllm_script.is_file() { 6 } else { 5 };
+    let total = if vllm_script.is_file() { 7 } else { 6 };
     step(1, total, "Rust target for the filter (rustup)", || {
         crate::toolchain::ensure_wasm_target(&layout.root)
     })?;
@@ -70,6 +70,12 @@ pub fn run(layout: &Layout) -> Result<()> {
             || ensure_vllm_reference(layout, &vllm_script),
         )?;
     }
+    step(
+        total,
+        total,
+        "Chromium (Debian package; the assess HTML report's browser test)",
+        || Ok::<_, anyhow::Error>(ensure_chromium()),
+    )?;
 
     println!(
         "xtask setup: ready in {:.1}s (model {}, python {}, envoy {})",
@@ -95,6 +101,38 @@ fn step<T: std::fmt::Display>(
         started.elapsed().as_secs_f64()
     );
     Ok(value)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Chromium
+
+/// The headless browser the assess HTML test opens its page in (`KVROUTE_CHROMIUM` or
+/// `chromium` on PATH). Installed with apt-get when missing; when that is impossible (not
+/// Debian, no root) setup goes on and says so: that test then fails naming the reason.
+fn ensure_chromium() -> String {
+    let version = |bin: &str| {
+        Command::new(bin)
+            .arg("--version")
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let bin = std::env::var("KVROUTE_CHROMIUM").unwrap_or_else(|_| "chromium".to_string());
+    if let Some(v) = version(&bin) {
+        return v;
+    }
+    let installed = Command::new("apt-get")
+        .args(["install", "-y", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=600"])
+        .arg("chromium")
+        .status()
+        .is_ok_and(|s| s.success());
+    match (installed, version(&bin)) {
+        (true, Some(v)) => format!("installed {v}"),
+        _ => "NOT INSTALLED (apt-get install chromium failed or is unavailable): the assess \
+              HTML browser test will fail until a chromium is on PATH or KVROUTE_CHROMIUM"
+            .to_string(),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
