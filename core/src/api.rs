@@ -90,6 +90,11 @@ pub struct RouteRequest {
     /// Return every candidate's inputs and terms in the answer (`RouteAnswer::explain`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub explain: bool,
+    /// Shadow mode: the caller will not send the request where the answer says (its own load
+    /// balancer decides). The indexer records the decision without counting it as load on the
+    /// chosen replica and learns where the request went from its completion report.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub shadow: bool,
 }
 
 /// Prompt tokens the chosen replica holds, per medium.
@@ -193,6 +198,11 @@ pub struct CompleteReport {
     /// The engine's `usage.prompt_tokens_details.cached_tokens`, when the response carried it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cached_tokens: Option<u64>,
+    /// `IP:port` the proxy really sent the request to (Envoy's `upstream.address`), when known.
+    /// Sent for shadow decisions, where it differs from `endpoint` whenever the proxy's own
+    /// balancer chose another replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream: Option<String>,
 }
 
 /// Answer of `GET /v1/models/{model}/tokenizer`: what the filter needs to tokenise and key

@@ -100,6 +100,28 @@ pub const CALLOUT_SUCCESS: CEnum = 0;
 /// `envoy_dynamic_module_type_metrics_result`.
 pub const METRICS_SUCCESS: CEnum = 0;
 
+/// `envoy_dynamic_module_type_attribute_id_UpstreamAddress` (`upstream.address`). The value is
+/// checked to parse as `IP:port` before use, so a numbering that differs is a missing value,
+/// never a wrong one.
+pub const ATTRIBUTE_ID_UPSTREAM_ADDRESS: CEnum = 41;
+
+/// `envoy_dynamic_module_callback_http_filter_get_attribute_string`: bound on its own and
+/// optional (only shadow mode reads an attribute), so an Envoy without it still loads the module.
+pub type GetAttributeString = unsafe extern "C" fn(FilterEnvoyPtr, CEnum, *mut EnvoyBuffer) -> bool;
+
+/// Looks up [`GetAttributeString`] in the process.
+pub fn resolve_get_attribute_string() -> Option<GetAttributeString> {
+    let name = c"envoy_dynamic_module_callback_http_filter_get_attribute_string";
+    // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name only reads.
+    let symbol = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+    if symbol.is_null() {
+        return None;
+    }
+    // SAFETY: Envoy's function of this name has this signature in the pinned ABI (the build
+    // check, crate::abi_check, refuses any other Envoy before it is called).
+    Some(unsafe { std::mem::transmute::<*mut c_void, GetAttributeString>(symbol) })
+}
+
 /// `envoy_dynamic_module_type_http_filter_envoy_ptr` (per stream, owned by Envoy).
 pub type FilterEnvoyPtr = *mut c_void;
 /// `envoy_dynamic_module_type_http_filter_config_envoy_ptr` (per filter config, owned by Envoy).

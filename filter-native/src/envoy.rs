@@ -274,6 +274,20 @@ impl Stream {
         unsafe { (cb.http_set_header)(self.0, map, ModuleBuffer::of(name.as_bytes()), value) }
     }
 
+    /// A string attribute of the stream (an ABI attribute id); `None` when Envoy has no value or
+    /// does not offer attributes.
+    pub fn attribute_string(&self, id: abi::CEnum) -> Option<Vec<u8>> {
+        static GET: OnceLock<Option<abi::GetAttributeString>> = OnceLock::new();
+        let get = (*GET.get_or_init(abi::resolve_get_attribute_string))?;
+        let mut value = EnvoyBuffer {
+            ptr: std::ptr::null(),
+            length: 0,
+        };
+        // SAFETY: stream pointer live during the hook; the out-pointer is valid.
+        let ok = unsafe { get(self.0, id, &mut value) };
+        ok.then(|| envoy_bytes(value))
+    }
+
     /// Makes Envoy pick the route again (after a header the route matches on changed).
     pub fn clear_route_cache(&self) {
         if let Some(cb) = callbacks() {

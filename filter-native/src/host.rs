@@ -257,4 +257,11 @@ impl StreamHost for NativeStreamHost<'_> {
         self.stream.continue_decoding();
         Ok(())
     }
+
+    fn upstream_address(&self) -> Option<String> {
+        let raw = self
+            .stream
+            .attribute_string(abi::ATTRIBUTE_ID_UPSTREAM_ADDRESS)?;
+        kvroute_filter::seam::socket_address(&raw)
+    }
 }

@@ -23,6 +23,18 @@ pub enum OversizedBody {
     Reject,
 }
 
+/// What the filter does with the indexer's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Send each request where the indexer says (`x-envoy-original-dst-host`).
+    #[default]
+    Routing,
+    /// Ask the indexer and report the completion, but never set the destination: Envoy's own
+    /// load balancer decides, and the indexer learns what it would have saved (docs/assess.md).
+    Shadow,
+}
+
 /// Where a model's tokenizer comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -81,6 +93,8 @@ impl Default for RetryConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FilterConfig {
+    /// `routing` (default) or `shadow`.
+    pub mode: Mode,
     /// Envoy cluster of the indexer sidecar.
     pub indexer_cluster: String,
     /// `:authority` sent to the indexer.
@@ -146,6 +160,7 @@ pub struct FilterConfig {
 impl Default for FilterConfig {
     fn default() -> Self {
         Self {
+            mode: Mode::Routing,
             indexer_cluster: "kvroute_indexer".into(),
             indexer_authority: "kvroute-indexer".into(),
             route_timeout_ms: 100,

@@ -136,6 +136,12 @@ mod abi {
         pub fn proxy_increment_metric(id: u32, offset: i64) -> u32;
         pub fn proxy_record_metric(id: u32, value: u64) -> u32;
         pub fn proxy_set_effective_context(context_id: u32) -> u32;
+        pub fn proxy_get_property(
+            path: *const u8,
+            path_size: usize,
+            ret_data: *mut *mut u8,
+            ret_size: *mut usize,
+        ) -> u32;
     }
 }
 
@@ -265,6 +271,32 @@ pub fn get_header_bytes(map: Map, name: &str) -> HostResult<Option<Vec<u8>>> {
     #[cfg(not(target_arch = "wasm32"))]
     {
         let _ = (map, name);
+        Err(HostError::Unavailable)
+    }
+}
+
+/// Reads a host property (an Envoy attribute) by its path, e.g. `["upstream", "address"]`;
+/// `None` when the host has no value for it.
+pub fn get_property(path: &[&str]) -> HostResult<Option<Vec<u8>>> {
+    // proxy-wasm serialises a property path as its parts, each followed by NUL.
+    let mut encoded = Vec::new();
+    for part in path {
+        encoded.extend_from_slice(part.as_bytes());
+        encoded.push(0);
+    }
+    #[cfg(target_arch = "wasm32")]
+    unsafe {
+        let mut ptr: *mut u8 = std::ptr::null_mut();
+        let mut size: usize = 0;
+        match abi::proxy_get_property(encoded.as_ptr(), encoded.len(), &mut ptr, &mut size) {
+            0 => Ok(Some(take_host_bytes(ptr, size))),
+            1 => Ok(None),
+            code => Err(HostError::Status(code)),
+        }
+    }
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        let _ = encoded;
         Err(HostError::Unavailable)
     }
 }

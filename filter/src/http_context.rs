@@ -149,6 +149,11 @@ impl StreamHost for WasmHost<'_> {
     fn resume_request(&mut self) -> HostResult<()> {
         Ok(host::resume_request()?)
     }
+
+    fn upstream_address(&self) -> Option<String> {
+        let raw = host::get_property(&["upstream", "address"]).ok()??;
+        crate::seam::socket_address(&raw)
+    }
 }
 
 fn action(flow: Flow) -> Action {

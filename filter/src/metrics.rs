@@ -12,6 +12,8 @@ pub enum Counter {
     Requests,
     /// A request got a replica from the indexer.
     Routed,
+    /// Shadow mode: the indexer answered and the destination was left to Envoy.
+    Shadowed,
     /// A request on a routed path with no body (passed through).
     NoBody,
     /// A client-supplied `x-envoy-original-dst-host` was removed.
@@ -44,9 +46,10 @@ pub enum Counter {
 }
 
 impl Counter {
-    const ALL: [Counter; 16] = [
+    const ALL: [Counter; 17] = [
         Counter::Requests,
         Counter::Routed,
+        Counter::Shadowed,
         Counter::NoBody,
         Counter::SpoofedHeaderRemoved,
         Counter::RejectedTooLarge,
@@ -67,6 +70,7 @@ impl Counter {
         match self {
             Counter::Requests => "kvroute.requests",
             Counter::Routed => "kvroute.routed",
+            Counter::Shadowed => "kvroute.shadowed",
             Counter::NoBody => "kvroute.no_body",
             Counter::SpoofedHeaderRemoved => "kvroute.spoofed_header_removed",
             Counter::RejectedTooLarge => "kvroute.rejected_too_large",

@@ -231,6 +231,8 @@ pub struct Completion<'a> {
     pub ttft_us: Option<u64>,
     /// The stream ended before its response did (client left, reset).
     pub abandoned: bool,
+    /// Where the proxy really sent it (`upstream.address`), when known.
+    pub upstream: Option<&'a str>,
 }
 
 /// The body of `POST /v1/complete` for a routed request. Without a `decision_id` it is the
@@ -246,6 +248,7 @@ pub fn complete_body(c: &Completion<'_>) -> Vec<u8> {
                 request_id: Some(c.request_id.to_string()),
                 endpoint: Some(c.endpoint.to_string()),
                 cached_tokens: c.cached_tokens,
+                upstream: c.upstream.map(str::to_string),
             };
             serde_json::to_vec(&report).unwrap_or_default()
         }
@@ -541,6 +544,7 @@ mod tests {
             cached_tokens: None,
             ttft_us: None,
             abandoned: true,
+            upstream: None,
         };
         let v: Value = serde_json::from_slice(&complete_body(&legacy)).unwrap();
         assert_eq!(

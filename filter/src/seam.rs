@@ -151,6 +151,9 @@ pub trait StreamHost: Host {
     ) -> HostResult<()>;
     /// Resumes a request paused by [`Flow::Pause`].
     fn resume_request(&mut self) -> HostResult<()>;
+    /// The `IP:port` the proxy sent the request to (Envoy's `upstream.address` attribute), once
+    /// the upstream was chosen; `None` when unknown.
+    fn upstream_address(&self) -> Option<String>;
 
     /// A header as text (a value that is not UTF-8 is decoded lossily); `None` when absent or
     /// unreadable.
@@ -160,6 +163,15 @@ pub trait StreamHost: Host {
             .flatten()
             .map(|b| String::from_utf8_lossy(&b).into_owned())
     }
+}
+
+/// An `IP:port` as a host reports it (e.g. Envoy's `upstream.address`), checked: `None` unless
+/// the bytes parse as a socket address.
+pub fn socket_address(raw: &[u8]) -> Option<String> {
+    let text = std::str::from_utf8(raw).ok()?.trim();
+    text.parse::<std::net::SocketAddr>()
+        .ok()
+        .map(|_| text.to_string())
 }
 
 /// Logs through a [`Host`] (given as a reference) with `format!` arguments, formatting only when

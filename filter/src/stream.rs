@@ -16,7 +16,7 @@ use std::time::Duration;
 use kvroute_core::api::{CONTRACT_HEADER, CONTRACT_VERSION_STR};
 use serde_json::Value;
 
-use crate::config::OversizedBody;
+use crate::config::{Mode, OversizedBody};
 use crate::hlog;
 use crate::loaded_model::{endpoint_for_path, PrepareError};
 use crate::metrics::{Counter, Histogram};
@@ -102,6 +102,10 @@ pub struct Stream {
     ttft_us: Option<u64>,
     /// This request's online token check, when sampled.
     check: Option<OnlineCheck>,
+    /// Shadow mode: the indexer's answer was recorded, not applied.
+    shadow: bool,
+    /// Where the proxy really sent a shadowed request (`upstream.address`).
+    upstream: Option<String>,
 }
 
 impl Stream {
@@ -127,6 +131,8 @@ impl Stream {
             fail_open: None,
             scanner: None,
             check: None,
+            shadow: false,
+            upstream: None,
         }
     }
 
@@ -290,6 +296,7 @@ impl Stream {
         };
         self.phase = Phase::Passthrough;
         match self.apply_route(host, &plugin, reply, started_ms) {
+            Ok(()) if self.shadow => host.increment(Counter::Shadowed.into()),
             Ok(()) => host.increment(Counter::Routed.into()),
             Err(reason) => self.note_fail_open(host, &plugin, reason),
         }
@@ -326,6 +333,9 @@ impl Stream {
         }
         if let Some(check) = &mut self.check {
             check.on_response_headers(host);
+        }
+        if self.shadow && self.upstream.is_none() {
+            self.upstream = host.upstream_address();
         }
         if self.routed_to.is_some() && plugin.cfg.report_completion {
             let streaming = host
@@ -539,8 +549,10 @@ impl Stream {
             max_tokens: max_tokens_of(&body),
             lora: prepared.lora,
             session: self.session.clone(),
+            shadow: plugin.cfg.mode == Mode::Shadow,
             ..RouteRequest::default()
         };
+        self.shadow = route.shadow;
         let payload = serde_json::to_vec(&route).map_err(|_| FailOpen::HostcallError)?;
         let headers = indexer_headers(plugin, "/v1/route");
         let call = host
@@ -607,11 +619,14 @@ impl Stream {
         self.decision_id = answer.decision_id.clone();
         self.routed_to = Some(answer.endpoint.clone());
         self.sent_at_ns = host.now_nanos();
-        host.set_header(Headers::Request, DST_HEADER, &answer.endpoint)
-            .map_err(|e| {
-                hlog!(host, Warn, "kvroute: cannot set {DST_HEADER}: {e}");
-                FailOpen::HostcallError
-            })?;
+        // Shadow mode never sets the destination: Envoy's own load balancer decides.
+        if !self.shadow {
+            host.set_header(Headers::Request, DST_HEADER, &answer.endpoint)
+                .map_err(|e| {
+                    hlog!(host, Warn, "kvroute: cannot set {DST_HEADER}: {e}");
+                    FailOpen::HostcallError
+                })?;
+        }
         if plugin.cfg.debug_headers {
             if let Some(r) = &answer.replica {
                 let _ = host.set_header(Headers::Request, DBG_REPLICA, r);
@@ -648,6 +663,9 @@ impl Stream {
             if !self.response_done {
                 host.increment(Counter::Abandoned.into());
             }
+            if self.shadow && self.upstream.is_none() {
+                self.upstream = host.upstream_address();
+            }
             complete_body(&Completion {
                 decision_id: self.decision_id.as_deref(),
                 request_id: &self.request_id,
@@ -655,6 +673,7 @@ impl Stream {
                 cached_tokens: cached,
                 ttft_us: self.ttft_us,
                 abandoned: !self.response_done,
+                upstream: self.upstream.as_deref(),
             })
         } else if let Some(callout) = &self.unanswered_callout {
             host.increment(Counter::Abandoned.into());

@@ -205,6 +205,80 @@ fn a_routed_request_gets_the_header_and_its_completion_is_reported() {
 }
 
 #[test]
+fn shadow_mode_asks_but_never_sets_the_destination_and_reports_the_real_upstream() {
+    let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}}, "mode": "shadow"}));
+    let body = chat_body(&long_system());
+    let mut host = FakeHost::post(
+        CHAT,
+        &[(DST_HEADER, "10.9.9.9:1"), ("x-session-id", "user-42")],
+        &body,
+    );
+    let mut stream = Stream::new(1, Some(plugin));
+    assert_eq!(send_request(&mut stream, &mut host), Flow::Pause);
+    assert_eq!(
+        host.request_header(DST_HEADER),
+        None,
+        "the client's is stripped"
+    );
+    assert_eq!(host.count("kvroute.spoofed_header_removed"), 1);
+    let route = host.last_call().clone();
+    let r = route.json();
+    assert_eq!(r["shadow"], true);
+    assert_eq!(r["session"], "user-42");
+    assert!(r["router_keys"].as_array().is_some_and(|k| !k.is_empty()));
+
+    stream.on_call_reply(&mut host, route.id, &route_answer("10.0.0.7:8000"));
+    assert_eq!(
+        host.request_header(DST_HEADER),
+        None,
+        "never set in shadow mode"
+    );
+    assert_eq!(host.resumed, 1);
+    assert_eq!(host.count("kvroute.shadowed"), 1);
+    assert_eq!(host.count("kvroute.routed"), 0);
+    assert!(host.fail_opens().is_empty(), "{:?}", host.fail_opens());
+
+    // Envoy's balancer sent it elsewhere.
+    host.upstream = Some("10.0.0.8:8000".into());
+    respond(
+        &mut stream,
+        &mut host,
+        "text/event-stream",
+        &[SSE_USAGE, b"data: [DONE]\n\n"],
+    );
+    stream.on_stream_end(&mut host);
+    let reports = host.detached_calls();
+    assert_eq!(reports.len(), 1);
+    let c = reports[0].json();
+    assert_eq!(c["decision_id"], "d-1");
+    assert_eq!(
+        c["endpoint"], "10.0.0.7:8000",
+        "what kvroute would have chosen"
+    );
+    assert_eq!(c["upstream"], "10.0.0.8:8000", "where it really went");
+    assert_eq!(c["cached_tokens"], 288);
+}
+
+#[test]
+fn routing_mode_reports_no_upstream_field() {
+    let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}}}));
+    let mut host = FakeHost::post(CHAT, &[], &chat_body(&long_system()));
+    host.upstream = Some("10.0.0.8:8000".into());
+    let mut stream = Stream::new(1, Some(plugin));
+    send_request(&mut stream, &mut host);
+    let route = host.last_call().clone();
+    assert!(
+        route.json().get("shadow").is_none(),
+        "routing requests are unchanged"
+    );
+    stream.on_call_reply(&mut host, route.id, &route_answer("10.0.0.7:8000"));
+    assert_eq!(host.request_header(DST_HEADER), Some("10.0.0.7:8000"));
+    respond(&mut stream, &mut host, "text/event-stream", &[SSE_USAGE]);
+    stream.on_stream_end(&mut host);
+    assert!(host.detached_calls()[0].json().get("upstream").is_none());
+}
+
+#[test]
 fn a_json_response_reports_its_cached_tokens() {
     let plugin = default_plugin();
     let mut host = FakeHost::post(CHAT, &[], &chat_body("short"));

@@ -114,6 +114,14 @@ async fn route_handler(
             return resp.into_response();
         }
     };
+    if !req.shadow && state.shadow_only.load(Ordering::Relaxed) {
+        state.metrics.count_route_error(400);
+        return error(
+            StatusCode::BAD_REQUEST,
+            "this is kvroute-indexer assess: it answers only shadow route requests (filter \
+             mode = \"shadow\"); nothing is routed",
+        );
+    }
     let header_session = headers
         .get(state.policy_state.session_header.as_str())
         .and_then(|v| v.to_str().ok());
@@ -151,6 +159,20 @@ async fn complete_handler(State(state): State<Arc<AppState>>, body: Bytes) -> Re
              only request_id, and its decisions end at their deadline)",
         );
     };
+    if crate::shadow::ShadowBook::is_shadow_id(decision_id) {
+        let known = |endpoint: &str| state.fleet.all().iter().any(|r| r.endpoint == endpoint);
+        let outcome = state.shadow.completed(
+            decision_id,
+            req.upstream.as_deref(),
+            known,
+            req.cached_tokens,
+            req.abandoned,
+        );
+        if outcome == crate::shadow::ShadowOutcome::Unknown {
+            m.completions_unknown.fetch_add(1, Ordering::Relaxed);
+        }
+        return StatusCode::NO_CONTENT.into_response();
+    }
     m.completions.fetch_add(1, Ordering::Relaxed);
     if req.abandoned {
         m.completions_abandoned.fetch_add(1, Ordering::Relaxed);

@@ -16,6 +16,7 @@ pub mod route;
 pub mod scrape;
 pub mod selfcheck;
 pub mod server;
+pub mod shadow;
 pub mod snapshot;
 pub mod state;
 pub mod subscriber;

@@ -55,6 +55,14 @@ enum Command {
         /// Also write the report as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Also write the report as one self-contained HTML page with plots to this file.
+        #[arg(long)]
+        html: Option<PathBuf>,
+        /// Serve the indexer API on IP:port for filters in shadow mode (shadow route requests
+        /// only; nothing is routed): adds what kvroute would have chosen and saved, split by
+        /// session, to the report.
+        #[arg(long)]
+        listen: Option<String>,
     },
     /// Read a JSON object (algo, block_size, token_ids, seed, lora_name, lora_path, cache_salt,
     /// mm_features) on stdin; print vLLM's block hashes, wire values and kvroute's router keys.
@@ -140,6 +148,8 @@ fn main() -> anyhow::Result<()> {
             config,
             duration,
             json,
+            html,
+            listen,
         } => {
             init_logging();
             let cfg = Config::load(&config)?;
@@ -147,12 +157,16 @@ fn main() -> anyhow::Result<()> {
                 let _ = tokio::signal::ctrl_c().await;
             };
             let rt = runtime()?;
-            let report = rt.block_on(assess::run(cfg, duration, stop))?;
+            let report = rt.block_on(assess::run(cfg, duration, listen, stop))?;
             // The subscribers block in their sockets: do not wait for them.
             rt.shutdown_timeout(std::time::Duration::from_millis(500));
             if let Some(path) = json {
                 let text = serde_json::to_string_pretty(&report)?;
                 std::fs::write(&path, text)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            if let Some(path) = html {
+                std::fs::write(&path, assess::html::page(&report))
                     .with_context(|| format!("writing {}", path.display()))?;
             }
             print!("{}", assess::render::text(&report));

@@ -337,6 +337,7 @@ pub fn render(state: &AppState) -> String {
             state.policy.as_str()
         );
     }
+    shadow_metrics(&mut out, state);
     let full = format!("{p}_route_errors_total");
     header(
         &mut out,
@@ -620,5 +621,29 @@ fn ttft_accuracy(out: &mut String, state: &AppState, p: &str) {
             "{p}_ttft_predicted_seconds_sum{{replica=\"{r}\"}} {}",
             a.predicted_s
         );
+    }
+}
+
+/// The shadow-mode totals, per model (docs/assess.md "Shadow mode").
+fn shadow_metrics(out: &mut String, state: &AppState) {
+    type Get = fn(&crate::shadow::ShadowTotals) -> u64;
+    let rows: [(&str, &str, Get); 9] = [
+        ("shadow_decisions_total", "Shadow decisions: route requests answered without routing.", |t| t.decisions),
+        ("shadow_completions_total", "Completed shadowed requests (abandoned ones excluded).", |t| t.completions),
+        ("shadow_agreed_total", "Shadowed requests whose real upstream was the replica kvroute would have chosen.", |t| t.agreed),
+        ("shadow_unknown_upstream_total", "Shadowed requests whose real upstream was not reported or not a known replica.", |t| t.unknown_upstream),
+        ("shadow_prompt_tokens_total", "Prompt tokens of shadowed requests that reported cached_tokens.", |t| t.prompt_tokens),
+        ("shadow_predicted_hit_tokens_total", "Tokens kvroute predicted cached on the replica it would have chosen.", |t| t.predicted_hit_tokens),
+        ("shadow_actual_cached_tokens_total", "cached_tokens the engine that really served the request reported.", |t| t.actual_cached_tokens),
+        ("shadow_would_save_tokens_total", "Sum of max(0, predicted - actual cached): prefill kvroute would have saved.", |t| t.would_save_tokens),
+        ("shadow_would_save_within_session_tokens_total", "Of that, prefill the same session had asked for before (what session affinity alone recovers).", |t| t.would_save_within_session_tokens),
+    ];
+    let totals = state.shadow.totals();
+    for (name, help, get) in rows {
+        let full = format!("kvroute_indexer_{name}");
+        header(out, &full, "counter", help);
+        for (model, t) in &totals {
+            let _ = writeln!(out, "{full}{{model=\"{}\"}} {}", escape(model), get(t));
+        }
     }
 }

@@ -18,6 +18,10 @@ pub struct ReuseConfig {
     /// Removals remembered per stream (default 65,536: 1.5 MiB at most per stream).
     #[serde(default = "default_max_tracked_removals")]
     pub max_tracked_removals: usize,
+    /// (session, block) pairs remembered to tell reuse within one session from reuse across
+    /// sessions in shadow mode (default 262,144: about 6 MiB).
+    #[serde(default = "default_max_session_blocks")]
+    pub max_session_blocks: usize,
 }
 
 impl Default for ReuseConfig {
@@ -25,6 +29,7 @@ impl Default for ReuseConfig {
         ReuseConfig {
             recompute_window_s: default_recompute_window_s(),
             max_tracked_removals: default_max_tracked_removals(),
+            max_session_blocks: default_max_session_blocks(),
         }
     }
 }
@@ -35,6 +40,9 @@ fn default_recompute_window_s() -> f64 {
 fn default_max_tracked_removals() -> usize {
     65_536
 }
+fn default_max_session_blocks() -> usize {
+    262_144
+}
 
 impl ReuseConfig {
     /// The field that is out of range, and why.
@@ -44,6 +52,9 @@ impl ReuseConfig {
         }
         if self.max_tracked_removals > 1 << 24 {
             return Err(("max_tracked_removals", "must be at most 16777216"));
+        }
+        if self.max_session_blocks > 1 << 24 {
+            return Err(("max_session_blocks", "must be at most 16777216"));
         }
         Ok(())
     }
@@ -105,6 +116,7 @@ mod tests {
         let cfg = ReuseConfig {
             recompute_window_s: 10.0,
             max_tracked_removals: 4,
+            ..ReuseConfig::default()
         };
         let mut r = RecentRemovals::default();
         r.removed(&cfg, 1, 1_000);
@@ -120,6 +132,7 @@ mod tests {
         let cfg = ReuseConfig {
             recompute_window_s: 60.0,
             max_tracked_removals: 3,
+            ..ReuseConfig::default()
         };
         let mut r = RecentRemovals::default();
         for h in 0..10 {
@@ -140,6 +153,7 @@ mod tests {
         let cfg = ReuseConfig {
             recompute_window_s: 60.0,
             max_tracked_removals: 0,
+            ..ReuseConfig::default()
         };
         let mut r = RecentRemovals::default();
         r.removed(&cfg, 1, 0);

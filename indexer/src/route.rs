@@ -329,7 +329,10 @@ pub fn route(
         .get(decision.replica as usize)
         .cloned()
         .ok_or_else(|| RouteError::NoReplica(req.model.clone()))?;
-    policy.record(&lookup, &chosen);
+    if !req.shadow {
+        // A shadowed request is not sent there: nothing to predict or remember.
+        policy.record(&lookup, &chosen);
+    }
     let explain = req.explain.then(|| explain(&lookup, &cands, &decision));
     Ok(record(
         state, req, &lookup, &cands, &decision, label, &chosen, explain, policy,
@@ -469,6 +472,37 @@ fn record(
         .map_or_else(|| state.config.scoring.prior_rates(), |c| c.rates);
     let prefill_time = prefill_estimate(&rates, uncached_blocks, bs);
     let decode_time = state.load.config().decode_time(req.max_tokens);
+    if req.shadow {
+        let keys: Vec<u64> = lookup.keys.usable().iter().map(|k| k.0).collect();
+        let decision_id = state.shadow.decided(crate::shadow::NewShadow {
+            model: &lookup.keys.model.name,
+            endpoint: &chosen.endpoint,
+            predicted_tokens,
+            prompt_tokens: lookup.keys.num_tokens as u64,
+            session: lookup.session,
+            keys: &keys,
+            block_size: bs,
+        });
+        state.metrics.count_decision(&reason);
+        tracing::debug!(model = %lookup.keys.model.name, replica = %chosen.name, %reason, predicted_tokens, %decision_id, "shadow decision");
+        return RouteResponse {
+            endpoint: chosen.endpoint.clone(),
+            replica: chosen.name.clone(),
+            matched_tokens,
+            reason,
+            request_id: req
+                .request_id
+                .clone()
+                .filter(|s| !s.is_empty())
+                .unwrap_or_else(|| decision_id.clone()),
+            decision_id,
+            policy: state.policy.as_str().to_string(),
+            prompt_blocks,
+            cost: decision.terms.cost_s,
+            predicted_ttft_ms: decision.terms.ttft_s * 1000.0,
+            explain,
+        };
+    }
     let routed = state.load.routed(NewDecision {
         replica: chosen.clone(),
         predicted_tokens,

@@ -165,6 +165,10 @@ pub struct AppState {
     pub index: SharedIndex,
     /// In-flight requests.
     pub load: LoadTracker,
+    /// Shadow decisions (requests the filter does not send where it was told).
+    pub shadow: crate::shadow::ShadowBook,
+    /// Refuse route requests that are not shadow (`assess --listen`: nothing is routed).
+    pub shadow_only: std::sync::atomic::AtomicBool,
     /// The routing policy.
     pub policy: Policy,
     /// State of the non-kv policies.
@@ -229,6 +233,10 @@ impl AppState {
         });
         let policy_state = PolicyState::new(&config.policies);
         let load = LoadTracker::new(config.inflight.clone());
+        let shadow = crate::shadow::ShadowBook::new(
+            config.inflight.max_pending,
+            config.reuse.max_session_blocks,
+        );
         let admin_token = config.admin_token();
         let peers = config.peers.clone().map(crate::peers::PeerLink::new);
         let http = reqwest::Client::builder()
@@ -240,6 +248,8 @@ impl AppState {
             fleet: Fleet::new(),
             index,
             load,
+            shadow,
+            shadow_only: std::sync::atomic::AtomicBool::new(false),
             policy,
             policy_state,
             metrics: Metrics::default(),

@@ -49,7 +49,7 @@ pub fn run(layout: &Layout) -> Result<()> {
         .with_context(|| format!("creating {}", layout.cache_dir.display()))?;
 
     let vllm_script = layout.root.join(VLLM_REFERENCE_SCRIPT);
-    let total = if vllm_script.is_file() { 8 } else { 7 };
+    let total = if vllm_script.is_file() { 9 } else { 8 };
     step(1, total, "Rust target for the filter (rustup)", || {
         crate::toolchain::ensure_wasm_target(&layout.root)
     })?;
@@ -75,6 +75,12 @@ pub fn run(layout: &Layout) -> Result<()> {
             || ensure_vllm_reference(layout, &vllm_script),
         )?;
     }
+    step(
+        total,
+        total,
+        "Chromium (Debian package; the assess HTML report's browser test)",
+        || Ok::<_, anyhow::Error>(ensure_chromium()),
+    )?;
 
     println!(
         "xtask setup: ready in {:.1}s (model {}, python {}, envoy {})",
@@ -168,6 +174,44 @@ fn ensure_redis() -> Result<String> {
         );
     }
     Ok(format!("{} {version}", bin.display()))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Chromium
+
+/// The headless browser the assess HTML test opens its page in (`KVROUTE_CHROMIUM` or
+/// `chromium` on PATH). Installed with apt-get when missing; when that is impossible (not
+/// Debian, no root) setup goes on and says so: that test then fails naming the reason.
+fn ensure_chromium() -> String {
+    let version = |bin: &str| {
+        Command::new(bin)
+            .arg("--version")
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let bin = std::env::var("KVROUTE_CHROMIUM").unwrap_or_else(|_| "chromium".to_string());
+    if let Some(v) = version(&bin) {
+        return v;
+    }
+    let installed = Command::new("apt-get")
+        .args([
+            "install",
+            "-y",
+            "--no-install-recommends",
+            "-o",
+            "DPkg::Lock::Timeout=600",
+        ])
+        .arg("chromium")
+        .status()
+        .is_ok_and(|s| s.success());
+    match (installed, version(&bin)) {
+        (true, Some(v)) => format!("installed {v}"),
+        _ => "NOT INSTALLED (apt-get install chromium failed or is unavailable): the assess \
+              HTML browser test will fail until a chromium is on PATH or KVROUTE_CHROMIUM"
+            .to_string(),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -68,6 +68,8 @@ pub struct FakeHost {
     pub fail_dispatch: Option<HostError>,
     /// Replacing a body fails.
     pub fail_body_replace: bool,
+    /// What `upstream_address` reports (where the proxy's own balancer sent the request).
+    pub upstream: Option<String>,
 }
 
 impl FakeHost {
@@ -260,6 +262,10 @@ impl StreamHost for FakeHost {
     fn resume_request(&mut self) -> HostResult<()> {
         self.resumed += 1;
         Ok(())
+    }
+
+    fn upstream_address(&self) -> Option<String> {
+        self.upstream.clone()
     }
 }
 

@@ -3,6 +3,7 @@
 //! traffic reuses, what it computes twice across replicas, what the engines recompute after
 //! evicting, and whether prefix-aware routing would pay (see docs/assess.md).
 
+pub mod html;
 pub mod render;
 pub mod report;
 
@@ -18,7 +19,10 @@ use crate::policies::Policy;
 use crate::route::replica_rates;
 use crate::state::AppState;
 
-pub use report::{build, ModelReport, ReplicaReading, Report, Thresholds, Verdict};
+pub use report::{
+    build, build_full, ModelReport, ReplicaReading, Report, Sample, ShadowReport, Thresholds,
+    Verdict,
+};
 
 /// Reads every replica's counters now.
 pub fn read_replicas(state: &AppState) -> Vec<ReplicaReading> {
@@ -65,12 +69,15 @@ fn block_sizes(state: &AppState) -> Vec<(String, u32)> {
         .collect()
 }
 
-/// Follows the fleet for `duration` (or until `stop` resolves) and reports. Writes no snapshot
-/// and serves nothing. Prints one line to stdout when the window starts (scripts and tests wait
-/// for it).
+/// Follows the fleet for `duration` (or until `stop` resolves) and reports. Writes no snapshot.
+/// With `listen`, serves the indexer's API there for filters in shadow mode (route requests
+/// that are not shadow are refused, so nothing is routed) and decides with the `kv` policy;
+/// otherwise serves nothing. Prints one line to stdout when the window starts (scripts and tests
+/// wait for it), after `listening on ADDR` when serving.
 pub async fn run(
     mut config: Config,
     duration: Duration,
+    listen: Option<String>,
     stop: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<Report> {
     anyhow::ensure!(
@@ -80,31 +87,79 @@ pub async fn run(
     // Never overwrite a serving indexer's snapshot.
     config.snapshot = None;
     let interval = Duration::from_millis(config.scrape_interval_ms);
-    let state = crate::server::start(config, Policy::RoundRobin).context("starting")?;
+    let policy = if listen.is_some() {
+        Policy::Kv
+    } else {
+        Policy::RoundRobin
+    };
+    let state = crate::server::start(config, policy).context("starting")?;
+    if let Some(listen) = listen {
+        let addr: std::net::SocketAddr = listen
+            .parse()
+            .with_context(|| format!("--listen {listen:?} is not IP:port"))?;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))?;
+        state.shadow_only.store(true, Ordering::Relaxed);
+        println!("listening on {}", listener.local_addr()?);
+        let app = crate::api::router(state.clone());
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!(error = %e, "assess API server failed");
+            }
+        });
+    }
     wait_first_scrape(&state, interval * 3 + Duration::from_secs(2)).await;
     state
         .reuse_counted_from_ms
         .store(crate::state::unix_ms(), Ordering::Relaxed);
     let start = read_replicas(&state);
     let started = Instant::now();
+    let mut samples = vec![Sample {
+        t_s: 0.0,
+        readings: start.clone(),
+    }];
     println!(
         "assess: watching {} replica(s) for {:.0} s",
         start.len(),
         duration.as_secs_f64()
     );
-    tokio::select! {
-        _ = tokio::time::sleep(duration) => {}
-        _ = stop => tracing::info!("stopped early; reporting the window so far"),
+    // About 60 points per window for the plots, never faster than the scrapes.
+    let every = (duration / 60)
+        .max(interval)
+        .max(Duration::from_millis(500));
+    let deadline = tokio::time::sleep(duration);
+    tokio::pin!(deadline);
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            _ = &mut deadline => break,
+            _ = &mut stop => {
+                tracing::info!("stopped early; reporting the window so far");
+                break;
+            }
+            _ = tokio::time::sleep(every) => samples.push(Sample {
+                t_s: started.elapsed().as_secs_f64(),
+                readings: read_replicas(&state),
+            }),
+        }
     }
     // One more scrape so the engines' counters cover the whole window.
     tokio::time::sleep(interval + Duration::from_millis(100)).await;
     let end = read_replicas(&state);
-    Ok(build(
+    let window_s = started.elapsed().as_secs_f64();
+    samples.push(Sample {
+        t_s: window_s,
+        readings: end.clone(),
+    });
+    Ok(build_full(
         &start,
         &end,
         &block_sizes(&state),
-        started.elapsed().as_secs_f64(),
+        window_s,
         Thresholds::default(),
+        &state.shadow.totals(),
+        &samples,
     ))
 }
 

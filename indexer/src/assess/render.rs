@@ -10,10 +10,12 @@ pub fn text(r: &Report) -> String {
     let _ = writeln!(
         out,
         "kvroute assess: {:.0} s window; thresholds: low reuse below {:.0} % of computed prompt \
-         tokens computed twice, thrash above {:.0} % recomputed after eviction or any preemption",
+         tokens computed twice, thrash above {:.0} % recomputed after eviction or any preemption, \
+         session affinity would do at or above {:.0} % of the saving within sessions",
         r.window_s,
         r.thresholds.low_reuse_share * 100.0,
-        r.thresholds.thrash_share * 100.0
+        r.thresholds.thrash_share * 100.0,
+        r.thresholds.session_share * 100.0
     );
     for m in &r.models {
         let _ = writeln!(out, "\nmodel {} (block size {})", m.model, m.block_size);
@@ -45,6 +47,32 @@ pub fn text(r: &Report) -> String {
             m.duplicated_share * 100.0,
             m.recomputed_share * 100.0
         );
+        if let Some(sh) = &m.shadow {
+            let t = &sh.totals;
+            let _ = writeln!(
+                out,
+                "  shadow: {} decisions, {} completed, {:.1} % sent where kvroute would have; hit \
+                 {:.1} % actual vs {:.1} % kvroute's choice; would save {} tokens ({:.1} % of \
+                 prompt tokens)",
+                t.decisions,
+                t.completions,
+                sh.agreed_share * 100.0,
+                sh.actual_hit_rate * 100.0,
+                sh.predicted_hit_rate * 100.0,
+                t.would_save_tokens,
+                sh.would_save_share * 100.0
+            );
+            if sh.sessions_visible {
+                let _ = writeln!(
+                    out,
+                    "  duplicated prefill by session: within one session {} tokens ({:.1} %), \
+                     across sessions {} tokens",
+                    sh.within_session_tokens,
+                    sh.within_session_share * 100.0,
+                    sh.across_sessions_tokens
+                );
+            }
+        }
         let _ = writeln!(out, "  verdict: {}", m.summary);
     }
     out

@@ -2,7 +2,11 @@
 //! reuses, what it computes twice, what it recomputes after evicting, and a verdict in words.
 //! Pure: no clocks, no I/O.
 
+use std::collections::BTreeMap;
+
 use serde::Serialize;
+
+use crate::shadow::ShadowTotals;
 
 /// One replica's counters at one moment (totals since its engine started).
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -38,6 +42,9 @@ pub struct Thresholds {
     /// Above this share of computed prompt tokens recomputed after eviction (or any
     /// preemption), the engines thrash.
     pub thrash_share: f64,
+    /// With sessions visible (shadow mode), at or above this share of the prefill kvroute would
+    /// save being a session's own earlier prefix, session affinity alone would do.
+    pub session_share: f64,
 }
 
 impl Default for Thresholds {
@@ -45,6 +52,7 @@ impl Default for Thresholds {
         Thresholds {
             low_reuse_share: 0.05,
             thrash_share: 0.05,
+            session_share: 0.8,
         }
     }
 }
@@ -82,8 +90,79 @@ pub enum Verdict {
     NoTraffic,
     /// Too little prefill is computed twice for routing by prefix to pay.
     LowReuse,
+    /// The reuse is a session's own earlier prefix: session affinity recovers most of it.
+    SessionAffinityWouldDo,
     /// Prefix-aware routing would save this share of prefill.
     WouldSave,
+}
+
+/// What shadow decisions (the filter in `mode = "shadow"`) showed for one model.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ShadowReport {
+    /// The totals as counted.
+    #[serde(flatten)]
+    pub totals: ShadowTotals,
+    /// Share of completed requests Envoy's balancer sent where kvroute would have.
+    pub agreed_share: f64,
+    /// Predicted hit tokens / prompt tokens: the hit rate kvroute would have had.
+    pub predicted_hit_rate: f64,
+    /// Actual cached tokens / prompt tokens: the hit rate the current balancer achieved.
+    pub actual_hit_rate: f64,
+    /// Would-save tokens / prompt tokens.
+    pub would_save_share: f64,
+    /// Of the would-save tokens, the part within one session.
+    pub within_session_tokens: u64,
+    /// Of the would-save tokens, the part shared across sessions.
+    pub across_sessions_tokens: u64,
+    /// `within_session_tokens / would_save_tokens` (0 without savings).
+    pub within_session_share: f64,
+    /// Whether requests carried a session (the split means something).
+    pub sessions_visible: bool,
+}
+
+impl ShadowReport {
+    /// Shares from the totals.
+    pub fn from_totals(t: &ShadowTotals) -> Self {
+        let prompt = t.prompt_tokens as f64;
+        let within = t.would_save_within_session_tokens.min(t.would_save_tokens);
+        ShadowReport {
+            agreed_share: ratio(t.agreed as f64, t.completions as f64),
+            predicted_hit_rate: ratio(t.predicted_hit_tokens as f64, prompt),
+            actual_hit_rate: ratio(t.actual_cached_tokens as f64, prompt),
+            would_save_share: ratio(t.would_save_tokens as f64, prompt),
+            within_session_tokens: within,
+            across_sessions_tokens: t.would_save_tokens - within,
+            within_session_share: ratio(within as f64, t.would_save_tokens as f64),
+            sessions_visible: t.with_session > 0,
+            totals: t.clone(),
+        }
+    }
+}
+
+/// One interval of the window (between two samples), for the plots.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SeriesPoint {
+    /// Seconds from the window's start to the end of the interval.
+    pub t_s: f64,
+    /// Prompt tokens computed in the interval.
+    pub computed_tokens: f64,
+    /// Of those, computed while another replica held them.
+    pub duplicated_tokens: f64,
+    /// Of those, recomputed after an eviction.
+    pub recomputed_tokens: f64,
+    /// Preemptions in the interval.
+    pub preemptions: f64,
+    /// Per replica (in `replicas` order), the hit rate in the interval (`None`: no queries).
+    pub hit_rate: Vec<Option<f64>>,
+}
+
+/// Every replica's counters at one moment of the window.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    /// Seconds since the window's start.
+    pub t_s: f64,
+    /// The readings.
+    pub readings: Vec<ReplicaReading>,
 }
 
 /// One model's fleet over the window.
@@ -115,6 +194,11 @@ pub struct ModelReport {
     pub verdict: Verdict,
     /// The verdict in words, with its numbers and thresholds.
     pub summary: String,
+    /// What shadow decisions showed (when a filter in shadow mode asked during the window).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shadow: Option<ShadowReport>,
+    /// The window interval by interval (for the plots).
+    pub series: Vec<SeriesPoint>,
 }
 
 /// The whole assessment.
@@ -136,6 +220,28 @@ pub fn build(
     block_sizes: &[(String, u32)],
     window_s: f64,
     thresholds: Thresholds,
+) -> Report {
+    build_full(
+        start,
+        end,
+        block_sizes,
+        window_s,
+        thresholds,
+        &BTreeMap::new(),
+        &[],
+    )
+}
+
+/// [`build`] with the shadow totals per model and the samples taken during the window (the
+/// start and end readings included) for the per-interval series.
+pub fn build_full(
+    start: &[ReplicaReading],
+    end: &[ReplicaReading],
+    block_sizes: &[(String, u32)],
+    window_s: f64,
+    thresholds: Thresholds,
+    shadow: &BTreeMap<String, ShadowTotals>,
+    samples: &[Sample],
 ) -> Report {
     let mut models: Vec<String> = end.iter().map(|r| r.model.clone()).collect();
     models.sort();
@@ -159,7 +265,14 @@ pub fn build(
                     replica_window(&s, e, bs)
                 })
                 .collect();
-            model_report(model, bs, replicas, window_s, thresholds)
+            let shadow = shadow
+                .get(&model)
+                .filter(|t| t.decisions > 0)
+                .map(ShadowReport::from_totals);
+            let series = series(&model, &replicas, samples, bs);
+            let mut m = model_report(model, bs, replicas, window_s, thresholds, shadow);
+            m.series = series;
+            m
         })
         .collect();
     Report {
@@ -167,6 +280,42 @@ pub fn build(
         thresholds,
         models,
     }
+}
+
+/// Per interval between consecutive samples, the model's totals and each replica's hit rate.
+fn series(
+    model: &str,
+    replicas: &[ReplicaReport],
+    samples: &[Sample],
+    bs: u32,
+) -> Vec<SeriesPoint> {
+    samples
+        .windows(2)
+        .map(|w| {
+            let of = |s: &Sample, name: &str| {
+                s.readings
+                    .iter()
+                    .find(|r| r.model == model && r.replica == name)
+                    .cloned()
+                    .unwrap_or_default()
+            };
+            let windows: Vec<ReplicaReport> = replicas
+                .iter()
+                .map(|r| replica_window(&of(&w[0], &r.replica), &of(&w[1], &r.replica), bs))
+                .collect();
+            SeriesPoint {
+                t_s: w[1].t_s,
+                computed_tokens: windows.iter().map(|r| r.computed_tokens).sum(),
+                duplicated_tokens: windows.iter().map(|r| r.duplicated_tokens).sum(),
+                recomputed_tokens: windows.iter().map(|r| r.recomputed_tokens).sum(),
+                preemptions: windows.iter().map(|r| r.preemptions).sum(),
+                hit_rate: windows
+                    .iter()
+                    .map(|r| (r.query_tokens > 0.0).then_some(r.hit_rate))
+                    .collect(),
+            }
+        })
+        .collect()
 }
 
 fn delta(a: f64, b: f64) -> f64 {
@@ -220,6 +369,7 @@ fn model_report(
     replicas: Vec<ReplicaReport>,
     window_s: f64,
     t: Thresholds,
+    shadow: Option<ShadowReport>,
 ) -> ModelReport {
     let sum = |f: fn(&ReplicaReport) -> f64| replicas.iter().map(f).sum::<f64>();
     let queries = sum(|r| r.query_tokens);
@@ -247,7 +397,17 @@ fn model_report(
         Verdict::NothingToRoute
     } else if queries <= 0.0 {
         Verdict::NoTraffic
-    } else if duplicated_share < t.low_reuse_share {
+    } else if shadow.as_ref().is_some_and(|s| {
+        s.sessions_visible
+            && s.would_save_share >= t.low_reuse_share
+            && s.within_session_share >= t.session_share
+    }) {
+        Verdict::SessionAffinityWouldDo
+    } else if duplicated_share < t.low_reuse_share
+        && shadow
+            .as_ref()
+            .is_none_or(|s| s.would_save_share < t.low_reuse_share)
+    {
         Verdict::LowReuse
     } else {
         Verdict::WouldSave
@@ -265,6 +425,25 @@ fn model_report(
             duplicated_share * 100.0,
             t.low_reuse_share * 100.0
         ),
+        Verdict::SessionAffinityWouldDo => {
+            let sh = shadow.as_ref().map_or_else(
+                || ShadowReport::from_totals(&ShadowTotals::default()),
+                Clone::clone,
+            );
+            let prompt = sh.totals.prompt_tokens as f64;
+            format!(
+                "{model}: session affinity would do. {:.0} % of the prefill kvroute would save \
+                 ({:.1} % of prompt tokens) is a session's own earlier prefix (at or above the \
+                 {:.0} % threshold): sending each session back to its replica recovers ~{:.1} % \
+                 of prompt tokens; kvroute would add ~{:.1} points more (prefixes shared across \
+                 sessions).",
+                sh.within_session_share * 100.0,
+                sh.would_save_share * 100.0,
+                t.session_share * 100.0,
+                ratio(sh.within_session_tokens as f64, prompt) * 100.0,
+                ratio(sh.across_sessions_tokens as f64, prompt) * 100.0
+            )
+        }
         Verdict::WouldSave => format!(
             "{model}: kvroute would save ~{:.0} % of prefill tokens ({:.1} % were computed on one \
              replica while another held them, at or above the {:.0} % threshold), ~{:.0} \
@@ -302,6 +481,8 @@ fn model_report(
         verdict,
         summary,
         replicas,
+        shadow,
+        series: Vec::new(),
     }
 }
 

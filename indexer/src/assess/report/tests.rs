@@ -1,4 +1,7 @@
+use std::collections::BTreeMap;
+
 use super::*;
+use crate::shadow::ShadowTotals;
 
 fn reading(replica: &str, queries: f64, hits: f64, dup: u64, recomputed: u64) -> ReplicaReading {
     ReplicaReading {
@@ -113,4 +116,117 @@ fn the_window_counts_from_the_start_reading_and_survives_a_restart() {
     assert_eq!(m.replicas[0].query_tokens, 20_000.0);
     assert_eq!(m.replicas[0].duplicated_tokens, 8_000.0);
     assert_eq!(m.replicas[1].query_tokens, 20_000.0);
+}
+
+fn shadow_totals(would_save: u64, within: u64) -> ShadowTotals {
+    ShadowTotals {
+        decisions: 100,
+        completions: 100,
+        agreed: 50,
+        measured: 100,
+        prompt_tokens: 100_000,
+        predicted_hit_tokens: 60_000,
+        actual_cached_tokens: 60_000 - would_save,
+        would_save_tokens: would_save,
+        with_session: 100,
+        would_save_within_session_tokens: within,
+        ..ShadowTotals::default()
+    }
+}
+
+fn with_shadow(t: ShadowTotals) -> ModelReport {
+    let end = [
+        reading("a", 50_000.0, 20_000.0, 0, 0),
+        reading("b", 50_000.0, 20_000.0, 200, 0),
+    ];
+    let start: Vec<_> = end.iter().map(zero).collect();
+    let shadow = BTreeMap::from([("m".to_string(), t)]);
+    let r = build_full(
+        &start,
+        &end,
+        &[("m".into(), 16)],
+        60.0,
+        Thresholds::default(),
+        &shadow,
+        &[],
+    );
+    r.models[0].clone()
+}
+
+#[test]
+fn reuse_within_sessions_is_judged_session_affinity() {
+    // 30 % of prompt tokens would be saved, 90 % of it a session's own earlier prefix.
+    let m = with_shadow(shadow_totals(30_000, 27_000));
+    assert_eq!(m.verdict, Verdict::SessionAffinityWouldDo, "{}", m.summary);
+    let sh = m.shadow.as_ref().expect("shadow section");
+    assert_eq!(
+        (sh.within_session_tokens, sh.across_sessions_tokens),
+        (27_000, 3_000)
+    );
+    assert!((sh.agreed_share - 0.5).abs() < 1e-9);
+    assert!(
+        m.summary.contains("~27.0 %") && m.summary.contains("~3.0 points"),
+        "{}",
+        m.summary
+    );
+    assert!(m.summary.contains("80 % threshold"), "{}", m.summary);
+}
+
+#[test]
+fn reuse_across_sessions_is_judged_would_save() {
+    let m = with_shadow(shadow_totals(30_000, 6_000));
+    assert_eq!(m.verdict, Verdict::WouldSave, "{}", m.summary);
+    // Without sessions the split means nothing: never session affinity.
+    let mut t = shadow_totals(30_000, 0);
+    t.with_session = 0;
+    assert_eq!(with_shadow(t).verdict, Verdict::WouldSave);
+}
+
+#[test]
+fn samples_become_per_interval_series() {
+    let z = [reading("a", 0.0, 0.0, 0, 0), reading("b", 0.0, 0.0, 0, 0)];
+    let mid = [
+        reading("a", 1_000.0, 500.0, 0, 0),
+        reading("b", 1_000.0, 0.0, 10, 2),
+    ];
+    let end = [
+        reading("a", 1_000.0, 500.0, 0, 0),
+        reading("b", 2_000.0, 0.0, 30, 2),
+    ];
+    let samples = [
+        Sample {
+            t_s: 0.0,
+            readings: z.to_vec(),
+        },
+        Sample {
+            t_s: 10.0,
+            readings: mid.to_vec(),
+        },
+        Sample {
+            t_s: 20.0,
+            readings: end.to_vec(),
+        },
+    ];
+    let r = build_full(
+        &z,
+        &end,
+        &[("m".into(), 16)],
+        20.0,
+        Thresholds::default(),
+        &BTreeMap::new(),
+        &samples,
+    );
+    let s = &r.models[0].series;
+    assert_eq!(s.len(), 2);
+    assert_eq!(
+        (s[0].t_s, s[0].duplicated_tokens, s[0].recomputed_tokens),
+        (10.0, 160.0, 32.0)
+    );
+    assert_eq!(s[1].duplicated_tokens, 320.0);
+    assert_eq!(s[0].hit_rate, vec![Some(0.5), Some(0.0)]);
+    assert_eq!(
+        s[1].hit_rate,
+        vec![None, Some(0.0)],
+        "a had no queries in the second interval"
+    );
 }
