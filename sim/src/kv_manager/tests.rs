@@ -76,7 +76,7 @@ fn the_coordinator_port_and_the_index_rule_agree() {
         // Dense rows (mostly held), so long hits and window edges both occur.
         let held: Vec<Vec<bool>> = groups
             .iter()
-            .map(|_| (0..n).map(|_| rng.next_u64() % 5 != 0).collect())
+            .map(|_| (0..n).map(|_| !rng.next_u64().is_multiple_of(5)).collect())
             .collect();
         let kv = manager_holding(groups.clone(), &held);
         let max_tokens = (rng.next_u64() % (n as u64 * BS as u64 + 2)) as usize;
