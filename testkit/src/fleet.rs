@@ -247,32 +247,17 @@ impl Indexer {
     /// Waits until the indexer answers `/readyz` with 200, ready or degraded (e.g. event streams
     /// that have said nothing since it started): enough for policies that do not read the index.
     pub fn wait_serving(&mut self) {
-        let start = Instant::now();
-        loop {
-            self.proc.assert_running();
-            let r = try_http(
-                self.port,
-                "GET",
-                "/readyz",
-                &[],
-                b"",
-                Duration::from_secs(2),
-            );
-            if r.as_ref().is_ok_and(|r| r.status == 200) {
-                return;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "indexer not serving: {:?}",
-                r.map(|r| r.text())
-            );
-            thread::sleep(Duration::from_millis(100));
-        }
+        self.wait_readyz("serving", |_| true);
     }
 
     /// Waits until every replica is healthy and its event stream connected (`/readyz` says
     /// "ready", not "degraded").
     pub fn wait_ready(&mut self) {
+        self.wait_readyz("ready", |status| status == "ready");
+    }
+
+    /// Polls `/readyz` for up to 60 s until it answers 200 with a `status` that `accept` takes.
+    fn wait_readyz(&mut self, what: &str, accept: impl Fn(&Value) -> bool) {
         let start = Instant::now();
         loop {
             self.proc.assert_running();
@@ -285,13 +270,13 @@ impl Indexer {
                 Duration::from_secs(2),
             );
             if r.as_ref()
-                .is_ok_and(|r| r.status == 200 && r.json()["status"] == "ready")
+                .is_ok_and(|r| r.status == 200 && accept(&r.json()["status"]))
             {
                 return;
             }
             assert!(
                 start.elapsed() < Duration::from_secs(60),
-                "indexer not ready: {:?}",
+                "indexer not {what}: {:?}",
                 r.map(|r| r.text())
             );
             thread::sleep(Duration::from_millis(100));
