@@ -39,7 +39,7 @@ use clap::{Args, ValueEnum};
 use serde_json::json;
 
 use kvroute_testkit::filter_build::{self, FilterBuild};
-use kvroute_testkit::{cmd, http, paths, stack, supervisor};
+use kvroute_testkit::{http, paths, stack, supervisor};
 
 use crate::paths::Layout;
 use crate::stack::{Binaries, Stack, StackConfig};

@@ -1093,7 +1093,7 @@ mod tests {
         }
         w.runs[0].replica_shares = Some(crate::fleet::shares(
             &[1.0, 1.0, 0.5, 0.5],
-            &[super::super::summary::ReplicaCounters::default(); 4],
+            &[crate::replica_counters::ReplicaCounters::default(); 4],
         ));
         w.runs[0].scale_out = Some(scaleout::ScaleOut {
             replica: 3,

@@ -2,7 +2,6 @@
 
 use std::time::Duration;
 
-use anyhow::Result;
 use serde::Serialize;
 
 use super::replay::RequestOutcome;
