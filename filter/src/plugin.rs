@@ -14,13 +14,13 @@ use kvroute_core::api::{
 };
 use serde_json::Value;
 
+use crate::agreement::send_report;
 use crate::config::{ConfigError, FilterConfig, TokenizerSource};
 use crate::hlog;
 use crate::loaded_model::LoadedModel;
 use crate::metrics::Counter;
 use crate::models::{log_name, Lookup, ModelRegistry, RegistryPolicy};
-use crate::online_check::send_report;
-use crate::protocol::{parse_tokenizer_bundle, TokenizerBundle};
+use crate::protocol::{parse_tokenizer_bundle, percent_encode, TokenizerBundle};
 use crate::seam::{CallId, CallReply, Callout, Host};
 
 /// How often the host should call [`Plugin::on_tick`].
@@ -224,7 +224,7 @@ impl Plugin {
                         digest,
                         check: None,
                     };
-                    send_report(host, self, &model, &report, |h, call| {
+                    send_report(host, &self.cfg, &model, &report, |h, call| {
                         h.dispatch(call).map(|_| ())
                     });
                     hlog!(
@@ -288,29 +288,5 @@ impl Plugin {
             host.increment(Counter::TokenizerLoaded.into());
         }
         Ok(())
-    }
-}
-
-/// Minimal percent-encoding for a model name in a URL path segment.
-pub fn percent_encode(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn model_names_are_path_safe() {
-        assert_eq!(percent_encode("Qwen/Qwen3-0.6B"), "Qwen%2FQwen3-0.6B");
-        assert_eq!(percent_encode("a b?"), "a%20b%3F");
     }
 }

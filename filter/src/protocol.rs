@@ -147,6 +147,19 @@ pub fn parse_route_answer(
     })
 }
 
+/// Minimal percent-encoding for a model name in a URL path segment.
+pub fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// Parses a status header value.
 pub fn parse_status(value: Option<&str>) -> Option<u16> {
     value.and_then(|v| v.trim().parse().ok())
@@ -341,6 +354,12 @@ pub fn request_id(header: Option<&str>, context_id: u64, now_nanos: u64) -> Stri
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn model_names_are_path_safe() {
+        assert_eq!(percent_encode("Qwen/Qwen3-0.6B"), "Qwen%2FQwen3-0.6B");
+        assert_eq!(percent_encode("a b?"), "a%20b%3F");
+    }
     use serde_json::json;
 
     #[test]

@@ -17,19 +17,6 @@ use serde_json::{json, Value};
 const MODEL: &str = "qwen3";
 const BS: u64 = 16;
 
-/// Newest modification time under `path` (files, recursively).
-fn newest_mtime(path: &std::path::Path) -> Option<std::time::SystemTime> {
-    let meta = std::fs::metadata(path).ok()?;
-    if meta.is_file() {
-        return meta.modified().ok();
-    }
-    std::fs::read_dir(path)
-        .ok()?
-        .flatten()
-        .filter_map(|e| newest_mtime(&e.path()))
-        .max()
-}
-
 /// `<target>/debug/kvroute-sim`, built with `cargo build -p kvroute-sim` when missing or older
 /// than its sources (sim, core, Cargo.lock); `cargo test --workspace` builds it anyway.
 fn sim_binary() -> PathBuf {
