@@ -162,7 +162,7 @@ fn a_compact_document_without_its_tables_is_refused_by_name() {
         tokenizer_json: bundle.tokenizer_json.into_bytes(),
         tokenizer_config_json: files.tokenizer_config_json,
     };
-    let e = ModelTokenizer::from_files(&stripped, TokenizerOptions::default())
-        .expect_err("no tables");
+    let e =
+        ModelTokenizer::from_files(&stripped, TokenizerOptions::default()).expect_err("no tables");
     assert!(e.to_string().contains("no BPE tables"), "{e}");
 }

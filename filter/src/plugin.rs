@@ -215,9 +215,8 @@ impl Plugin {
             Some(s) => Err(format!("indexer answered HTTP {s}")),
             None => Err("no answer (reset or timeout)".to_string()),
         };
-        let loaded = outcome.and_then(|bundle| {
-            LoadedModel::load(bundle, self.cfg.models.get(&model), &self.cfg)
-        });
+        let loaded = outcome
+            .and_then(|bundle| LoadedModel::load(bundle, self.cfg.models.get(&model), &self.cfg));
         match loaded {
             Ok(m) => {
                 let (block_size, cap) = (m.block_size, m.max_prompt_tokens);

@@ -56,8 +56,8 @@ fn model_dir() -> PathBuf {
 fn answer(compact: bool) -> Vec<u8> {
     let files = kvroute_core::request::ModelFiles::from_dir(model_dir())
         .unwrap_or_else(|e| panic!("{e}: run `cargo xtask setup`"));
-    let bundle = kvroute_core::api::TokenizerBundle::from_files("qwen3", files, compact)
-        .expect("bundle");
+    let bundle =
+        kvroute_core::api::TokenizerBundle::from_files("qwen3", files, compact).expect("bundle");
     serde_json::to_vec(&bundle).expect("serialise")
 }
 
@@ -68,9 +68,8 @@ fn conversation(seed: u64, tokens: usize, last_turn_seed: u64) -> Value {
     let mut messages = vec![json!({"role": "system", "content": filler(seed, words)})];
     for t in 0..turns.saturating_sub(1) {
         messages.push(json!({"role": "user", "content": filler(seed * 1000 + t as u64, words)}));
-        messages.push(
-            json!({"role": "assistant", "content": filler(seed * 2000 + t as u64, words)}),
-        );
+        messages
+            .push(json!({"role": "assistant", "content": filler(seed * 2000 + t as u64, words)}));
     }
     messages.push(json!({"role": "user", "content": filler(last_turn_seed, words)}));
     json!({"model": "qwen3", "max_tokens": 1, "messages": messages})
@@ -98,7 +97,10 @@ impl Phases {
         peak
     }
     fn print(&self, title: &str) {
-        println!("{title}\n{:<44} {:>9} {:>9}", "phase", "live MiB", "peak MiB");
+        println!(
+            "{title}\n{:<44} {:>9} {:>9}",
+            "phase", "live MiB", "peak MiB"
+        );
         for (name, live, peak) in &self.rows {
             println!("{name:<44} {live:>9.1} {peak:>9.1}");
         }

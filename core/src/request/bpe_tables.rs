@@ -111,7 +111,10 @@ fn tables_of(model: &Map<String, Value>) -> Option<BpeTables> {
             Some([*ids.get(a)?, *ids.get(b)?])
         })
         .collect::<Option<Vec<_>>>()?;
-    let vocab = by_id.into_iter().map(|t| t.map(str::to_owned)).collect::<Option<_>>()?;
+    let vocab = by_id
+        .into_iter()
+        .map(|t| t.map(str::to_owned))
+        .collect::<Option<_>>()?;
     Some(BpeTables { vocab, merges })
 }
 
@@ -120,8 +123,12 @@ fn tables_of(model: &Map<String, Value>) -> Option<BpeTables> {
 pub(crate) fn is_compact(tokenizer_json: &Value) -> bool {
     tokenizer_json.get("model").is_some_and(|m| {
         m.get("type").and_then(Value::as_str) == Some("BPE")
-            && m.get("vocab").and_then(Value::as_object).is_some_and(Map::is_empty)
-            && m.get("merges").and_then(Value::as_array).is_some_and(Vec::is_empty)
+            && m.get("vocab")
+                .and_then(Value::as_object)
+                .is_some_and(Map::is_empty)
+            && m.get("merges")
+                .and_then(Value::as_array)
+                .is_some_and(Vec::is_empty)
     })
 }
 
@@ -146,8 +153,8 @@ pub(crate) fn build_tokenizer(
     if let Some(obj) = doc.as_object_mut() {
         obj.insert("added_tokens".into(), Value::Array(Vec::new()));
     }
-    let mut tokenizer: Tokenizer = serde_json::from_value(doc)
-        .map_err(|e| files_error(format!("tokenizer.json: {e}")))?;
+    let mut tokenizer: Tokenizer =
+        serde_json::from_value(doc).map_err(|e| files_error(format!("tokenizer.json: {e}")))?;
     let ModelWrapper::BPE(options) = tokenizer.get_model() else {
         return Err(files_error("tokenizer.json: the model is not BPE"));
     };
@@ -163,10 +170,11 @@ pub(crate) fn build_tokenizer(
 fn bpe_from_tables(options: &BPE, tables: BpeTables) -> Result<BPE, RequestError> {
     let BpeTables { vocab, merges } = tables;
     let token = |id: u32| {
-        vocab
-            .get(id as usize)
-            .cloned()
-            .ok_or_else(|| files_error(format!("BPE tables: merge names token id {id}, out of the vocabulary")))
+        vocab.get(id as usize).cloned().ok_or_else(|| {
+            files_error(format!(
+                "BPE tables: merge names token id {id}, out of the vocabulary"
+            ))
+        })
     };
     let merges = merges
         .iter()
@@ -223,7 +231,9 @@ mod tests {
         for merges in [json!(["a b</w>"]), json!([["a", "b</w>"]])] {
             let doc = tiny(merges);
             let bytes = serde_json::to_vec(&doc).expect("json");
-            let c = compact_tokenizer_json(&bytes).expect("ok").expect("covered");
+            let c = compact_tokenizer_json(&bytes)
+                .expect("ok")
+                .expect("covered");
             assert_eq!(c.tables.vocab, ["<unk>", "a", "b</w>", "ab</w>", "b"]);
             assert_eq!(c.tables.merges, [[1, 2]]);
             let stripped: Value = serde_json::from_slice(&c.tokenizer_json).expect("json");
@@ -260,7 +270,9 @@ mod tests {
         let e = build_tokenizer(&full, BpeTables::default()).expect_err("not compact");
         assert!(e.to_string().contains("empty vocab"), "{e}");
         let bytes = serde_json::to_vec(&full).expect("json");
-        let c = compact_tokenizer_json(&bytes).expect("ok").expect("covered");
+        let c = compact_tokenizer_json(&bytes)
+            .expect("ok")
+            .expect("covered");
         let stripped: Value = serde_json::from_slice(&c.tokenizer_json).expect("json");
         let bad = BpeTables {
             merges: vec![[1, 99]],

@@ -201,8 +201,7 @@ impl ModelTokenizer {
             .and_then(Value::as_u64)
             .and_then(|n| usize::try_from(n).ok())
             .filter(|n| (1..=MAX_SANE_MODEL_MAX_LENGTH).contains(n));
-        let digest =
-            super::digest::digest(&tokenizer, templates.as_ref(), &special_tokens, &opts);
+        let digest = super::digest::digest(&tokenizer, templates.as_ref(), &special_tokens, &opts);
         Ok(Self {
             tokenizer,
             templates,

@@ -290,8 +290,7 @@ pub fn qwen3_bundle_json() -> Vec<u8> {
             .expect("the compact bundle")
     };
     assert!(bundle.bpe_tables.is_some(), "Qwen3 has a compact form");
-    serde_json::to_vec(&bundle)
-    .expect("bundle serialises")
+    serde_json::to_vec(&bundle).expect("bundle serialises")
 }
 
 /// One plugin with `{"models": {"qwen3": {}}}` for the tests that do not change its models.
@@ -308,7 +307,10 @@ pub fn plugin_with_qwen3(config: Value) -> Arc<Plugin> {
     let plugin = Plugin::configure(&host, config.to_string().as_bytes(), b"").expect("configure");
     plugin.on_tick(&mut host);
     let fetch = host.last_call().clone();
-    assert_eq!(fetch.header(":path"), Some("/v1/models/qwen3/tokenizer?form=compact"));
+    assert_eq!(
+        fetch.header(":path"),
+        Some("/v1/models/qwen3/tokenizer?form=compact")
+    );
     let reply = CallReply {
         status: Some(200),
         contract: None,
