@@ -510,7 +510,10 @@ fn a_model_the_indexer_does_not_know_fails_open_and_is_remembered() {
     let mut root = FakeHost::new();
     plugin.on_tick(&mut root);
     let fetch = root.last_call().clone();
-    assert_eq!(fetch.header(":path"), Some("/v1/models/mystery/tokenizer"));
+    assert_eq!(
+        fetch.header(":path"),
+        Some("/v1/models/mystery/tokenizer?form=compact")
+    );
     assert!(plugin.on_call_reply(
         &mut root,
         fetch.id,
