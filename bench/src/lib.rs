@@ -838,10 +838,16 @@ fn run_policy(
     let assessed = if policy == Policy::Shadow {
         // SIGINT ends assess's window; it scrapes once more and writes its report.
         stack.finish_assess()?;
-        Some(assess::AssessFigures::read(
-            &policies::assess_report_path(work_dir),
-            "qwen3",
-        )?)
+        let path = policies::assess_report_path(work_dir);
+        let figures = assess::AssessFigures::read(&path, "qwen3")?;
+        // Kept per workload and load beside the request logs.
+        let keep = work_dir.join(format!(
+            "assess-{}-{}.json",
+            workload.name,
+            workload.load_label().replace([' ', '/'], "")
+        ));
+        fs::copy(&path, &keep).with_context(|| format!("copying {}", path.display()))?;
+        Some(figures)
     } else {
         None
     };

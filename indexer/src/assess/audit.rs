@@ -245,10 +245,7 @@ fn find(m: &ModelBlocks) -> Vec<(Divergence, Vec<Vec<u32>>)> {
         .collect();
     by_depth.sort_unstable();
     let mut family_of: Vec<usize> = (0..groups.len()).collect();
-    // Per family start: (divergence block, first differing token, last differing token,
-    // requests, destroyed tokens, sampled text tokens).
-    let mut starts: HashMap<usize, (usize, usize, usize, usize, u64, Vec<Vec<u32>>)> =
-        HashMap::new();
+    let mut starts: HashMap<usize, FamilyStart> = HashMap::new();
     for &(d, g) in &by_depth {
         let members = groups[g];
         let parents: Vec<Option<usize>> = members
@@ -266,23 +263,24 @@ fn find(m: &ModelBlocks) -> Vec<(Divergence, Vec<Vec<u32>>)> {
             let f = family_of[pg];
             family_of[g] = f;
             if let Some(s) = starts.get_mut(&f) {
-                s.4 += destroyed;
+                s.destroyed += destroyed;
             }
             continue;
         }
         if members.len() < MIN_FAMILY {
             continue;
         }
-        if let Some(found) = locate(m, members, d) {
-            let (div_block, first, last, text) = found;
-            starts.insert(g, (div_block, first, last, members.len(), destroyed, text));
+        if let Some(mut found) = locate(m, members, d) {
+            found.destroyed = destroyed;
+            starts.insert(g, found);
         }
     }
     let stored = (m.blocks.len() * bs) as f64;
     // Merge the families that diverge in the same block.
     let mut merged: HashMap<usize, (Divergence, Vec<Vec<u32>>)> = HashMap::new();
-    for (div_block, first, last, requests, destroyed, text) in starts.into_values() {
-        let e = merged.entry(div_block).or_insert_with(|| {
+    for f in starts.into_values() {
+        let (first, last) = (f.first, f.last);
+        let e = merged.entry(f.block).or_insert_with(|| {
             (
                 Divergence {
                     position_tokens: first as u64,
@@ -293,7 +291,7 @@ fn find(m: &ModelBlocks) -> Vec<(Divergence, Vec<Vec<u32>>)> {
                     reuse_destroyed_share: 0.0,
                     text: None,
                 },
-                text.clone(),
+                f.text.clone(),
             )
         });
         let d = &mut e.0;
@@ -302,8 +300,8 @@ fn find(m: &ModelBlocks) -> Vec<(Divergence, Vec<Vec<u32>>)> {
             .differing_tokens
             .max((last + 1).saturating_sub(first) as u64);
         d.families += 1;
-        d.requests += requests as u64;
-        d.reuse_destroyed_tokens += destroyed;
+        d.requests += f.requests as u64;
+        d.reuse_destroyed_tokens += f.destroyed;
         d.reuse_destroyed_share = if stored > 0.0 {
             d.reuse_destroyed_tokens as f64 / stored
         } else {
@@ -315,15 +313,24 @@ fn find(m: &ModelBlocks) -> Vec<(Divergence, Vec<Vec<u32>>)> {
     out
 }
 
+/// Where one family's prompts diverge.
+struct FamilyStart {
+    /// The first block (depth) in which they differ.
+    block: usize,
+    /// First and last differing token positions.
+    first: usize,
+    last: usize,
+    /// Requests (distinct chains) in the family.
+    requests: usize,
+    /// Tokens stored again because of the divergence (summed over the family's blocks).
+    destroyed: u64,
+    /// A few chains' tokens from one block before the divergence through the first shared one.
+    text: Vec<Vec<u32>>,
+}
+
 /// Walks the chains of `members` (identical blocks at depth `d`) back to their last common
-/// block; returns the first differing block, the first and last differing token positions, and
-/// a few chains' tokens from one block before the divergence through depth `d`.
-#[allow(clippy::type_complexity)]
-fn locate(
-    m: &ModelBlocks,
-    members: &[u64],
-    d: usize,
-) -> Option<(usize, usize, usize, Vec<Vec<u32>>)> {
+/// block and locates where they differ (`destroyed` is left to the caller).
+fn locate(m: &ModelBlocks, members: &[u64], d: usize) -> Option<FamilyStart> {
     let bs = m.block_size;
     let sampled: Vec<u64> = members.iter().copied().take(MAX_SAMPLED).collect();
     // chains[i][k]: member i's ancestor k blocks above depth d (k = 0 is the member).
@@ -393,7 +400,14 @@ fn locate(
             }
         })
         .collect();
-    Some((run_start, base + first, base + last, text))
+    Some(FamilyStart {
+        block: run_start,
+        first: base + first,
+        last: base + last,
+        requests: members.len(),
+        destroyed: 0,
+        text,
+    })
 }
 
 #[cfg(test)]
