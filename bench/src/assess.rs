@@ -287,7 +287,10 @@ mod tests {
 
     #[test]
     fn verdicts_and_thrash_are_expected_per_workload_and_fleet() {
-        assert_eq!(expected_verdict("shared-prefix", 1), Some("nothing_to_route"));
+        assert_eq!(
+            expected_verdict("shared-prefix", 1),
+            Some("nothing_to_route")
+        );
         assert_eq!(expected_verdict("shared-prefix", 4), Some("would_save"));
         assert_eq!(expected_verdict("no-sharing", 4), Some("low_reuse"));
         assert_eq!(
@@ -318,7 +321,11 @@ mod tests {
         let got = checks("shared-prefix", "s", &shadow, Some(&kv));
         assert_eq!(got.len(), 4);
         assert!(got.iter().all(|c| c.met == Some(true)), "{got:?}");
-        assert!(got[2].measured.contains("predicted 65.5 %"), "{}", got[2].measured);
+        assert!(
+            got[2].measured.contains("predicted 65.5 %"),
+            "{}",
+            got[2].measured
+        );
         // kv at 70 %: both miss (4.5 and 5.4 points off).
         let far = line("kv", 0.70);
         let got = checks("shared-prefix", "s", &shadow, Some(&far));
@@ -331,7 +338,10 @@ mod tests {
         assert_eq!(got[1].met, None);
         // A KV-bound shared-prefix fleet must report thrash.
         shadow.gpu_blocks = 8_192;
-        assert_eq!(checks("shared-prefix", "s", &shadow, None)[1].met, Some(false));
+        assert_eq!(
+            checks("shared-prefix", "s", &shadow, None)[1].met,
+            Some(false)
+        );
         // No report at all is a miss, not a pass.
         shadow.assess = None;
         let got = checks("shared-prefix", "s", &shadow, Some(&kv));

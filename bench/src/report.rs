@@ -105,7 +105,11 @@ pub fn check_goals(results: &[WorkloadResults]) -> Vec<GoalCheck> {
                     .copied()
                     .find(|r| r.policy == p.name() && r.errors == 0)
             };
-            if let Some(shadow) = runs.iter().copied().find(|r| r.policy == Policy::Shadow.name()) {
+            if let Some(shadow) = runs
+                .iter()
+                .copied()
+                .find(|r| r.policy == Policy::Shadow.name())
+            {
                 let scope = format!("{}, {}, {load}", w.name, fleet(shadow));
                 checks.extend(assess::checks(&w.name, &scope, shadow, find(Policy::Kv)));
             }

@@ -831,10 +831,18 @@ async fn the_prompt_audit_finds_a_per_request_timestamp_and_nothing_in_clean_pro
     let tokens: Vec<Vec<u32>> = stamped.iter().map(chat_tokens).collect();
     let truth = tokens[1..]
         .iter()
-        .map(|t| t.iter().zip(&tokens[0]).position(|(x, y)| x != y).expect("differ"))
+        .map(|t| {
+            t.iter()
+                .zip(&tokens[0])
+                .position(|(x, y)| x != y)
+                .expect("differ")
+        })
         .min()
         .expect("truth");
-    assert!(truth < 32, "the stamp is early in the prompt (token {truth})");
+    assert!(
+        truth < 32,
+        "the stamp is early in the prompt (token {truth})"
+    );
 
     let (model, log) = assess_with(
         &dir.0,
@@ -863,10 +871,13 @@ async fn the_prompt_audit_finds_a_per_request_timestamp_and_nothing_in_clean_pro
         "{destroyed} tokens destroyed, expected about {} ({audit})",
         (n as u64 - 1) * 16 * shared_blocks
     );
-    let text = d["text"].as_array().expect("--show-text puts the text in the report");
+    let text = d["text"]
+        .as_array()
+        .expect("--show-text puts the text in the report");
     assert!(
-        text.iter()
-            .any(|t| t.as_str().is_some_and(|t| t.contains("Current time: 2026-12-03 09:1"))),
+        text.iter().any(|t| t
+            .as_str()
+            .is_some_and(|t| t.contains("Current time: 2026-12-03 09:1"))),
         "{text:?}"
     );
     // The prompt text is in the report, never in the log.
@@ -877,14 +888,9 @@ async fn the_prompt_audit_finds_a_per_request_timestamp_and_nothing_in_clean_pro
     let clean: Vec<Value> = (0..n)
         .map(|i| stamped_chat("2026-12-03 10:00:00 UTC", i))
         .collect();
-    let (model, _) = assess_with(
-        &dir.0,
-        "audit-clean",
-        &[&a, &b],
-        4,
-        &["--audit"],
-        || send(clean.clone()),
-    )
+    let (model, _) = assess_with(&dir.0, "audit-clean", &[&a, &b], 4, &["--audit"], || {
+        send(clean.clone())
+    })
     .await;
     let audit = &model["audit"];
     assert!(audit["blocks"].as_u64() > Some(40), "{audit}");

@@ -366,7 +366,10 @@ impl Stack {
         {
             self.sup.check_alive()?;
             if std::time::Instant::now() >= deadline {
-                bail!("assess did not start its window within 60 s; see {}", log.display());
+                bail!(
+                    "assess did not start its window within 60 s; see {}",
+                    log.display()
+                );
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -375,8 +378,7 @@ impl Stack {
 
     /// Ends the `assess` window (SIGINT, as Ctrl-C) and waits for it to write its report.
     pub fn finish_assess(&mut self) -> Result<()> {
-        self.sup
-            .interrupt_and_wait(ASSESS, Duration::from_secs(60))
+        self.sup.interrupt_and_wait(ASSESS, Duration::from_secs(60))
     }
 
     /// The indexer's configuration for this stack (its prefill rate is the replicas' time-scaled).
@@ -704,15 +706,12 @@ const HEALTH_CHECKS: &str = "    health_checks:
 /// The kvroute Envoy config with its fallback cluster (`kvroute_replicas_fallback`) balancing
 /// by `ROUND_ROBIN` instead of `LEAST_REQUEST`.
 pub fn with_round_robin_fallback(yaml: &str) -> Result<String> {
-    let anchor = "  - name: kvroute_replicas_fallback\n    type: STATIC\n    lb_policy: LEAST_REQUEST\n";
+    let anchor =
+        "  - name: kvroute_replicas_fallback\n    type: STATIC\n    lb_policy: LEAST_REQUEST\n";
     if yaml.matches(anchor).count() != 1 {
         bail!("envoy.yaml has no single LEAST_REQUEST fallback cluster to switch to round robin");
     }
-    Ok(yaml.replacen(
-        anchor,
-        &anchor.replace("LEAST_REQUEST", "ROUND_ROBIN"),
-        1,
-    ))
+    Ok(yaml.replacen(anchor, &anchor.replace("LEAST_REQUEST", "ROUND_ROBIN"), 1))
 }
 
 /// A rendered single-cluster Envoy config (the baseline and session templates) with
