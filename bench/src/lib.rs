@@ -9,6 +9,7 @@
 //! ladder.
 
 mod agentic;
+mod assess;
 pub mod chat_traffic;
 mod filter_costs;
 mod fleet;
@@ -76,6 +77,9 @@ pub enum WorkloadKind {
     NoSharing,
     /// Coding-agent sessions: contexts growing by tool output every turn (seeded generator).
     Agentic,
+    /// Multi-turn chat whose every conversation has its own system prompt: all reuse is within
+    /// a session (assess's "session affinity would do"; not part of `--full`).
+    SessionsOnly,
 }
 
 /// Options of `cargo xtask bench`.
@@ -238,7 +242,11 @@ impl Plan {
         } else if opts.fleet.trace.is_some() {
             Vec::new()
         } else if opts.full {
-            WorkloadKind::value_variants().to_vec()
+            WorkloadKind::value_variants()
+                .iter()
+                .copied()
+                .filter(|&k| k != WorkloadKind::SessionsOnly)
+                .collect()
         } else {
             vec![
                 WorkloadKind::SharedPrefix,
@@ -247,7 +255,7 @@ impl Plan {
             ]
         };
         let policies = if opts.policies.is_empty() {
-            Policy::ALL.to_vec()
+            Policy::DEFAULT.to_vec()
         } else {
             opts.policies.clone()
         };
@@ -348,18 +356,28 @@ fn build_workloads(
             }
             vec![w]
         }
-        WorkloadKind::MultiTurn => {
+        WorkloadKind::MultiTurn | WorkloadKind::SessionsOnly => {
+            let sessions_only = kind == WorkloadKind::SessionsOnly;
             let mt = MultiTurn {
                 conversations: 100,
                 turns: 4,
-                system_prompts: 10,
+                // sessions-only: one system prompt per conversation.
+                system_prompts: if sessions_only { 100 } else { 10 },
                 system_tokens: 3_000,
                 user_tokens: 300,
                 reply_tokens: 200,
                 turn_gap_s: 20.0,
                 seed: opts.seed,
             };
-            vec![mt.at_rate(0.6 * fleet)?]
+            let mut w = mt.at_rate(0.6 * fleet)?;
+            if sessions_only {
+                w.name = "sessions-only".to_string();
+                w.description = format!(
+                    "sessions only: {} (one per conversation: no reuse across sessions)",
+                    w.description.replace(" shared ", " distinct ")
+                );
+            }
+            vec![w]
         }
         WorkloadKind::NoSharing => {
             let ns = NoSharing {
@@ -760,6 +778,22 @@ fn run_policy(
     }
     stack.check_alive()?;
     let after = scrape(joined_s.is_some())?;
+    let assessed = if policy == Policy::Shadow {
+        // SIGINT ends assess's window; it scrapes once more and writes its report.
+        stack.finish_assess()?;
+        let path = policies::assess_report_path(work_dir);
+        let figures = assess::AssessFigures::read(&path, "qwen3")?;
+        // Kept per workload and load beside the request logs.
+        let keep = work_dir.join(format!(
+            "assess-{}-{}.json",
+            workload.name,
+            workload.load_label().replace([' ', '/'], "")
+        ));
+        fs::copy(&path, &keep).with_context(|| format!("copying {}", path.display()))?;
+        Some(figures)
+    } else {
+        None
+    };
     let deltas: Vec<ReplicaCounters> = after.iter().zip(&before).map(|(a, b)| a.since(b)).collect();
     let mut summary = RunSummary::new(ctx, &outcomes, wall, &deltas);
     // Nothing sampled (no process found) is reported as unknown, not as free.
@@ -769,6 +803,7 @@ fn run_policy(
         summary.replica_shares = Some(fleet::shares(&opts.fleet.replica_speeds, &deltas));
     }
     summary.ideal = ideal::bound(extras.uncached, sim_latency);
+    summary.assess = assessed;
     if let (Some((index, _)), Some(joined)) = (late, joined_s) {
         samples.push(scaleout::Sample {
             model_s: model_s(Instant::now()),
@@ -891,6 +926,29 @@ fn print_line(s: &RunSummary) {
             so.hit_after * 100.0,
             so.ceiling_after * 100.0
         );
+    }
+    if let Some(a) = &s.assess {
+        println!(
+            "      assess: {} ({}); predicted hit {:.1} % (measured {:.1} %); thrash {} (recomputed {:.1} %, {:.0} preemptions, {:.1} % without recompute)",
+            a.verdict,
+            a.summary,
+            a.predicted_hit_rate * 100.0,
+            a.hit_rate * 100.0,
+            if a.thrash { "yes" } else { "no" },
+            a.recomputed_share * 100.0,
+            a.preemptions,
+            a.hit_rate_without_recompute * 100.0
+        );
+        if let Some(sh) = &a.shadow {
+            println!(
+                "      shadow: {} decisions, would save {:.1} % of prompt tokens ({:.0} % within sessions), kvroute's hit {:.1} % vs the balancer's {:.1} %",
+                sh.decisions,
+                sh.would_save_share * 100.0,
+                sh.within_session_share * 100.0,
+                sh.predicted_hit_rate * 100.0,
+                sh.actual_hit_rate * 100.0
+            );
+        }
     }
     if let Some(e) = &s.first_error {
         println!(

@@ -9,6 +9,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 
+use super::assess;
 use super::policies::Policy;
 use super::scaleout;
 use super::summary::RunSummary;
@@ -113,6 +114,14 @@ pub fn check_goals(results: &[WorkloadResults]) -> Vec<GoalCheck> {
                     .copied()
                     .find(|r| r.policy == p.name() && r.errors == 0)
             };
+            if let Some(shadow) = runs
+                .iter()
+                .copied()
+                .find(|r| r.policy == Policy::Shadow.name())
+            {
+                let scope = format!("{}, {}, {load}", w.name, fleet(shadow));
+                checks.extend(assess::checks(&w.name, &scope, shadow, find(Policy::Kv)));
+            }
             let Some(kv) = find(Policy::Kv) else { continue };
             let scope = format!("{}, {}, {load}", w.name, fleet(kv));
             let sharing = matches!(w.name.as_str(), "shared-prefix" | "mooncake-synthetic");
@@ -988,10 +997,10 @@ pub fn write_plots(dir: &Path, results: &[WorkloadResults]) -> Result<Vec<(Strin
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn run(policy: &str, load: &str, rate: f64, hit: f64, p90: f64) -> RunSummary {
+    pub(crate) fn run(policy: &str, load: &str, rate: f64, hit: f64, p90: f64) -> RunSummary {
         RunSummary {
             workload: "shared-prefix".into(),
             load: load.into(),
@@ -1025,6 +1034,7 @@ mod tests {
             replica_shares: None,
             ideal: None,
             scale_out: None,
+            assess: None,
         }
     }
 

@@ -77,6 +77,8 @@ pub struct RunSummary {
     pub ideal: Option<super::ideal::IdealBound>,
     /// The late replica's uptake (`--scale-out-at`).
     pub scale_out: Option<super::scaleout::ScaleOut>,
+    /// What `kvroute-indexer assess` reported over the run (the `shadow` line only).
+    pub assess: Option<super::assess::AssessFigures>,
 }
 
 /// Inputs of [`RunSummary::new`] besides the outcomes.
@@ -184,6 +186,7 @@ impl RunSummary {
             replica_shares: None,
             ideal: None,
             scale_out: None,
+            assess: None,
         }
     }
 

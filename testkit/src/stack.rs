@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -25,6 +25,9 @@ const SIM_DECODE_STEP_PER_SEQ_S: f64 = 0.000_03;
 /// The scoring model's default latency objectives (model seconds).
 const TTFT_OBJECTIVE_S: f64 = 2.0;
 const ITL_OBJECTIVE_S: f64 = 0.05;
+/// The process name of `kvroute-indexer assess` in the stack (an `indexer` prefix: stopped with
+/// the indexer and counted as the router's cost).
+const ASSESS: &str = "indexer-assess";
 use crate::prom::CacheCounters;
 
 /// The baseline Envoy configuration (no filter), rendered by [`Stack::start_baseline_envoy`].
@@ -351,6 +354,47 @@ impl Stack {
             .wait_http_ok("the indexer", &listen, "/readyz", Duration::from_secs(60))
     }
 
+    /// Starts `kvroute-indexer assess` in the indexer's place (same configuration and port,
+    /// `--listen` for filters in shadow mode), writing its report to `json` when it ends, and
+    /// waits until its window has begun. End it with [`Stack::finish_assess`].
+    pub fn start_assess(&mut self, json: &Path) -> Result<()> {
+        let config = self.work_dir.join("indexer.toml");
+        fs::write(&config, self.indexer_toml()?)
+            .with_context(|| format!("writing {}", config.display()))?;
+        let listen = format!("127.0.0.1:{}", self.ports.indexer);
+        let _ = fs::remove_file(json);
+        let mut cmd = Command::new(&self.bins.indexer);
+        cmd.args(["assess", "--config"])
+            .arg(&config)
+            .args(["--listen", &listen, "--duration", "24h", "--json"])
+            .arg(json)
+            .env("RUST_LOG", indexer_log_filter());
+        let log = self.log(ASSESS);
+        self.sup.spawn(ASSESS, cmd, &log)?;
+        self.sup
+            .wait_http_ok("assess", &listen, "/readyz", Duration::from_secs(60))?;
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while !fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("assess: watching")
+        {
+            self.sup.check_alive()?;
+            if std::time::Instant::now() >= deadline {
+                bail!(
+                    "assess did not start its window within 60 s; see {}",
+                    log.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok(())
+    }
+
+    /// Ends the `assess` window (SIGINT, as Ctrl-C) and waits for it to write its report.
+    pub fn finish_assess(&mut self) -> Result<()> {
+        self.sup.interrupt_and_wait(ASSESS, Duration::from_secs(60))
+    }
+
     /// The indexer's configuration for this stack (its prefill rate is the replicas' time-scaled).
     fn indexer_toml(&self) -> Result<String> {
         let quote = |s: &str| serde_json::to_string(s);
@@ -416,9 +460,24 @@ impl Stack {
     /// waits until the filter has loaded the tokenizer (in every worker's VM for the Wasm build,
     /// once for the native one).
     pub fn start_kvroute_envoy(&mut self) -> Result<()> {
+        self.start_kvroute_envoy_in(false)
+    }
+
+    /// [`Stack::start_kvroute_envoy`] with the filter in shadow mode (`"mode": "shadow"`) and the
+    /// fallback cluster on `ROUND_ROBIN`: Envoy's round robin routes every request while the
+    /// filter asks the indexer and reports what it would have chosen (docs/assess.md).
+    pub fn start_kvroute_envoy_shadow(&mut self) -> Result<()> {
+        self.start_kvroute_envoy_in(true)
+    }
+
+    fn start_kvroute_envoy_in(&mut self, shadow: bool) -> Result<()> {
         let template = fs::read_to_string(&self.envoy_template)
             .with_context(|| format!("reading {}", self.envoy_template.display()))?;
-        let plugin_config = json!({"models": {self.cfg.model.as_str(): {}}}).to_string();
+        let mut plugin = json!({"models": {self.cfg.model.as_str(): {}}});
+        if shadow {
+            plugin["mode"] = json!("shadow");
+        }
+        let plugin_config = plugin.to_string();
         let (listen, admin) = self.ports.kvroute;
         let values = kvroute_template_values(
             listen,
@@ -431,7 +490,10 @@ impl Stack {
             &self.lb_endpoints(),
             &plugin_config,
         )?;
-        let yaml = render(&template, &values)?;
+        let mut yaml = render(&template, &values)?;
+        if shadow {
+            yaml = with_round_robin_fallback(&yaml)?;
+        }
         self.start_envoy("envoy-kvroute", &yaml, admin)?;
         self.wait_tokenizers_loaded(Duration::from_secs(90))
     }
@@ -681,6 +743,17 @@ const HEALTH_CHECKS: &str = "    health_checks:
       http_health_check: { path: /health }
 ";
 
+/// The kvroute Envoy config with its fallback cluster (`kvroute_replicas_fallback`) balancing
+/// by `ROUND_ROBIN` instead of `LEAST_REQUEST`.
+pub fn with_round_robin_fallback(yaml: &str) -> Result<String> {
+    let anchor =
+        "  - name: kvroute_replicas_fallback\n    type: STATIC\n    lb_policy: LEAST_REQUEST\n";
+    if yaml.matches(anchor).count() != 1 {
+        bail!("envoy.yaml has no single LEAST_REQUEST fallback cluster to switch to round robin");
+    }
+    Ok(yaml.replacen(anchor, &anchor.replace("LEAST_REQUEST", "ROUND_ROBIN"), 1))
+}
+
 /// A rendered single-cluster Envoy config (the baseline and session templates) with
 /// [`HEALTH_CHECKS`] added to its cluster (after its `connect_timeout`).
 pub fn with_health_checks(yaml: &str) -> Result<String> {
@@ -781,6 +854,24 @@ mod tests {
                 .unwrap_or_else(|e| panic!("stack.rs must know every placeholder of {name}: {e}"));
             assert!(yaml.contains(path), "{name} names the filter artifact");
         }
+    }
+
+    #[test]
+    fn the_shadow_stack_switches_only_the_fallback_cluster_to_round_robin() {
+        let template = Path::new(env!("CARGO_MANIFEST_DIR")).join("../envoy/envoy.yaml");
+        let text = std::fs::read_to_string(&template).expect("envoy/envoy.yaml");
+        let values =
+            super::kvroute_template_values(1, 2, "/x.wasm", 3, "[]", "{}").expect("values");
+        let yaml = render(&text, &values).expect("render");
+        let rr = super::with_round_robin_fallback(&yaml).expect("round robin");
+        assert_eq!(
+            rr.matches("LEAST_REQUEST").count() + 1,
+            yaml.matches("LEAST_REQUEST").count()
+        );
+        assert!(rr.contains(
+            "- name: kvroute_replicas_fallback\n    type: STATIC\n    lb_policy: ROUND_ROBIN\n"
+        ));
+        assert!(super::with_round_robin_fallback(&rr).is_err(), "only once");
     }
 
     #[test]
