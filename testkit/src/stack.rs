@@ -861,7 +861,8 @@ mod tests {
         let template = Path::new(env!("CARGO_MANIFEST_DIR")).join("../envoy/envoy.yaml");
         let text = std::fs::read_to_string(&template).expect("envoy/envoy.yaml");
         let values =
-            super::kvroute_template_values(1, 2, "/x.wasm", 3, "[]", "{}").expect("values");
+            super::kvroute_template_values(1, 2, (FilterBuild::Wasm, "/x.wasm"), 3, "[]", "{}")
+                .expect("values");
         let yaml = render(&text, &values).expect("render");
         let rr = super::with_round_robin_fallback(&yaml).expect("round robin");
         assert_eq!(
