@@ -70,12 +70,16 @@ mod slab;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_hybrid;
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use hashbrown::HashTable;
 use kvroute_core::events::{BlockRemoved, BlockStored, KvEvent, Medium};
+use kvroute_core::hybrid::hit_blocks;
+pub use kvroute_core::hybrid::GroupKind;
 use kvroute_core::router_key::{event_keys, RouterKey, RouterKeyError, ROOT};
 use serde::{Deserialize, Serialize};
 
@@ -112,8 +116,9 @@ pub struct IndexConfig {
     pub max_bytes: usize,
     /// Most predicted (block, replica) entries kept at once. Default 262,144 (~10 MB).
     pub max_predicted: usize,
-    /// Only events of this KV cache group are indexed (`None` on the wire counts as group 0);
-    /// `None` here indexes every group. Default `Some(0)`.
+    /// Only events of this KV cache group are indexed (`None` on the wire counts as group 0),
+    /// each as full attention; `None` here indexes every group and looks up with vLLM's hybrid
+    /// hit rule ([`kvroute_core::hybrid`]). Default `None`.
     pub group_idx: Option<i64>,
 }
 
@@ -122,7 +127,7 @@ impl Default for IndexConfig {
         IndexConfig {
             max_bytes: 1 << 30,
             max_predicted: 1 << 18,
-            group_idx: Some(0),
+            group_idx: None,
         }
     }
 }
@@ -333,7 +338,33 @@ pub type IdBuildHasher = BuildHasherDefault<IdHasher>;
 #[derive(Debug, Clone, Copy)]
 struct SlotInfo {
     replica: ReplicaId,
+    /// The KV cache group this slot holds blocks of (one slot per (replica, group)).
+    group: u8,
     entries: u64,
+}
+
+/// KV cache groups a holder can name (group ids `0..MAX_GROUPS`).
+pub const MAX_GROUPS: i64 = 32;
+
+/// A KV cache group as a replica's events describe it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LearnedGroup {
+    /// Its attention kind (`kv_cache_spec_kind`, `kv_cache_spec_sliding_window`).
+    pub kind: GroupKind,
+    /// Tokens per block of its events.
+    pub block_size: u32,
+}
+
+impl LearnedGroup {
+    /// Blocks before a hit point it needs (`None`: all).
+    fn rule(&self) -> Option<usize> {
+        self.kind.contiguous_blocks(self.block_size)
+    }
+}
+
+/// A slot's key: replica and KV cache group.
+fn slot_key(replica: ReplicaId, group: u8) -> u64 {
+    u64::from(replica) << 8 | u64::from(group)
 }
 
 /// Per-replica progress while walking a lookup.
@@ -365,8 +396,13 @@ pub struct KvIndex {
     /// `capacity()` itself understates while deleted slots are pending.
     alias_node_cap: usize,
     node_aliases_cap: usize,
-    slot_of: HashMap<ReplicaId, u32, IdBuildHasher>,
+    /// (replica, group) ([`slot_key`]) -> dense slot.
+    slot_of: HashMap<u64, u32, IdBuildHasher>,
     slots: Vec<Option<SlotInfo>>,
+    /// Per replica: the kind of each KV cache group it reported (index = group id), learned from
+    /// `BlockStored` events. A replica whose only group is full-attention group 0 is looked up by
+    /// the plain walk; any other layout by the hybrid rule.
+    layouts: HashMap<ReplicaId, Vec<Option<LearnedGroup>>, IdBuildHasher>,
     free_slots: Vec<u32>,
     predicted: PredictedStore,
     /// CLOCK hand.
@@ -464,6 +500,7 @@ impl KvIndex {
             node_aliases_cap: 0,
             slot_of: HashMap::default(),
             slots: Vec::new(),
+            layouts: HashMap::default(),
             free_slots: Vec::new(),
             predicted: PredictedStore::default(),
             hand: 0,
@@ -484,20 +521,55 @@ impl KvIndex {
         s.bytes_estimate = self.bytes() as u64;
         s.predicted_entries = self.predicted.len() as u64;
         s.predicted_bytes = self.predicted.bytes() as u64;
-        s.replicas = self.slot_of.len() as u64;
+        s.replicas = self.replica_count() as u64;
         s
     }
 
     /// Replicas known to the index with their (block) entry counts, sorted by id.
     pub fn replicas(&self) -> Vec<(ReplicaId, u64)> {
-        let mut v: Vec<(ReplicaId, u64)> = self
-            .slots
-            .iter()
-            .flatten()
-            .map(|s| (s.replica, s.entries))
-            .collect();
+        let mut per: HashMap<ReplicaId, u64, IdBuildHasher> = HashMap::default();
+        for s in self.slots.iter().flatten() {
+            *per.entry(s.replica).or_default() += s.entries;
+        }
+        let mut v: Vec<(ReplicaId, u64)> = per.into_iter().collect();
         v.sort_unstable();
         v
+    }
+
+    /// Distinct replicas known to the index.
+    fn replica_count(&self) -> usize {
+        let mut ids: Vec<ReplicaId> = self.slots.iter().flatten().map(|s| s.replica).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids.len()
+    }
+
+    /// The KV cache group kinds `replica` reported (index = group id; `None`: not seen).
+    pub fn layout(&self, replica: ReplicaId) -> &[Option<LearnedGroup>] {
+        self.layouts
+            .get(&replica)
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+    }
+
+    /// Whether `replica` is looked up by the hybrid rule: any layout but a lone full-attention
+    /// group 0.
+    fn is_hybrid(&self, replica: ReplicaId) -> bool {
+        match self.layout(replica) {
+            [] => false,
+            [Some(g)] => g.kind != GroupKind::FullAttention,
+            _ => true,
+        }
+    }
+
+    /// Records that `replica`'s group `group` is of `kind`.
+    fn learn_group(&mut self, replica: ReplicaId, group: u8, learned: LearnedGroup) {
+        let layout = self.layouts.entry(replica).or_default();
+        let g = usize::from(group);
+        if layout.len() <= g {
+            layout.resize(g + 1, None);
+        }
+        layout[g] = Some(learned);
     }
 
     /// Who holds `key`, with medium bits (`MEDIA_*`), sorted by replica. For debug endpoints.
@@ -512,6 +584,14 @@ impl KvIndex {
             .filter_map(|h| self.replica_of_slot(slot_of(h)).map(|r| (r, media_of(h))))
             .collect();
         v.sort_unstable();
+        // One entry per replica: the media of all its groups.
+        v.dedup_by(|b, a| {
+            let same = a.0 == b.0;
+            if same {
+                a.1 |= b.1;
+            }
+            same
+        });
         v
     }
 
@@ -530,7 +610,13 @@ impl KvIndex {
             + self.node_aliases_cap * NODE_ALIASES_ENTRY_BYTES
             + self.stats.engine_hash_aliases as usize * ALIAS_HEAP_BYTES
             + self.slots.capacity() * std::mem::size_of::<Option<SlotInfo>>()
-            + self.slot_of.capacity() * 12
+            + self.slot_of.capacity() * 16
+            + self.layouts.capacity() * 32
+            + self
+                .layouts
+                .values()
+                .map(|l| l.capacity() * 12)
+                .sum::<usize>()
     }
 
     fn refresh_bytes(&mut self) {
@@ -545,8 +631,8 @@ impl KvIndex {
     }
 
     /// The dense slot of `replica`, registering it if new.
-    fn slot(&mut self, replica: ReplicaId) -> Result<u32, IndexError> {
-        if let Some(&s) = self.slot_of.get(&replica) {
+    fn slot(&mut self, replica: ReplicaId, group: u8) -> Result<u32, IndexError> {
+        if let Some(&s) = self.slot_of.get(&slot_key(replica, group)) {
             return Ok(s);
         }
         let s = match self.free_slots.pop() {
@@ -562,9 +648,10 @@ impl KvIndex {
         };
         self.slots[s as usize] = Some(SlotInfo {
             replica,
+            group,
             entries: 0,
         });
-        self.slot_of.insert(replica, s);
+        self.slot_of.insert(slot_key(replica, group), s);
         Ok(s)
     }
 
@@ -616,10 +703,15 @@ impl KvIndex {
         out
     }
 
-    fn wanted_group(&self, group: Option<i64>) -> bool {
+    /// The group id an event of `group` is indexed under, `None` when it is not indexed (another
+    /// group than the configured one, or a group id out of range).
+    fn wanted_group(&self, group: Option<i64>) -> Option<u8> {
+        let g = group.unwrap_or(0);
         match self.cfg.group_idx {
-            None => true,
-            Some(g) => group.unwrap_or(0) == g,
+            Some(want) if want != g => None,
+            // One configured group is indexed as group 0, full attention.
+            Some(_) => Some(0),
+            None => u8::try_from(g).ok().filter(|&g| i64::from(g) < MAX_GROUPS),
         }
     }
 
@@ -636,9 +728,24 @@ impl KvIndex {
         replica: ReplicaId,
         st: &BlockStored,
     ) -> Result<ApplyOutcome, IndexError> {
-        if !self.wanted_group(st.group_idx) || st.block_hashes.is_empty() {
+        let Some(group) = self.wanted_group(st.group_idx) else {
+            return self.ignored();
+        };
+        if st.block_hashes.is_empty() {
             return self.ignored();
         }
+        let kind = if self.cfg.group_idx.is_some() {
+            GroupKind::FullAttention
+        } else {
+            match GroupKind::from_event(
+                st.kv_cache_spec_kind.as_deref(),
+                st.kv_cache_spec_sliding_window,
+            ) {
+                Ok(k) => k,
+                // A group whose hit rule is not modelled (mamba, ...): not indexed.
+                Err(_) => return self.ignored(),
+            }
+        };
         if let (Some(lora_id), None, None) = (st.lora_id, &st.lora_name, &st.extra_keys) {
             self.stats.invalid_events += 1;
             return Err(IndexError::LoraIdOnly {
@@ -688,7 +795,15 @@ impl KvIndex {
                 return Err(IndexError::InvalidEvent { replica, source });
             }
         };
-        let slot = self.slot(replica)?;
+        let slot = self.slot(replica, group)?;
+        self.learn_group(
+            replica,
+            group,
+            LearnedGroup {
+                kind,
+                block_size: st.block_size,
+            },
+        );
         let bit = media_bit(st.medium.unwrap_or_default());
         let mut out = ApplyOutcome::default();
         for (key, h) in keys.iter().zip(&st.block_hashes) {
@@ -935,11 +1050,11 @@ impl KvIndex {
         replica: ReplicaId,
         rm: &BlockRemoved,
     ) -> Result<ApplyOutcome, IndexError> {
-        if !self.wanted_group(rm.group_idx) {
+        let Some(group) = self.wanted_group(rm.group_idx) else {
             return self.ignored();
-        }
+        };
         let mut out = ApplyOutcome::default();
-        let Some(&slot) = self.slot_of.get(&replica) else {
+        let Some(&slot) = self.slot_of.get(&slot_key(replica, group)) else {
             out.remove_unknown = rm.block_hashes.len() as u32;
             self.stats.remove_unknown += rm.block_hashes.len() as u64;
             return Ok(out);
@@ -992,9 +1107,28 @@ impl KvIndex {
     /// Forgets everything `replica` holds (engine restart, lost events). Returns the entries
     /// removed. Walks the whole index: O(blocks), a rare operation.
     pub fn clear_replica(&mut self, replica: ReplicaId) -> u64 {
-        let Some(&slot) = self.slot_of.get(&replica) else {
-            return 0;
-        };
+        let cleared: u64 = self
+            .slots_of(replica)
+            .into_iter()
+            .map(|slot| self.clear_slot(slot))
+            .sum();
+        self.stats.cleared += cleared;
+        self.refresh_bytes();
+        cleared
+    }
+
+    /// The slots of `replica` (one per KV cache group it reported).
+    fn slots_of(&self, replica: ReplicaId) -> Vec<u32> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.as_ref().is_some_and(|s| s.replica == replica))
+            .map(|(i, _)| i as u32)
+            .collect()
+    }
+
+    /// Removes every holding of `slot`; returns how many.
+    fn clear_slot(&mut self, slot: u32) -> u64 {
         let mut cleared = 0;
         let has = self
             .slots
@@ -1013,20 +1147,23 @@ impl KvIndex {
             }
         }
         self.predicted.remove_slot(slot);
-        self.stats.cleared += cleared;
-        self.refresh_bytes();
         cleared
     }
 
     /// Clears `replica` and forgets it (its slot is reused). Returns the entries removed.
     pub fn remove_replica(&mut self, replica: ReplicaId) -> u64 {
+        let slots = self.slots_of(replica);
         let cleared = self.clear_replica(replica);
-        if let Some(slot) = self.slot_of.remove(&replica) {
+        for slot in slots {
+            if let Some(Some(info)) = self.slots.get(slot as usize) {
+                self.slot_of.remove(&slot_key(info.replica, info.group));
+            }
             if let Some(s) = self.slots.get_mut(slot as usize) {
                 *s = None;
             }
             self.free_slots.push(slot);
         }
+        self.layouts.remove(&replica);
         cleared
     }
 
@@ -1039,6 +1176,7 @@ impl KvIndex {
         self.node_aliases.clear();
         self.slot_of.clear();
         self.slots.clear();
+        self.layouts.clear();
         self.free_slots.clear();
         self.predicted.clear();
         self.hand = 0;
@@ -1127,21 +1265,129 @@ impl KvIndex {
                 break;
             }
         }
+        let any_hybrid = self.layouts.keys().any(|&r| self.is_hybrid(r));
         let mut out: Vec<ReplicaMatch> = walk
             .iter()
             .enumerate()
             .filter(|(_, w)| w.reach > 0)
             .filter_map(|(s, w)| {
-                self.replica_of_slot(s as u32).map(|replica| ReplicaMatch {
-                    replica,
-                    gpu: w.gpu,
-                    predicted: w.predicted,
-                    cpu: w.cpu,
-                    storage: w.storage,
-                })
+                self.replica_of_slot(s as u32)
+                    .filter(|&r| !any_hybrid || !self.is_hybrid(r))
+                    .map(|replica| ReplicaMatch {
+                        replica,
+                        gpu: w.gpu,
+                        predicted: w.predicted,
+                        cpu: w.cpu,
+                        storage: w.storage,
+                    })
             })
             .collect();
+        if any_hybrid {
+            out.extend(self.lookup_hybrid(keys, now_ms));
+        }
         out.sort_unstable_by_key(|m| m.replica);
+        out
+    }
+
+    /// The lookup of replicas with a hybrid layout: per replica, the hit vLLM's
+    /// `HybridKVCacheCoordinator` computes from what each of its groups holds on GPU
+    /// ([`kvroute_core::hybrid::hit_blocks`]); blocks predicted for the replica count as held by
+    /// every group (the `predicted` tier). CPU and storage tiers are not counted for these
+    /// replicas (offloading of hybrid models is not modelled).
+    fn lookup_hybrid(&self, keys: &[RouterKey], now_ms: u64) -> Vec<ReplicaMatch> {
+        let n = keys.len();
+        let words = n.div_ceil(64).max(1);
+        // Per slot: GPU-held blocks of the request (bitset).
+        let mut held = vec![0u64; self.slots.len() * words];
+        // Per slot: predicted blocks (predictions sit on a replica's group-0 slot).
+        let use_predicted = !self.predicted.is_empty();
+        let mut pred = if use_predicted {
+            vec![0u64; self.slots.len() * words]
+        } else {
+            Vec::new()
+        };
+        // Whether some replica has a full-attention group at all: then the walk ends where no
+        // slot's contiguous run continues (a full group needs every block before the hit).
+        let mut reach = vec![0usize; self.slots.len()];
+        let all_windows = self.layouts.values().any(|l| {
+            !l.is_empty()
+                && l.iter()
+                    .flatten()
+                    .all(|g| g.kind != GroupKind::FullAttention)
+        });
+        for (i, key) in keys.iter().enumerate() {
+            let mut alive = false;
+            if let Some(idx) = self.find_key(key.0) {
+                let node = self.slab.get(idx);
+                node.touch();
+                for h in node.holders() {
+                    let s = slot_of(h) as usize;
+                    if media_of(h) & MEDIA_GPU != 0 {
+                        if let Some(w) = held.get_mut(s * words + i / 64) {
+                            *w |= 1 << (i % 64);
+                        }
+                        if reach.get(s) == Some(&i) {
+                            reach[s] = i + 1;
+                            alive = true;
+                        }
+                    }
+                }
+            }
+            if use_predicted {
+                for s in self.predicted.slots(key.0, now_ms) {
+                    let s = s as usize;
+                    if let Some(w) = pred.get_mut(s * words + i / 64) {
+                        *w |= 1 << (i % 64);
+                        alive = true;
+                    }
+                }
+            }
+            if !alive && !all_windows {
+                break;
+            }
+        }
+        let bit = |v: &[u64], s: Option<usize>, i: usize| {
+            s.and_then(|s| v.get(s * words + i / 64))
+                .is_some_and(|w| w & (1 << (i % 64)) != 0)
+        };
+        let mut out = Vec::new();
+        for (&replica, layout) in &self.layouts {
+            if !self.is_hybrid(replica) {
+                continue;
+            }
+            let groups: Vec<(Option<usize>, Option<usize>)> = layout
+                .iter()
+                .enumerate()
+                .filter_map(|(g, k)| {
+                    k.map(|k| {
+                        let slot = self
+                            .slot_of
+                            .get(&slot_key(replica, g as u8))
+                            .map(|&s| s as usize);
+                        (slot, k.rule())
+                    })
+                })
+                .collect();
+            let rules: Vec<Option<usize>> = groups.iter().map(|&(_, r)| r).collect();
+            let slot0 = self.slot_of.get(&slot_key(replica, 0)).map(|&s| s as usize);
+            let gpu = hit_blocks(&rules, n, |g, i| bit(&held, groups[g].0, i));
+            let with_pred = if use_predicted {
+                hit_blocks(&rules, n, |g, i| {
+                    bit(&held, groups[g].0, i) || bit(&pred, slot0, i)
+                })
+            } else {
+                gpu
+            };
+            if with_pred > 0 {
+                out.push(ReplicaMatch {
+                    replica,
+                    gpu: gpu as u32,
+                    predicted: with_pred.saturating_sub(gpu) as u32,
+                    cpu: 0,
+                    storage: 0,
+                });
+            }
+        }
         out
     }
 
@@ -1156,7 +1402,8 @@ impl KvIndex {
         now_ms: u64,
         ttl_ms: u64,
     ) -> Result<usize, IndexError> {
-        let slot = self.slot(replica)?;
+        // Predictions live on the replica's group-0 slot and stand for every group.
+        let slot = self.slot(replica, 0)?;
         let mut change = PredictedChange::default();
         self.predicted
             .expire(now_ms, self.cfg.max_predicted, &mut change);
