@@ -7,7 +7,8 @@
 //! * a full-attention group needs every block `0..e` (`FullAttentionManager`);
 //! * a sliding-window group of window `w` tokens needs only the last
 //!   `c = ceil((w - 1) / block_size)` blocks before `e` (`SlidingWindowManager`,
-//!   `_contiguous_blocks_for_hit`), or all of `0..e` when `e < c`;
+//!   `_contiguous_blocks_for_hit`), or all of `0..e` when `e < c`; its right-to-left scan ends
+//!   at a held block, so even `c = 0` (a one-token window) needs block `e - 1`;
 //! * `e` is at most the usable blocks of the prompt (its last token is always recomputed:
 //!   `max_cache_hit_length = num_tokens - 1`).
 //!
@@ -137,7 +138,7 @@ pub fn hit_blocks(
             windows
                 .iter()
                 .zip(&runs)
-                .all(|(&(_, c), run)| run[e - 1] >= c.min(e))
+                .all(|(&(_, c), run)| run[e - 1] >= c.max(1).min(e))
         })
         .unwrap_or(0)
 }
@@ -181,6 +182,18 @@ mod tests {
         // Block 0 missing: nothing.
         let sets: &[&[usize]] = &[&[1, 2]];
         assert_eq!(hit_blocks(&[Some(3)], 5, held_from(sets)), 0);
+    }
+
+    #[test]
+    fn a_one_token_window_still_needs_the_last_block() {
+        // c = 0: vLLM's scan stops at the first held block from the right.
+        assert_eq!(contiguous_blocks_for_hit(1, 4), 0);
+        let sets: &[&[usize]] = &[&[0, 1, 2]];
+        assert_eq!(hit_blocks(&[Some(0)], 5, held_from(sets)), 3);
+        let sets: &[&[usize]] = &[&[1, 3]];
+        assert_eq!(hit_blocks(&[Some(0)], 5, held_from(sets)), 4);
+        let sets: &[&[usize]] = &[&[]];
+        assert_eq!(hit_blocks(&[Some(0)], 5, held_from(sets)), 0);
     }
 
     #[test]

@@ -572,6 +572,25 @@ impl KvIndex {
         layout[g] = Some(learned);
     }
 
+    /// Who holds `key` in which KV cache group, with medium bits (`MEDIA_*`), sorted by
+    /// (replica, group). For debug endpoints and tests.
+    pub fn group_holders(&self, key: RouterKey) -> Vec<(ReplicaId, u8, u8)> {
+        let Some(i) = self.find_key(key.0) else {
+            return Vec::new();
+        };
+        let mut v: Vec<(ReplicaId, u8, u8)> = self
+            .slab
+            .get(i)
+            .holders()
+            .filter_map(|h| {
+                let info = self.slots.get(slot_of(h) as usize)?.as_ref()?;
+                Some((info.replica, info.group, media_of(h)))
+            })
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
     /// Who holds `key`, with medium bits (`MEDIA_*`), sorted by replica. For debug endpoints.
     pub fn holders(&self, key: RouterKey) -> Vec<(ReplicaId, u8)> {
         let Some(i) = self.find_key(key.0) else {
@@ -830,10 +849,24 @@ impl KvIndex {
         };
         let node = self.slab.get(idx);
         node.touch();
-        let held_elsewhere = bit == MEDIA_GPU
-            && node
+        let replica = self.replica_of_slot(slot);
+        // A replica's first GPU copy (in any of its groups) of a block another replica holds on
+        // GPU: its prefill was computed twice.
+        let held_elsewhere = bit == MEDIA_GPU && {
+            let gpu_holders = node
                 .holders()
-                .any(|h| slot_of(h) != slot && media_of(h) & MEDIA_GPU != 0);
+                .filter(|&h| slot_of(h) != slot && media_of(h) & MEDIA_GPU != 0)
+                .map(|h| self.replica_of_slot(slot_of(h)));
+            let (mut other, mut own) = (false, false);
+            for r in gpu_holders {
+                if r == replica {
+                    own = true;
+                } else {
+                    other = true;
+                }
+            }
+            other && !own
+        };
         let stored_before = out.stored;
         match node.find_slot(slot) {
             Some(pos) => {
@@ -869,9 +902,14 @@ impl KvIndex {
         if held_elsewhere && out.stored > stored_before {
             out.duplicated += 1;
         }
-        if !self.predicted.is_empty() && self.predicted.remove(key, slot) {
-            out.predicted_replaced += 1;
-            self.stats.predicted_replaced += 1;
+        // The replica's prediction (on its group-0 slot, standing for every group) is replaced
+        // by the first store of the block in any of its groups.
+        if !self.predicted.is_empty() {
+            let pred_slot = replica.and_then(|r| self.slot_of.get(&slot_key(r, 0)).copied());
+            if pred_slot.is_some_and(|p| self.predicted.remove(key, p)) {
+                out.predicted_replaced += 1;
+                self.stats.predicted_replaced += 1;
+            }
         }
     }
 
@@ -1295,92 +1333,109 @@ impl KvIndex {
     /// every group (the `predicted` tier). CPU and storage tiers are not counted for these
     /// replicas (offloading of hybrid models is not modelled).
     fn lookup_hybrid(&self, keys: &[RouterKey], now_ms: u64) -> Vec<ReplicaMatch> {
-        let n = keys.len();
-        let words = n.div_ceil(64).max(1);
-        // Per slot: GPU-held blocks of the request (bitset).
+        /// A hybrid replica: its groups as (slot, rule), and the slot its predictions sit on.
+        struct Hybrid {
+            replica: ReplicaId,
+            groups: Vec<(Option<usize>, Option<usize>)>,
+            pred_slot: Option<usize>,
+        }
+        let slot_index =
+            |r: ReplicaId, g: u8| self.slot_of.get(&slot_key(r, g)).map(|&s| s as usize);
+        let hybrids: Vec<Hybrid> = self
+            .layouts
+            .iter()
+            .filter(|(&r, _)| self.is_hybrid(r))
+            .map(|(&replica, layout)| Hybrid {
+                replica,
+                groups: layout
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(g, k)| {
+                        let g = u8::try_from(g).ok()?;
+                        k.map(|k| (slot_index(replica, g), k.rule()))
+                    })
+                    .collect(),
+                pred_slot: slot_index(replica, 0),
+            })
+            .collect();
+        let words = keys.len().div_ceil(64).max(1);
+        let bit = |v: &[u64], s: Option<usize>, i: usize| {
+            s.and_then(|s| v.get(s * words + i / 64))
+                .is_some_and(|w| w & (1 << (i % 64)) != 0)
+        };
+        let set = |v: &mut [u64], s: usize, i: usize| {
+            if let Some(w) = v.get_mut(s * words + i / 64) {
+                *w |= 1 << (i % 64);
+            }
+        };
+        // Per slot: GPU-held and predicted blocks of the request (bitsets).
         let mut held = vec![0u64; self.slots.len() * words];
-        // Per slot: predicted blocks (predictions sit on a replica's group-0 slot).
         let use_predicted = !self.predicted.is_empty();
         let mut pred = if use_predicted {
             vec![0u64; self.slots.len() * words]
         } else {
             Vec::new()
         };
-        // Whether some replica has a full-attention group at all: then the walk ends where no
-        // slot's contiguous run continues (a full group needs every block before the hit).
-        let mut reach = vec![0usize; self.slots.len()];
-        let all_windows = self.layouts.values().any(|l| {
-            !l.is_empty()
-                && l.iter()
-                    .flatten()
-                    .all(|g| g.kind != GroupKind::FullAttention)
-        });
+        // A full-attention group needs every block before the hit: the walk may stop once no
+        // full group's run of held-or-predicted blocks continues, unless some replica has no
+        // full group at all (its windows can be served after any gap).
+        let bounded = hybrids
+            .iter()
+            .all(|h| h.groups.iter().any(|&(_, rule)| rule.is_none()));
+        let full_groups: Vec<(Option<usize>, Option<usize>)> = hybrids
+            .iter()
+            .flat_map(|h| {
+                h.groups
+                    .iter()
+                    .filter(|&&(_, rule)| rule.is_none())
+                    .map(|&(slot, _)| (slot, h.pred_slot))
+            })
+            .collect();
+        let mut runs = vec![0usize; full_groups.len()];
+        let mut walked = keys.len();
         for (i, key) in keys.iter().enumerate() {
-            let mut alive = false;
             if let Some(idx) = self.find_key(key.0) {
                 let node = self.slab.get(idx);
                 node.touch();
                 for h in node.holders() {
-                    let s = slot_of(h) as usize;
                     if media_of(h) & MEDIA_GPU != 0 {
-                        if let Some(w) = held.get_mut(s * words + i / 64) {
-                            *w |= 1 << (i % 64);
-                        }
-                        if reach.get(s) == Some(&i) {
-                            reach[s] = i + 1;
-                            alive = true;
-                        }
+                        set(&mut held, slot_of(h) as usize, i);
                     }
                 }
             }
             if use_predicted {
                 for s in self.predicted.slots(key.0, now_ms) {
-                    let s = s as usize;
-                    if let Some(w) = pred.get_mut(s * words + i / 64) {
-                        *w |= 1 << (i % 64);
+                    set(&mut pred, s as usize, i);
+                }
+            }
+            if bounded {
+                let mut alive = false;
+                for (run, &(slot, pred_slot)) in runs.iter_mut().zip(&full_groups) {
+                    if *run == i && (bit(&held, slot, i) || bit(&pred, pred_slot, i)) {
+                        *run = i + 1;
                         alive = true;
                     }
                 }
-            }
-            if !alive && !all_windows {
-                break;
+                if !alive {
+                    walked = i;
+                    break;
+                }
             }
         }
-        let bit = |v: &[u64], s: Option<usize>, i: usize| {
-            s.and_then(|s| v.get(s * words + i / 64))
-                .is_some_and(|w| w & (1 << (i % 64)) != 0)
-        };
         let mut out = Vec::new();
-        for (&replica, layout) in &self.layouts {
-            if !self.is_hybrid(replica) {
-                continue;
-            }
-            let groups: Vec<(Option<usize>, Option<usize>)> = layout
-                .iter()
-                .enumerate()
-                .filter_map(|(g, k)| {
-                    k.map(|k| {
-                        let slot = self
-                            .slot_of
-                            .get(&slot_key(replica, g as u8))
-                            .map(|&s| s as usize);
-                        (slot, k.rule())
-                    })
-                })
-                .collect();
-            let rules: Vec<Option<usize>> = groups.iter().map(|&(_, r)| r).collect();
-            let slot0 = self.slot_of.get(&slot_key(replica, 0)).map(|&s| s as usize);
-            let gpu = hit_blocks(&rules, n, |g, i| bit(&held, groups[g].0, i));
+        for h in &hybrids {
+            let rules: Vec<Option<usize>> = h.groups.iter().map(|&(_, r)| r).collect();
+            let gpu = hit_blocks(&rules, walked, |g, i| bit(&held, h.groups[g].0, i));
             let with_pred = if use_predicted {
-                hit_blocks(&rules, n, |g, i| {
-                    bit(&held, groups[g].0, i) || bit(&pred, slot0, i)
+                hit_blocks(&rules, walked, |g, i| {
+                    bit(&held, h.groups[g].0, i) || bit(&pred, h.pred_slot, i)
                 })
             } else {
                 gpu
             };
             if with_pred > 0 {
                 out.push(ReplicaMatch {
-                    replica,
+                    replica: h.replica,
                     gpu: gpu as u32,
                     predicted: with_pred.saturating_sub(gpu) as u32,
                     cpu: 0,
@@ -1404,16 +1459,32 @@ impl KvIndex {
     ) -> Result<usize, IndexError> {
         // Predictions live on the replica's group-0 slot and stand for every group.
         let slot = self.slot(replica, 0)?;
+        // The slots of the groups the replica reported: a block is already real when every one
+        // of them holds it on GPU (a group without a slot holds nothing).
+        let group_slots: Vec<Option<u32>> = self
+            .layout(replica)
+            .iter()
+            .enumerate()
+            .filter(|(_, g)| g.is_some())
+            .map(|(g, _)| {
+                u8::try_from(g)
+                    .ok()
+                    .and_then(|g| self.slot_of.get(&slot_key(replica, g)).copied())
+            })
+            .collect();
         let mut change = PredictedChange::default();
         self.predicted
             .expire(now_ms, self.cfg.max_predicted, &mut change);
         let expires = now_ms.saturating_add(ttl_ms);
         for key in keys {
-            let real = self.find_key(key.0).is_some_and(|i| {
-                let n = self.slab.get(i);
-                n.find_slot(slot)
-                    .is_some_and(|p| media_of(n.holder(p)) & MEDIA_GPU != 0)
-            });
+            let real = !group_slots.is_empty()
+                && self.find_key(key.0).is_some_and(|i| {
+                    let n = self.slab.get(i);
+                    group_slots.iter().all(|s| {
+                        s.and_then(|s| n.find_slot(s))
+                            .is_some_and(|p| media_of(n.holder(p)) & MEDIA_GPU != 0)
+                    })
+                });
             if !real {
                 self.predicted.insert(key.0, slot, expires, &mut change);
             }

@@ -148,6 +148,60 @@ fn predictions_stand_for_every_group() {
 }
 
 #[test]
+fn a_prediction_bridges_a_gap_before_blocks_every_group_holds() {
+    // Both groups lost blocks 0-2 (no replica holds them); 3-5 are still held. A sibling routed
+    // here predicts 0-5: with the predicted blocks computed, vLLM serves all six.
+    let mut ix = KvIndex::default();
+    gpt_oss_like(&mut ix, 0, 1, 6);
+    for g in 0..2 {
+        apply(&mut ix, 0, &removed_in(g, 1, &[0, 1, 2]));
+    }
+    assert_eq!(ix.lookup(&keys(1, 6), 1_000), vec![]);
+    assert_eq!(ix.insert_predicted(0, &keys(1, 6), 1_000, 500), Ok(3));
+    assert_eq!(ix.lookup(&keys(1, 6), 1_000), vec![m(0, 0, 6, 0, 0)]);
+}
+
+#[test]
+fn a_block_is_predicted_unless_every_group_holds_it() {
+    // The full-attention group (1) lost block 3, the sliding group still has it: the sibling's
+    // prediction must cover block 3 for the full group.
+    let mut ix = KvIndex::default();
+    gpt_oss_like(&mut ix, 0, 1, 4);
+    apply(&mut ix, 0, &removed_in(1, 1, &[3]));
+    assert_eq!(ix.lookup(&keys(1, 4), 1_000), vec![m(0, 3, 0, 0, 0)]);
+    assert_eq!(ix.insert_predicted(0, &keys(1, 4), 1_000, 500), Ok(1));
+    assert_eq!(ix.lookup(&keys(1, 4), 1_000), vec![m(0, 3, 1, 0, 0)]);
+}
+
+#[test]
+fn a_store_in_any_group_replaces_the_prediction() {
+    let mut ix = KvIndex::default();
+    gpt_oss_like(&mut ix, 0, 2, 1);
+    assert_eq!(ix.insert_predicted(0, &keys(1, 2), 1_000, 500), Ok(2));
+    // Group 1 (not the group-0 slot the predictions sit on) stores them.
+    let out = apply(&mut ix, 0, &stored_in(1, None, 1, 0..2));
+    assert_eq!(out.predicted_replaced, 2);
+    assert_eq!(ix.stats().predicted_entries, 0);
+}
+
+#[test]
+fn a_block_computed_twice_counts_once_per_replica_not_per_group() {
+    let mut ix = KvIndex::default();
+    gpt_oss_like(&mut ix, 0, 1, 3);
+    // Replica 1 computes the same blocks: one duplicate per block, whatever its group count.
+    let first = apply(&mut ix, 1, &stored_in(0, Some(WINDOW), 1, 0..3));
+    let second = apply(&mut ix, 1, &stored_in(1, None, 1, 0..3));
+    assert_eq!((first.duplicated, second.duplicated), (3, 0));
+    // The same replica's second group is not "elsewhere".
+    let mut ix = KvIndex::default();
+    let out = [
+        apply(&mut ix, 0, &stored_in(0, Some(WINDOW), 1, 0..3)),
+        apply(&mut ix, 0, &stored_in(1, None, 1, 0..3)),
+    ];
+    assert_eq!(out.map(|o| o.duplicated), [0, 0]);
+}
+
+#[test]
 fn clearing_and_removing_a_hybrid_replica_forgets_every_group() {
     let mut ix = KvIndex::default();
     gpt_oss_like(&mut ix, 0, 1, 4);
