@@ -904,19 +904,48 @@ fn compare(
     Ok(())
 }
 
-/// Registers every replica (so the replica tables, which the budget does not bound, are full-size
-/// before the budget is measured).
-fn register(ix: &mut KvIndex) {
+/// Registers every replica and every (replica, KV cache group) the case's events can name (so the
+/// replica tables and layouts, which the budget does not bound, are full-size before the budget
+/// is measured): one block stored in each group and removed again, on the index and the
+/// reference alike.
+fn register(ix: &mut KvIndex, re: &mut Reference, layouts: &Layouts) {
+    let keys: Vec<Vec<RouterKey>> = (0..CONVS).map(conv_keys).collect();
     for r in 0..REPLICAS {
         ix.insert_predicted(r as u32, &[], 0, 0).expect("registers");
+        for group in [0, 1, 2, OUTSIDE_GROUP] {
+            let store = Op::Store {
+                r,
+                conv: CONVS - 1,
+                start: 0,
+                len: 1,
+                medium: None,
+                group,
+                malformed: false,
+            };
+            let remove = Op::Remove {
+                r,
+                conv: CONVS - 1,
+                blocks: vec![0],
+                medium: None,
+                group,
+            };
+            let _ = ix.apply(r as u32, &stored_event(&store, &re.salts, layouts));
+            let _ = re.store(&keys, layouts, &store);
+            let _ = ix.apply(r as u32, &removed_event(&remove, &re.salts, layouts));
+            re.remove(layouts, &remove);
+        }
     }
 }
 
 /// What the index allocates with every replica registered and one block stored, plus `slack`
 /// bytes: room for a few dozen blocks (the tables stop doubling), far fewer than the key space.
-fn small_budget(slack: usize) -> usize {
+fn small_budget(slack: usize, layouts: &Layouts) -> usize {
     let mut ix = KvIndex::default();
-    register(&mut ix);
+    let mut re = Reference {
+        salts: UNIFORM,
+        ..Reference::default()
+    };
+    register(&mut ix, &mut re, layouts);
     let one = Op::Store {
         r: 0,
         conv: 0,
@@ -926,7 +955,7 @@ fn small_budget(slack: usize) -> usize {
         group: 0,
         malformed: false,
     };
-    ix.apply(0, &stored_event(&one, &UNIFORM, &plain_layouts()))
+    ix.apply(0, &stored_event(&one, &UNIFORM, layouts))
         .expect("stores");
     ix.stats().bytes_estimate as usize + slack
 }
@@ -944,22 +973,24 @@ fn check_bounded(
     let keys: Vec<Vec<RouterKey>> = (0..CONVS).map(conv_keys).collect();
     let mut lookups: Vec<Vec<RouterKey>> = requests.iter().map(Request::keys).collect();
     lookups.extend(keys.iter().cloned());
-    let max_bytes = small_budget(slack);
+    let max_bytes = small_budget(slack, layouts);
     let mut ix = KvIndex::new(IndexConfig {
         max_bytes,
         ..IndexConfig::default()
     });
-    register(&mut ix);
     let mut re = Reference {
         salts: UNIFORM,
         ..Reference::default()
     };
+    register(&mut ix, &mut re, layouts);
     for (step, op) in ops.iter().enumerate() {
         match op {
             &Op::Store { r, malformed, .. } => {
-                // Results differ once the index has evicted a parent: not compared.
-                let _ = ix.apply(r as u32, &stored_event(op, &UNIFORM, layouts));
-                if !malformed {
+                // Results differ once the index has evicted a parent: not compared, and an event
+                // the index rejected (its parent evicted) is not applied to the reference either
+                // (it would learn a KV cache group the index did not).
+                let got = ix.apply(r as u32, &stored_event(op, &UNIFORM, layouts));
+                if !malformed && got.is_ok() {
                     let _ = re.store(&keys, layouts, op);
                 }
             }
