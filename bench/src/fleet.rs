@@ -7,7 +7,7 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
-use super::summary::ReplicaCounters;
+use crate::replica_counters::ReplicaCounters;
 
 /// One `--replica-speeds` value: a finite factor > 0 (clap value parser).
 pub fn parse_speed(s: &str) -> std::result::Result<f64, String> {

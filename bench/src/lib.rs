@@ -9,12 +9,15 @@
 //! ladder.
 
 mod agentic;
+mod assess;
 pub mod chat_traffic;
+mod filter_costs;
 mod fleet;
 mod ideal;
 mod peers;
 mod policies;
 mod replay;
+mod replica_counters;
 mod report;
 mod router_usage;
 mod scaleout;
@@ -36,15 +39,17 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use serde_json::json;
 
-use kvroute_testkit::{cmd, http, paths, stack, supervisor, toolchain};
+use kvroute_testkit::filter_build::{self, FilterBuild};
+use kvroute_testkit::{http, paths, stack, supervisor};
 
 use crate::paths::Layout;
 use crate::stack::{Binaries, Stack, StackConfig};
 
 use policies::Policy;
 use replay::{Progress, ReplayConfig};
+use replica_counters::ReplicaCounters;
 use report::{RunFacts, WorkloadResults};
-use summary::{ReplicaCounters, RunContext, RunSummary};
+use summary::{RunContext, RunSummary};
 use workloads::{MooncakeTrace, MooncakeWindow, MultiTurn, NoSharing, SharedPrefix, Workload};
 
 /// Which benchmark.
@@ -52,7 +57,8 @@ use workloads::{MooncakeTrace, MooncakeWindow, MultiTurn, NoSharing, SharedPrefi
 pub enum BenchTarget {
     /// Routing quality and latency against the baselines (Envoy + filter + indexer + replicas).
     Routing,
-    /// The filter's own costs (tokenise, hash, callout): `cargo bench -p kvroute-core` for now.
+    /// The filter's own costs, both builds (wasm, native): added latency in Envoy, and Envoy's
+    /// RSS at --concurrency 2, 8 and 16 against plain Envoy.
     Filter,
 }
 
@@ -71,6 +77,9 @@ pub enum WorkloadKind {
     NoSharing,
     /// Coding-agent sessions: contexts growing by tool output every turn (seeded generator).
     Agentic,
+    /// Multi-turn chat whose every conversation has its own system prompt: all reuse is within
+    /// a session (assess's "session affinity would do"; not part of `--full`).
+    SessionsOnly,
 }
 
 /// Options of `cargo xtask bench`.
@@ -151,6 +160,11 @@ pub struct BenchOptions {
     /// Do not build; use the release binaries and .wasm already built.
     #[arg(long)]
     pub no_build: bool,
+    /// The filter build of the lines through the filter (kv, random, approx-prefix): `wasm`
+    /// (proxy-wasm, one VM per Envoy worker) or `native` (the Envoy dynamic module).
+    /// `bench filter` measures both regardless.
+    #[arg(long, default_value_t = FilterBuild::Wasm)]
+    pub filter_build: FilterBuild,
     /// Trace replay, fleet speeds and scale-out (boxed: the options of every command share one
     /// enum).
     #[command(flatten)]
@@ -199,39 +213,8 @@ pub type Setup<'a> = &'a dyn Fn(&Layout) -> Result<()>;
 pub fn run(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
     match opts.what {
         BenchTarget::Routing => routing(layout, opts, setup),
-        BenchTarget::Filter => filter(layout, opts, setup),
+        BenchTarget::Filter => filter_costs::run(layout, opts.no_setup, opts.no_build, setup),
     }
-}
-
-/// The filter's added latency in Envoy: the `#[ignore]`d `bench_filter` test of kvroute-filter, in
-/// the release profile, against the release .wasm (results on stdout and in
-/// `<target>/bench/filter.json`).
-fn filter(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
-    if !opts.no_setup {
-        setup(layout)?;
-    }
-    if !opts.no_build {
-        build_release(layout)?;
-    }
-    println!("==> bench: filter latency in Envoy (1k/8k/32k-token chats, cold and warm)");
-    let mut cargo = Command::new(crate::paths::cargo_bin());
-    cargo
-        .args([
-            "test",
-            "--release",
-            "-p",
-            "kvroute-filter",
-            "--test",
-            "bench_filter",
-            "--",
-            "--ignored",
-            "--nocapture",
-        ])
-        .current_dir(&layout.root);
-    for (key, value) in layout.child_env() {
-        cargo.env(key, value);
-    }
-    crate::cmd::run(&mut cargo)
 }
 
 /// The resolved plan of a run.
@@ -259,7 +242,11 @@ impl Plan {
         } else if opts.fleet.trace.is_some() {
             Vec::new()
         } else if opts.full {
-            WorkloadKind::value_variants().to_vec()
+            WorkloadKind::value_variants()
+                .iter()
+                .copied()
+                .filter(|&k| k != WorkloadKind::SessionsOnly)
+                .collect()
         } else {
             vec![
                 WorkloadKind::SharedPrefix,
@@ -268,7 +255,7 @@ impl Plan {
             ]
         };
         let policies = if opts.policies.is_empty() {
-            Policy::ALL.to_vec()
+            Policy::DEFAULT.to_vec()
         } else {
             opts.policies.clone()
         };
@@ -369,18 +356,28 @@ fn build_workloads(
             }
             vec![w]
         }
-        WorkloadKind::MultiTurn => {
+        WorkloadKind::MultiTurn | WorkloadKind::SessionsOnly => {
+            let sessions_only = kind == WorkloadKind::SessionsOnly;
             let mt = MultiTurn {
                 conversations: 100,
                 turns: 4,
-                system_prompts: 10,
+                // sessions-only: one system prompt per conversation.
+                system_prompts: if sessions_only { 100 } else { 10 },
                 system_tokens: 3_000,
                 user_tokens: 300,
                 reply_tokens: 200,
                 turn_gap_s: 20.0,
                 seed: opts.seed,
             };
-            vec![mt.at_rate(0.6 * fleet)?]
+            let mut w = mt.at_rate(0.6 * fleet)?;
+            if sessions_only {
+                w.name = "sessions-only".to_string();
+                w.description = format!(
+                    "sessions only: {} (one per conversation: no reuse across sessions)",
+                    w.description.replace(" shared ", " distinct ")
+                );
+            }
+            vec![w]
         }
         WorkloadKind::NoSharing => {
             let ns = NoSharing {
@@ -442,7 +439,7 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
         setup(layout)?;
     }
     if !opts.no_build {
-        build_release(layout)?;
+        filter_build::build_stack(layout, false, &[opts.filter_build])?;
     }
     let out_dir = layout.target_dir.join("bench").join("routing");
     fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
@@ -492,7 +489,7 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
             let mut stack = Stack::new(
                 layout,
                 cfg,
-                Binaries::new(layout, "release"),
+                Binaries::new(layout, "release").with_filter(layout, opts.filter_build),
                 work_dir.clone(),
                 true,
             )?;
@@ -537,18 +534,19 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
                         results[slot].notes.push(note.clone());
                     }
                 }
+                let context = |policy: &str| RunContext {
+                    workload: workload.name.clone(),
+                    load: workload.load_label(),
+                    offered_rate: workload.offered_rate(),
+                    replicas,
+                    gpu_blocks,
+                    policy: policy.to_string(),
+                    ceiling,
+                    time_scale: opts.time_scale,
+                    slo_ms: opts.slo_ms,
+                };
                 for &policy in &plan.policies {
-                    let ctx = RunContext {
-                        workload: workload.name.clone(),
-                        load: workload.load_label(),
-                        offered_rate: workload.offered_rate(),
-                        replicas,
-                        gpu_blocks,
-                        policy: policy.name().to_string(),
-                        ceiling,
-                        time_scale: opts.time_scale,
-                        slo_ms: opts.slo_ms,
-                    };
+                    let ctx = context(policy.name());
                     let extras = RunExtras {
                         hits: &hits,
                         uncached: &uncached,
@@ -586,17 +584,7 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
                         })
                         .cloned()
                         .collect();
-                    let ctx = RunContext {
-                        workload: workload.name.clone(),
-                        load: workload.load_label(),
-                        offered_rate: workload.offered_rate(),
-                        replicas,
-                        gpu_blocks,
-                        policy: String::new(),
-                        ceiling,
-                        time_scale: opts.time_scale,
-                        slo_ms: opts.slo_ms,
-                    };
+                    let ctx = context("");
                     peer_bench.set_fleet(gpu_blocks, &work_dir);
                     peer_bench.run_workload(&mut stack, &workload, &ctx, &ours, print_line)?;
                 }
@@ -611,11 +599,13 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
         machine: machine_facts(),
         revision: git_revision(&layout.root),
         stack: format!(
-            "kvroute-sim replicas (block size 16, sha256_cbor, default cost model: 30k prefill tokens/s, 6 ms decode step), time scale x{}, kvroute-indexer, {} with 2 workers, all on 127.0.0.1; open-loop client with at most {} requests in flight",
+            "kvroute-sim replicas (block size 16, sha256_cbor, default cost model: 30k prefill tokens/s, 6 ms decode step), time scale x{}, kvroute-indexer, {} with 2 workers and the filter's {} build, all on 127.0.0.1; open-loop client with at most {} requests in flight",
             opts.time_scale,
             envoy_version(&layout.envoy_bin()),
+            opts.filter_build,
             opts.concurrency
         ),
+        filter_build: opts.filter_build.to_string(),
         total_wall_s: begun.elapsed().as_secs_f64(),
     };
     write_json(&out_dir.join("results.json"), &results)?;
@@ -660,35 +650,6 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
                 None => "n/a",
             }
         );
-    }
-    Ok(())
-}
-
-/// Release builds of the simulator and the indexer, and the filter's .wasm.
-fn build_release(layout: &Layout) -> Result<()> {
-    println!("==> bench: building (release): kvroute-sim, kvroute-indexer, kvroute_filter.wasm");
-    crate::toolchain::ensure_wasm_target(&layout.root)?;
-    for args in [
-        &[
-            "build",
-            "--release",
-            "-p",
-            "kvroute-sim",
-            "-p",
-            "kvroute-indexer",
-        ][..],
-        &[
-            "build",
-            "--release",
-            "-p",
-            "kvroute-filter",
-            "--target",
-            crate::toolchain::WASM_TARGET,
-        ][..],
-    ] {
-        let mut cargo = Command::new(crate::paths::cargo_bin());
-        cargo.args(args).current_dir(&layout.root);
-        crate::cmd::run(&mut cargo)?;
     }
     Ok(())
 }
@@ -817,6 +778,22 @@ fn run_policy(
     }
     stack.check_alive()?;
     let after = scrape(joined_s.is_some())?;
+    let assessed = if policy == Policy::Shadow {
+        // SIGINT ends assess's window; it scrapes once more and writes its report.
+        stack.finish_assess()?;
+        let path = policies::assess_report_path(work_dir);
+        let figures = assess::AssessFigures::read(&path, "qwen3")?;
+        // Kept per workload and load beside the request logs.
+        let keep = work_dir.join(format!(
+            "assess-{}-{}.json",
+            workload.name,
+            workload.load_label().replace([' ', '/'], "")
+        ));
+        fs::copy(&path, &keep).with_context(|| format!("copying {}", path.display()))?;
+        Some(figures)
+    } else {
+        None
+    };
     let deltas: Vec<ReplicaCounters> = after.iter().zip(&before).map(|(a, b)| a.since(b)).collect();
     let mut summary = RunSummary::new(ctx, &outcomes, wall, &deltas);
     // Nothing sampled (no process found) is reported as unknown, not as free.
@@ -826,6 +803,7 @@ fn run_policy(
         summary.replica_shares = Some(fleet::shares(&opts.fleet.replica_speeds, &deltas));
     }
     summary.ideal = ideal::bound(extras.uncached, sim_latency);
+    summary.assess = assessed;
     if let (Some((index, _)), Some(joined)) = (late, joined_s) {
         samples.push(scaleout::Sample {
             model_s: model_s(Instant::now()),
@@ -948,6 +926,29 @@ fn print_line(s: &RunSummary) {
             so.hit_after * 100.0,
             so.ceiling_after * 100.0
         );
+    }
+    if let Some(a) = &s.assess {
+        println!(
+            "      assess: {} ({}); predicted hit {:.1} % (measured {:.1} %); thrash {} (recomputed {:.1} %, {:.0} preemptions, {:.1} % without recompute)",
+            a.verdict,
+            a.summary,
+            a.predicted_hit_rate * 100.0,
+            a.hit_rate * 100.0,
+            if a.thrash { "yes" } else { "no" },
+            a.recomputed_share * 100.0,
+            a.preemptions,
+            a.hit_rate_without_recompute * 100.0
+        );
+        if let Some(sh) = &a.shadow {
+            println!(
+                "      shadow: {} decisions, would save {:.1} % of prompt tokens ({:.0} % within sessions), kvroute's hit {:.1} % vs the balancer's {:.1} %",
+                sh.decisions,
+                sh.would_save_share * 100.0,
+                sh.within_session_share * 100.0,
+                sh.predicted_hit_rate * 100.0,
+                sh.actual_hit_rate * 100.0
+            );
+        }
     }
     if let Some(e) = &s.first_error {
         println!(
@@ -1167,6 +1168,15 @@ mod tests {
         let mut all = vec!["bench", "routing"];
         all.extend_from_slice(args);
         <Cli as clap::Parser>::try_parse_from(all).map(|c| c.opts)
+    }
+
+    #[test]
+    fn the_filter_build_is_wasm_unless_named() {
+        assert_eq!(parse(&[]).expect("parse").filter_build, FilterBuild::Wasm);
+        let native = parse(&["--filter-build", "native"]).expect("parse");
+        assert_eq!(native.filter_build, FilterBuild::Native);
+        let err = parse(&["--filter-build", "so"]).expect_err("not a build");
+        assert!(err.to_string().contains("expected wasm or native"), "{err}");
     }
 
     #[test]

@@ -42,11 +42,27 @@ pub enum Policy {
     Session,
     /// Envoy + filter + indexer `--policy approx-prefix` (router-side guess, no events used).
     ApproxPrefix,
+    /// Envoy's round robin routes; the filter runs in shadow mode against `kvroute-indexer
+    /// assess --listen`, whose report (predicted hit rate, verdict, thrash, would-have-saved)
+    /// lands in the run's summary (docs/assess.md). Not run unless named.
+    Shadow,
 }
 
 impl Policy {
     /// Every policy, in report order.
-    pub const ALL: [Policy; 6] = [
+    pub const ALL: [Policy; 7] = [
+        Policy::Kv,
+        Policy::RoundRobin,
+        Policy::LeastRequest,
+        Policy::Random,
+        Policy::Session,
+        Policy::ApproxPrefix,
+        Policy::Shadow,
+    ];
+
+    /// The policies run when `--policies` names none (every routing policy; not `shadow`, a
+    /// measurement of round robin).
+    pub const DEFAULT: [Policy; 6] = [
         Policy::Kv,
         Policy::RoundRobin,
         Policy::LeastRequest,
@@ -64,6 +80,7 @@ impl Policy {
             Policy::Random => "random",
             Policy::Session => "session",
             Policy::ApproxPrefix => "approx-prefix",
+            Policy::Shadow => "shadow",
         }
     }
 
@@ -76,6 +93,7 @@ impl Policy {
             Policy::Random => "Envoy + kvroute filter + indexer `--policy random`",
             Policy::Session => "plain Envoy, `lb_policy: RING_HASH` with a route `hash_policy` on the `x-session-id` header (header session affinity as an Envoy user would set it up; kvroute's own `--policy session`, which the filter reaches by forwarding the header, is not benchmarked)",
             Policy::ApproxPrefix => "Envoy + kvroute filter + indexer `--policy approx-prefix` (router-side prefix guess, no events)",
+            Policy::Shadow => "Envoy `ROUND_ROBIN` with the kvroute filter in shadow mode, asking `kvroute-indexer assess --listen` (routes nothing; measures what assess predicts and shadow mode would have saved)",
         }
     }
 
@@ -87,9 +105,9 @@ impl Policy {
         )
     }
 
-    /// Whether it routes through the filter and the indexer.
+    /// Whether it runs the filter and an indexer (or `assess` in its place).
     pub fn uses_indexer(self) -> bool {
-        self.indexer_policy().is_some()
+        self.indexer_policy().is_some() || self == Policy::Shadow
     }
 
     /// The indexer's `--policy` value, for policies that go through the filter.
@@ -98,12 +116,13 @@ impl Policy {
             Policy::Kv => Some("kv"),
             Policy::Random => Some("random"),
             Policy::ApproxPrefix => Some("approx-prefix"),
-            Policy::RoundRobin | Policy::LeastRequest | Policy::Session => None,
+            Policy::RoundRobin | Policy::LeastRequest | Policy::Session | Policy::Shadow => None,
         }
     }
 
     /// Starts the router for this policy in front of the (running) replicas; `envoy` is the
-    /// Envoy binary and `work_dir` takes configs and logs of processes started here.
+    /// Envoy binary and `work_dir` takes configs and logs of processes started here (`shadow`:
+    /// assess writes its report to [`assess_report_path`]).
     pub fn start(self, stack: &mut Stack, envoy: &Path, work_dir: &Path) -> Result<Router> {
         let router = |addr: String| Router {
             addr,
@@ -114,6 +133,11 @@ impl Policy {
             (_, Some(policy)) => {
                 stack.start_indexer(policy)?;
                 stack.start_kvroute_envoy()?;
+                Ok(router(stack.kvroute_addr()))
+            }
+            (Policy::Shadow, None) => {
+                stack.start_assess(&assess_report_path(work_dir))?;
+                stack.start_kvroute_envoy_shadow()?;
                 Ok(router(stack.kvroute_addr()))
             }
             (Policy::Session, None) => start_session_envoy(stack, envoy, work_dir),
@@ -133,6 +157,11 @@ impl Policy {
         stack.stop("envoy-");
         stack.stop("indexer");
     }
+}
+
+/// Where the `shadow` line's `assess` writes its JSON report.
+pub fn assess_report_path(work_dir: &Path) -> std::path::PathBuf {
+    work_dir.join("assess-shadow.json")
 }
 
 /// Envoy with RING_HASH on `x-session-id`, on the stack's baseline ports.

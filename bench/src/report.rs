@@ -9,6 +9,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 
+use super::assess;
 use super::policies::Policy;
 use super::scaleout;
 use super::summary::RunSummary;
@@ -31,6 +32,8 @@ pub struct RunFacts {
     pub revision: String,
     /// Replicas, cache, time scale, Envoy, SLO.
     pub stack: String,
+    /// The filter build the lines through the filter ran (`wasm` or `native`).
+    pub filter_build: String,
     /// Wall time of the whole benchmark.
     pub total_wall_s: f64,
 }
@@ -86,24 +89,39 @@ fn fleet(r: &RunSummary) -> String {
     format!("{} replicas x {} blocks", r.replicas, r.gpu_blocks)
 }
 
+/// `runs` grouped by fleet (replicas, KV blocks) and `key` (the load point or the policy).
+fn by_fleet_and(
+    runs: &[RunSummary],
+    key: impl Fn(&RunSummary) -> String,
+) -> BTreeMap<(usize, usize, String), Vec<&RunSummary>> {
+    let mut groups: BTreeMap<(usize, usize, String), Vec<&RunSummary>> = BTreeMap::new();
+    for r in runs {
+        groups
+            .entry((r.replicas, r.gpu_blocks, key(r)))
+            .or_default()
+            .push(r);
+    }
+    groups
+}
+
 /// Checks the goals on every (workload, fleet, load) that has the runs needed.
 pub fn check_goals(results: &[WorkloadResults]) -> Vec<GoalCheck> {
     let mut checks = Vec::new();
     for w in results {
-        // Group runs by fleet and load point.
-        let mut points: BTreeMap<(usize, usize, String), Vec<&RunSummary>> = BTreeMap::new();
-        for r in &w.runs {
-            points
-                .entry((r.replicas, r.gpu_blocks, r.load.clone()))
-                .or_default()
-                .push(r);
-        }
-        for ((_, _, load), runs) in points {
+        for ((_, _, load), runs) in by_fleet_and(&w.runs, |r| r.load.clone()) {
             let find = |p: Policy| {
                 runs.iter()
                     .copied()
                     .find(|r| r.policy == p.name() && r.errors == 0)
             };
+            if let Some(shadow) = runs
+                .iter()
+                .copied()
+                .find(|r| r.policy == Policy::Shadow.name())
+            {
+                let scope = format!("{}, {}, {load}", w.name, fleet(shadow));
+                checks.extend(assess::checks(&w.name, &scope, shadow, find(Policy::Kv)));
+            }
             let Some(kv) = find(Policy::Kv) else { continue };
             let scope = format!("{}, {}, {load}", w.name, fleet(kv));
             let sharing = matches!(w.name.as_str(), "shared-prefix" | "mooncake-synthetic");
@@ -219,24 +237,18 @@ fn highest_load_table(w: &WorkloadResults) -> Option<String> {
         return None;
     }
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "Highest offered load whose TTFT p90 met the SLO ({} ms), with its goodput:\n",
+    let intro = format!(
+        "Highest offered load whose TTFT p90 met the SLO ({} ms), with its goodput:",
         w.runs.first().map_or(0.0, |r| r.slo_ms)
     );
-    let _ = writeln!(
-        out,
-        "| fleet | policy | highest load meeting the SLO | goodput there (req/s) |"
-    );
-    let _ = writeln!(out, "|---|---|---|---|");
-    let mut groups: BTreeMap<(usize, usize, String), Vec<&RunSummary>> = BTreeMap::new();
-    for r in &w.runs {
-        groups
-            .entry((r.replicas, r.gpu_blocks, r.policy.clone()))
-            .or_default()
-            .push(r);
-    }
-    for ((replicas, blocks, policy), runs) in groups {
+    let columns = [
+        "fleet",
+        "policy",
+        "highest load meeting the SLO",
+        "goodput there (req/s)",
+    ];
+    table_start(&mut out, &intro, &columns);
+    for ((replicas, blocks, policy), runs) in by_fleet_and(&w.runs, |r| r.policy.clone()) {
         let best = runs
             .iter()
             .filter(|r| r.errors == 0 && r.ttft_p90_ms.is_some_and(|t| t <= r.slo_ms))
@@ -254,6 +266,24 @@ fn highest_load_table(w: &WorkloadResults) -> Option<String> {
     Some(out)
 }
 
+/// Starts a Markdown table in `out`: `intro` as a paragraph (none when empty), then the header
+/// row of `columns` and its separator.
+fn table_start(out: &mut String, intro: &str, columns: &[&str]) {
+    if !intro.is_empty() {
+        let _ = writeln!(out, "{intro}\n");
+    }
+    let _ = writeln!(out, "| {} |", columns.join(" | "));
+    let _ = writeln!(out, "|{}", "---|".repeat(columns.len()));
+}
+
+/// A run's first cells: `fleet | load | policy`.
+fn run_cells(r: &RunSummary) -> String {
+    format!(
+        "{} x {} | {} | {}",
+        r.replicas, r.gpu_blocks, r.load, r.policy
+    )
+}
+
 /// `a / b` as `2.3x` (`-` without both).
 fn ratio(a: Option<f64>, b: f64) -> String {
     match a {
@@ -266,28 +296,29 @@ fn ratio(a: Option<f64>, b: f64) -> String {
 pub fn ideal_table(w: &WorkloadResults) -> Option<String> {
     let ideal = w.runs.iter().find_map(|r| r.ideal.clone())?;
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "Ideal bound (every request prefills only the tokens the ceiling leaves it, alone on an idle replica of speed 1; cost model from {}): TTFT p50 / p90 / p99 {} / {} / {} ms.\n",
+    let intro = format!(
+        "Ideal bound (every request prefills only the tokens the ceiling leaves it, alone on an idle replica of speed 1; cost model from {}): TTFT p50 / p90 / p99 {} / {} / {} ms.",
         ideal.source,
         fmt_ms(Some(ideal.p50_ms)),
         fmt_ms(Some(ideal.p90_ms)),
         fmt_ms(Some(ideal.p99_ms))
     );
-    let _ = writeln!(
-        out,
-        "| fleet | load | policy | TTFT p90 | p90 / ideal | TTFT p99 | p99 / ideal |"
-    );
-    let _ = writeln!(out, "|---|---|---|---|---|---|---|");
+    let columns = [
+        "fleet",
+        "load",
+        "policy",
+        "TTFT p90",
+        "p90 / ideal",
+        "TTFT p99",
+        "p99 / ideal",
+    ];
+    table_start(&mut out, &intro, &columns);
     for r in &w.runs {
         let Some(i) = &r.ideal else { continue };
         let _ = writeln!(
             out,
-            "| {} x {} | {} | {} | {} | {} | {} | {} |",
-            r.replicas,
-            r.gpu_blocks,
-            r.load,
-            r.policy,
+            "| {} | {} | {} | {} | {} |",
+            run_cells(r),
             fmt_ms(r.ttft_p90_ms),
             ratio(r.ttft_p90_ms, i.p90_ms),
             fmt_ms(r.ttft_p99_ms),
@@ -304,24 +335,26 @@ pub fn shares_table(w: &WorkloadResults) -> Option<String> {
         return None;
     }
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "Replica speeds (`--replica-speeds`): each replica's share of the finished requests and of the prefill work (prompt tokens it computed: queried minus hit) against its share of the capacity (speed / total speed).\n"
+    table_start(
+        &mut out,
+        "Replica speeds (`--replica-speeds`): each replica's share of the finished requests and of the prefill work (prompt tokens it computed: queried minus hit) against its share of the capacity (speed / total speed).",
+        &[
+            "fleet",
+            "load",
+            "policy",
+            "replica",
+            "speed",
+            "capacity share",
+            "request share",
+            "prefill share",
+        ],
     );
-    let _ = writeln!(
-        out,
-        "| fleet | load | policy | replica | speed | capacity share | request share | prefill share |"
-    );
-    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|");
     for r in &w.runs {
         for (i, s) in r.replica_shares.iter().flatten().enumerate() {
             let _ = writeln!(
                 out,
-                "| {} x {} | {} | {} | r{i} | {} | {} | {} | {} |",
-                r.replicas,
-                r.gpu_blocks,
-                r.load,
-                r.policy,
+                "| {} | r{i} | {} | {} | {} | {} |",
+                run_cells(r),
                 s.speed,
                 pct(s.capacity_share),
                 pct(s.request_share),
@@ -338,17 +371,22 @@ pub fn scale_out_table(w: &WorkloadResults) -> Option<String> {
         return None;
     }
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "Scale-out (`--scale-out-at`): the last replica started cold part-way through; its share = the requests it finished per {:.0}-model-s bin after joining over the fleet's mean per replica (100 % = a full share). Hit rates from the replicas' counters before and after it joined, each with the ceiling of the requests that arrived in that part.\n",
+    let intro = format!(
+        "Scale-out (`--scale-out-at`): the last replica started cold part-way through; its share = the requests it finished per {:.0}-model-s bin after joining over the fleet's mean per replica (100 % = a full share). Hit rates from the replicas' counters before and after it joined, each with the ceiling of the requests that arrived in that part.",
         scaleout::BIN_S
     );
-    let _ = writeln!(
-        out,
-        "| fleet | load | policy | joined at (model s) | share per bin after joining | >= {:.0} % after | hit before / ceiling | hit after / ceiling |",
-        scaleout::SHARE_GOAL * 100.0
-    );
-    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|");
+    let goal = format!(">= {:.0} % after", scaleout::SHARE_GOAL * 100.0);
+    let columns = [
+        "fleet",
+        "load",
+        "policy",
+        "joined at (model s)",
+        "share per bin after joining",
+        &goal,
+        "hit before / ceiling",
+        "hit after / ceiling",
+    ];
+    table_start(&mut out, &intro, &columns);
     for r in &w.runs {
         let Some(so) = &r.scale_out else { continue };
         let shares: Vec<String> = so
@@ -359,11 +397,8 @@ pub fn scale_out_table(w: &WorkloadResults) -> Option<String> {
             .collect();
         let _ = writeln!(
             out,
-            "| {} x {} | {} | {} | {:.0} | {}{} | {} | {} / {} | {} / {} |",
-            r.replicas,
-            r.gpu_blocks,
-            r.load,
-            r.policy,
+            "| {} | {:.0} | {}{} | {} | {} / {} | {} / {} |",
+            run_cells(r),
             so.joined_s,
             if shares.is_empty() {
                 "-".to_string()
@@ -382,25 +417,60 @@ pub fn scale_out_table(w: &WorkloadResults) -> Option<String> {
     Some(out)
 }
 
+/// Router CPU and peak memory of every run (the lines through the filter ran `filter_build`).
+pub fn router_cost_table(w: &WorkloadResults, filter_build: &str) -> Option<String> {
+    if w.runs.iter().all(|r| r.router_cost.is_none()) {
+        return None;
+    }
+    let mut out = String::new();
+    table_start(
+        &mut out,
+        &format!("Router cost: user + system CPU of the router's processes during the replay per 1,000 requests, and their peak RSS (sum of `VmHWM`). The router is Envoy (with the filter's {filter_build} build for kv, random and approx-prefix) plus, for those, the indexer."),
+        &["fleet", "load", "policy", "router CPU s / 1k req", "peak RSS (MB)"],
+    );
+    for r in &w.runs {
+        let Some(c) = &r.router_cost else { continue };
+        let _ = writeln!(
+            out,
+            "| {} | {:.2} | {:.0} |",
+            run_cells(r),
+            c.cpu_s_per_1k,
+            c.peak_rss_mb
+        );
+    }
+    Some(out)
+}
+
 /// The results table of one workload.
 pub fn workload_table(w: &WorkloadResults) -> String {
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "Times in model ms unless marked s.\n\n| fleet | load | policy | hit rate | of ceiling | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p90 | output tok/s | goodput req/s | SLO met | imbalance | preempt | errors |"
-    );
-    let _ = writeln!(
-        out,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    table_start(
+        &mut out,
+        "Times in model ms unless marked s.",
+        &[
+            "fleet",
+            "load",
+            "policy",
+            "hit rate",
+            "of ceiling",
+            "TTFT p50",
+            "TTFT p90",
+            "TTFT p99",
+            "ITL p50",
+            "ITL p90",
+            "output tok/s",
+            "goodput req/s",
+            "SLO met",
+            "imbalance",
+            "preempt",
+            "errors",
+        ],
     );
     for r in &w.runs {
         let _ = writeln!(
             out,
-            "| {} x {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2} | {} | {:.2} | {} | {} |",
-            r.replicas,
-            r.gpu_blocks,
-            r.load,
-            r.policy,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2} | {} | {:.2} | {} | {} |",
+            run_cells(r),
             pct(r.hit_rate),
             if r.ceiling > 0.0 {
                 format!("{:.0} %", r.hit_rate / r.ceiling * 100.0)
@@ -464,8 +534,7 @@ pub fn render_section(
     let checks = check_goals(results);
     if !checks.is_empty() {
         let _ = writeln!(out, "### Goals\n");
-        let _ = writeln!(out, "| goal | where | measured | met |");
-        let _ = writeln!(out, "|---|---|---|---|");
+        table_start(&mut out, "", &["goal", "where", "measured", "met"]);
         for c in &checks {
             let _ = writeln!(
                 out,
@@ -495,10 +564,13 @@ pub fn render_section(
         }
         out.push_str(&workload_table(w));
         out.push('\n');
-        for table in [ideal_table(w), shares_table(w), scale_out_table(w)]
-            .into_iter()
-            .flatten()
-        {
+        let tables = [
+            ideal_table(w),
+            shares_table(w),
+            scale_out_table(w),
+            router_cost_table(w, &facts.filter_build),
+        ];
+        for table in tables.into_iter().flatten() {
             out.push_str(&table);
             out.push('\n');
         }
@@ -673,18 +745,7 @@ pub fn line_chart(
     }
     let sx = |x: f64| left + (x - x0) / (x1 - x0) * pw;
     let sy = |y: f64| top + ph - (y - y0) / (y1 - y0) * ph;
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" font-family=\"sans-serif\" font-size=\"12\">"
-    );
-    let _ = writeln!(s, "<rect width=\"{w}\" height=\"{h}\" fill=\"white\"/>");
-    let _ = writeln!(
-        s,
-        "<text x=\"{}\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">{}</text>",
-        left + pw / 2.0,
-        esc(title)
-    );
+    let mut s = svg_start(w, h, left + pw / 2.0, title);
     // Axes and grid.
     let y_ticks: Vec<f64> = if y_log {
         (y0 as i64..=y1 as i64).map(|e| e as f64).collect()
@@ -776,6 +837,22 @@ pub fn line_chart(
     s
 }
 
+/// An SVG document `w` x `h` on white, with `title` centred at `title_x`; close it with `</svg>`.
+fn svg_start(w: f64, h: f64, title_x: f64, title: &str) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" font-family=\"sans-serif\" font-size=\"12\">"
+    );
+    let _ = writeln!(s, "<rect width=\"{w}\" height=\"{h}\" fill=\"white\"/>");
+    let _ = writeln!(
+        s,
+        "<text x=\"{title_x}\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">{}</text>",
+        esc(title)
+    );
+    s
+}
+
 /// A horizontal bar chart of one value per policy.
 pub fn bar_chart(title: &str, unit: &str, bars: &[(String, f64)]) -> String {
     let row = 26.0;
@@ -788,18 +865,7 @@ pub fn bar_chart(title: &str, unit: &str, bars: &[(String, f64)]) -> String {
         .map(|b| b.1)
         .fold(0.0, f64::max)
         .max(f64::EPSILON);
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" font-family=\"sans-serif\" font-size=\"12\">"
-    );
-    let _ = writeln!(s, "<rect width=\"{w}\" height=\"{h}\" fill=\"white\"/>");
-    let _ = writeln!(
-        s,
-        "<text x=\"{}\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">{}</text>",
-        w / 2.0,
-        esc(title)
-    );
+    let mut s = svg_start(w, h, w / 2.0, title);
     for (i, (name, v)) in bars.iter().enumerate() {
         let y = top + i as f64 * row;
         let bw = (v.max(0.0) / max * pw).max(1.0);
@@ -931,10 +997,10 @@ pub fn write_plots(dir: &Path, results: &[WorkloadResults]) -> Result<Vec<(Strin
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn run(policy: &str, load: &str, rate: f64, hit: f64, p90: f64) -> RunSummary {
+    pub(crate) fn run(policy: &str, load: &str, rate: f64, hit: f64, p90: f64) -> RunSummary {
         RunSummary {
             workload: "shared-prefix".into(),
             load: load.into(),
@@ -968,6 +1034,7 @@ mod tests {
             replica_shares: None,
             ideal: None,
             scale_out: None,
+            assess: None,
         }
     }
 
@@ -1036,7 +1103,7 @@ mod tests {
         }
         w.runs[0].replica_shares = Some(crate::fleet::shares(
             &[1.0, 1.0, 0.5, 0.5],
-            &[super::super::summary::ReplicaCounters::default(); 4],
+            &[crate::replica_counters::ReplicaCounters::default(); 4],
         ));
         w.runs[0].scale_out = Some(scaleout::ScaleOut {
             replica: 3,
@@ -1080,6 +1147,18 @@ mod tests {
             so.contains("| 120 | 25, 80 % | 20 s | 50.0 % / 60.0 % | 55.0 % / 60.0 % |"),
             "{so}"
         );
+        assert!(router_cost_table(&w, "native").is_none());
+        w.runs[0].router_cost = Some(crate::router_usage::RouterCost {
+            cpu_s_per_1k: 1.5,
+            peak_rss_mb: 210.4,
+        });
+        let cost = router_cost_table(&w, "native").expect("router cost");
+        assert!(cost.contains("filter's native build"), "{cost}");
+        assert!(
+            cost.contains("| 4 x 1000 | 2 req/s | kv | 1.50 | 210 |"),
+            "{cost}"
+        );
+        assert_eq!(cost.lines().filter(|l| l.starts_with("| 4 x")).count(), 1);
         let checks = check_goals(std::slice::from_ref(&w));
         let scale: Vec<&GoalCheck> = checks
             .iter()
@@ -1111,6 +1190,7 @@ mod tests {
             machine: "m".into(),
             revision: "abc".into(),
             stack: "s".into(),
+            filter_build: "native".into(),
             total_wall_s: 1.0,
         };
         let section = render_section(

@@ -4,7 +4,7 @@
 
 use serde::Serialize;
 
-use super::summary::ReplicaCounters;
+use crate::replica_counters::ReplicaCounters;
 
 /// Width of a share bin, model s.
 pub const BIN_S: f64 = 10.0;

@@ -133,6 +133,16 @@ mod tests {
         }
     }
 
+    /// The workload of `recs` as the test file `t.jsonl`, with `opts` changed by `edit`.
+    fn built(
+        recs: &[workloads::MooncakeRecord],
+        edit: impl FnOnce(&mut TraceOptions),
+    ) -> Result<Workload> {
+        let mut o = opts();
+        edit(&mut o);
+        build("t.jsonl", "t", recs, o)
+    }
+
     const WITH_SESSIONS: &str = r#"{"timestamp": 1000, "input_length": 40, "output_length": 5, "hash_ids": [1, 2, 3], "session": "a"}
 {"timestamp": 1500, "input_length": 20, "output_length": 5, "hash_ids": [7, 8], "session": 42}
 {"timestamp": 1200, "input_length": 56, "output_length": 5, "hash_ids": [1, 2, 3, 4], "session": "a"}
@@ -155,7 +165,7 @@ mod tests {
         assert_eq!(recs[0].session_id().as_deref(), Some("a"));
         assert_eq!(recs[1].session_id().as_deref(), Some("42"));
         assert_eq!(recs[3].session_id(), None);
-        let w = build("t.jsonl", "t", &recs, opts()).expect("workload");
+        let w = built(&recs, |_| {}).expect("workload");
         assert_eq!(w.requests.len(), 4, "the 20k-token record is dropped");
         assert!(w.notes.iter().any(|n| n.contains("1 of 5 records dropped")));
         let sessions: Vec<&str> = w.requests.iter().map(|r| r.session.as_str()).collect();
@@ -175,16 +185,7 @@ mod tests {
         let text = "{\"timestamp\":0,\"input_length\":512,\"output_length\":1,\"hash_ids\":[0]}\n\
                     {\"timestamp\":10,\"input_length\":600,\"output_length\":1,\"hash_ids\":[0,1]}";
         let recs = parse_mooncake(text).expect("parse");
-        let w = build(
-            "t.jsonl",
-            "t",
-            &recs,
-            TraceOptions {
-                block_tokens: 512,
-                ..opts()
-            },
-        )
-        .expect("workload");
+        let w = built(&recs, |o| o.block_tokens = 512).expect("workload");
         let sessions: Vec<&str> = w.requests.iter().map(|r| r.session.as_str()).collect();
         assert_eq!(sessions, ["mc-0", "mc-1"]);
         assert_eq!(w.requests[1].tokens()[..512], w.requests[0].tokens()[..]);
@@ -194,16 +195,7 @@ mod tests {
     #[test]
     fn rate_compression_keeps_each_sessions_order() {
         let recs = parse_mooncake(WITH_SESSIONS).expect("parse");
-        let w = build(
-            "t.jsonl",
-            "t",
-            &recs,
-            TraceOptions {
-                rate: 4.0,
-                ..opts()
-            },
-        )
-        .expect("w");
+        let w = built(&recs, |o| o.rate = 4.0).expect("w");
         let at: Vec<f64> = w.requests.iter().map(|r| r.at_ms).collect();
         assert_eq!(at, [0.0, 50.0, 125.0, 500.0]);
         assert!((w.offered_rate() - 4.0 / 0.5).abs() < 1e-9);
@@ -212,47 +204,23 @@ mod tests {
 {"timestamp": 0, "input_length": 16, "output_length": 1, "hash_ids": [2], "session": "t"}
 {"timestamp": 50, "input_length": 32, "output_length": 1, "hash_ids": [1, 3], "session": "s"}"#;
         let recs = parse_mooncake(text).expect("parse");
-        let w = build(
-            "t.jsonl",
-            "t",
-            &recs,
-            TraceOptions {
-                rate: 2.0,
-                ..opts()
-            },
-        )
-        .expect("w");
+        let w = built(&recs, |o| o.rate = 2.0).expect("w");
         let s: Vec<&BenchRequest> = w.requests.iter().filter(|r| r.session == "s").collect();
         assert_eq!(s.len(), 2);
         assert_eq!(s[0].num_tokens(), 16, "file order within the session");
         assert_eq!(s[1].num_tokens(), 32);
         assert!(s[0].at_ms <= s[1].at_ms);
         assert!(w.requests.windows(2).all(|p| p[0].at_ms <= p[1].at_ms));
-        assert!(build(
-            "t.jsonl",
-            "t",
-            &recs,
-            TraceOptions {
-                rate: 0.0,
-                ..opts()
-            }
-        )
-        .is_err());
+        assert!(built(&recs, |o| o.rate = 0.0).is_err());
     }
 
     #[test]
     fn windows_pick_records_and_start_their_clock() {
         let recs = parse_mooncake(WITH_SESSIONS).expect("parse");
-        let w = build(
-            "t.jsonl",
-            "t",
-            &recs,
-            TraceOptions {
-                start: 1,
-                count: Some(2),
-                ..opts()
-            },
-        )
+        let w = built(&recs, |o| {
+            o.start = 1;
+            o.count = Some(2);
+        })
         .expect("workload");
         assert_eq!(w.requests.len(), 2);
         // Records 1 (t=1500) and 2 (t=1200; session a's first in the window): the clock starts
@@ -261,12 +229,7 @@ mod tests {
         assert_eq!(at, [0.0, 300.0]);
         assert_eq!(w.requests[0].session, "a");
         assert!(w.description.contains("records 1..3"));
-        let past = TraceOptions { start: 9, ..opts() };
-        assert!(build("t.jsonl", "t", &recs, past).is_err());
-        let none = TraceOptions {
-            count: Some(0),
-            ..opts()
-        };
-        assert!(build("t.jsonl", "t", &recs, none).is_err());
+        assert!(built(&recs, |o| o.start = 9).is_err());
+        assert!(built(&recs, |o| o.count = Some(0)).is_err());
     }
 }

@@ -221,11 +221,56 @@ pub struct TokenizerBundle {
     /// How the engines hash LoRA / cache_salt extra keys (from their vLLM version).
     #[serde(default)]
     pub extra_key_style: Option<ExtraKeyStyle>,
-    /// `tokenizer.json`, as text.
+    /// `tokenizer.json`, as text; in the compact form (with `bpe_tables`), the document with
+    /// the BPE model's `vocab` and `merges` emptied.
     pub tokenizer_json: String,
     /// The effective `tokenizer_config.json`, as text: the file with `chat_template.jinja`,
     /// `chat_template.json` and `special_tokens_map.json` merged in (`ModelFiles`).
     pub tokenizer_config_json: String,
+    /// The compact form's vocabulary and merges (`?form=compact`, for a BPE model the form
+    /// covers): build with `ModelTokenizer::from_compact`. Absent: `tokenizer_json` is whole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bpe_tables: Option<crate::request::BpeTables>,
+}
+
+/// The query parameter of `GET /v1/models/{model}/tokenizer` that asks for the compact form
+/// (`?form=compact`). A client that does not ask gets the whole `tokenizer.json`, which every
+/// filter release understands; an indexer that does not know the parameter ignores it and
+/// sends the whole document, which a new filter loads too (with the larger parse peak).
+pub const TOKENIZER_FORM_COMPACT: &str = "form=compact";
+
+impl TokenizerBundle {
+    /// The bundle of `model`'s files, in the compact form when `compact` and the form covers
+    /// the tokenizer (else whole). Other fields are left at their defaults.
+    pub fn from_files(
+        model: &str,
+        files: crate::request::ModelFiles,
+        compact: bool,
+    ) -> Result<Self, crate::request::RequestError> {
+        let text = |bytes: Vec<u8>, name: &str| {
+            String::from_utf8(bytes).map_err(|_| {
+                crate::request::RequestError::ModelFiles(format!(
+                    "{name} of model {model:?} is not UTF-8"
+                ))
+            })
+        };
+        let split = if compact {
+            crate::request::compact_tokenizer_json(&files.tokenizer_json)?
+        } else {
+            None
+        };
+        let (tokenizer_json, bpe_tables) = match split {
+            Some(c) => (c.tokenizer_json, Some(c.tables)),
+            None => (files.tokenizer_json, None),
+        };
+        Ok(Self {
+            model: model.to_owned(),
+            tokenizer_json: text(tokenizer_json, "tokenizer.json")?,
+            tokenizer_config_json: text(files.tokenizer_config_json, "tokenizer_config.json")?,
+            bpe_tables,
+            ..Self::default()
+        })
+    }
 }
 
 /// What one side loaded for a model, as short fingerprints (the first 16 hex digits of SHA-256):

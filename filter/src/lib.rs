@@ -14,6 +14,7 @@
 //! proxy-wasm build is the thin adapter in [`root_context`] and [`http_context`] over [`host`]
 //! (panic-free host calls); a native build implements the same traits.
 
+pub mod agreement;
 pub mod config;
 pub mod host;
 #[cfg(feature = "wasm-host")]

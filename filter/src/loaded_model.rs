@@ -82,26 +82,49 @@ impl LoadedModel {
         model_cfg: Option<&ModelConfig>,
         cfg: &FilterConfig,
     ) -> Result<Self, String> {
+        Self::load(bundle.clone(), model_cfg, cfg)
+    }
+
+    /// [`Self::from_bundle`], consuming the bundle (its documents and tables are freed as the
+    /// tokenizer is built instead of copied).
+    pub fn load(
+        bundle: TokenizerBundle,
+        model_cfg: Option<&ModelConfig>,
+        cfg: &FilterConfig,
+    ) -> Result<Self, String> {
+        let TokenizerBundle {
+            tokenizer_json,
+            tokenizer_config_json,
+            block_size: announced_block_size,
+            extra_key_style,
+            max_model_len,
+            bpe_tables,
+        } = bundle;
         let files = ModelFiles {
-            tokenizer_json: bundle.tokenizer_json.clone(),
-            tokenizer_config_json: bundle.tokenizer_config_json.clone(),
+            tokenizer_json,
+            tokenizer_config_json,
         };
         let opts = model_cfg
             .and_then(|m| m.tokenizer_options.clone())
             .unwrap_or_default();
-        let tokenizer = ModelTokenizer::from_files(&files, opts).map_err(|e| e.to_string())?;
+        let tokenizer = match bpe_tables {
+            Some(tables) => ModelTokenizer::from_compact(&files, tables, opts),
+            None => ModelTokenizer::from_files(&files, opts),
+        }
+        .map_err(|e| e.to_string())?;
+        drop(files);
         let block_size = model_cfg
             .and_then(|m| m.block_size)
-            .or(bundle.block_size)
+            .or(announced_block_size)
             .unwrap_or(cfg.default_block_size);
         // Configuration first, then what the indexer knows of the engines' vLLM version.
         let style: ExtraKeyStyle = model_cfg
             .and_then(|m| m.extra_key_style)
-            .or(bundle.extra_key_style)
+            .or(extra_key_style)
             .unwrap_or_default();
         let max_prompt_tokens = model_cfg
             .and_then(|m| m.max_prompt_tokens)
-            .or(bundle.max_model_len)
+            .or(max_model_len)
             .or(tokenizer.model_max_length())
             .unwrap_or(DEFAULT_MAX_PROMPT_TOKENS);
         Ok(Self {

@@ -5,18 +5,18 @@
 //! open as `token_mismatch`.
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use kvroute_core::api::{AgreementReport, TokenCheck, CONTRACT_HEADER, CONTRACT_VERSION_STR};
+use kvroute_core::api::{AgreementReport, TokenCheck};
 use kvroute_core::request::Endpoint;
 use serde_json::Value;
 
+use crate::agreement::send_report;
 use crate::hlog;
 use crate::loaded_model::{LoadedModel, Prepared};
 use crate::metrics::Counter;
 use crate::models::log_name;
-use crate::plugin::{percent_encode, Plugin};
-use crate::seam::{Body, Callout, Flow, Headers, Host, HostResult, StreamHost};
+use crate::plugin::Plugin;
+use crate::seam::{Body, Flow, Headers, StreamHost};
 use crate::token_check::{
     add_return_token_ids, client_asked, endpoint_name, take_from_body, StreamIds,
 };
@@ -207,45 +207,8 @@ impl OnlineCheck {
             check: Some(check),
         };
         // The stream ends soon after: the report must outlive it.
-        send_report(host, plugin, &self.model_name, &report, |h, call| {
+        send_report(host, &plugin.cfg, &self.model_name, &report, |h, call| {
             h.dispatch_detached(call)
         });
-    }
-}
-
-/// Issues `POST /v1/models/{model}/agreement` with `send` (a stream's `dispatch_detached`, so the
-/// report outlives the stream, or the plugin's `dispatch`).
-pub fn send_report<H: Host + ?Sized>(
-    host: &mut H,
-    plugin: &Plugin,
-    model: &str,
-    report: &AgreementReport,
-    send: impl FnOnce(&mut H, &Callout<'_>) -> HostResult<()>,
-) {
-    let Ok(body) = serde_json::to_vec(report) else {
-        return;
-    };
-    let path = format!("/v1/models/{}/agreement", percent_encode(model));
-    let headers = [
-        (":method", "POST"),
-        (":path", path.as_str()),
-        (":authority", plugin.cfg.indexer_authority.as_str()),
-        ("content-type", "application/json"),
-        (CONTRACT_HEADER, CONTRACT_VERSION_STR),
-    ];
-    let call = Callout {
-        cluster: &plugin.cfg.indexer_cluster,
-        headers: &headers,
-        body: Some(&body),
-        timeout: Duration::from_millis(plugin.cfg.complete_timeout_ms),
-    };
-    if let Err(e) = send(host, &call) {
-        host.increment(Counter::AgreementReportFailed.into());
-        hlog!(
-            host,
-            Debug,
-            "kvroute: agreement report of model {} not sent: {e}",
-            log_name(model)
-        );
     }
 }

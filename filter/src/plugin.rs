@@ -11,16 +11,19 @@ use std::time::Duration;
 
 use kvroute_core::api::{
     check_contract, AgreementReport, ContractCheck, CONTRACT_HEADER, CONTRACT_VERSION_STR,
+    TOKENIZER_FORM_COMPACT,
 };
 use serde_json::Value;
 
+use crate::agreement::send_report;
 use crate::config::{ConfigError, FilterConfig, TokenizerSource};
 use crate::hlog;
 use crate::loaded_model::LoadedModel;
 use crate::metrics::Counter;
 use crate::models::{log_name, Lookup, ModelRegistry, RegistryPolicy};
-use crate::online_check::send_report;
-use crate::protocol::{parse_tokenizer_bundle, TokenizerBundle};
+use crate::protocol::{
+    parse_tokenizer_answer, parse_tokenizer_bundle, percent_encode, TokenizerBundle,
+};
 use crate::seam::{CallId, CallReply, Callout, Host};
 
 /// How often the host should call [`Plugin::on_tick`].
@@ -120,7 +123,12 @@ impl Plugin {
                 // Loaded at configure time; nothing to fetch (a failure there refused the plugin).
                 continue;
             }
-            let path = format!("/v1/models/{}/tokenizer", percent_encode(&model));
+            // The compact form (an indexer that does not know the parameter sends the whole
+            // document, which loads too).
+            let path = format!(
+                "/v1/models/{}/tokenizer?{TOKENIZER_FORM_COMPACT}",
+                percent_encode(&model)
+            );
             let headers = [
                 (":method", "GET"),
                 (":path", path.as_str()),
@@ -184,9 +192,7 @@ impl Plugin {
                 reply.contract.as_deref().unwrap_or("(refused ours)"),
                 kvroute_core::api::CONTRACT_VERSION
             )),
-            Some(200) => serde_json::from_slice::<Value>(&reply.body)
-                .map_err(|e| format!("not JSON: {e}"))
-                .and_then(|v| parse_tokenizer_bundle(&v)),
+            Some(200) => parse_tokenizer_answer(&reply.body),
             // 404, or any refusal of the name itself (414 URI too long, 400): a negative answer,
             // cached; not a failure to retry.
             Some(s) if (400..500).contains(&s) && s != 408 && s != 429 => {
@@ -211,9 +217,8 @@ impl Plugin {
             Some(s) => Err(format!("indexer answered HTTP {s}")),
             None => Err("no answer (reset or timeout)".to_string()),
         };
-        let loaded = outcome.and_then(|bundle| {
-            LoadedModel::from_bundle(&bundle, self.cfg.models.get(&model), &self.cfg)
-        });
+        let loaded = outcome
+            .and_then(|bundle| LoadedModel::load(bundle, self.cfg.models.get(&model), &self.cfg));
         match loaded {
             Ok(m) => {
                 let (block_size, cap) = (m.block_size, m.max_prompt_tokens);
@@ -224,7 +229,7 @@ impl Plugin {
                         digest,
                         check: None,
                     };
-                    send_report(host, self, &model, &report, |h, call| {
+                    send_report(host, &self.cfg, &model, &report, |h, call| {
                         h.dispatch(call).map(|_| ())
                     });
                     hlog!(
@@ -280,7 +285,7 @@ impl Plugin {
             })?;
             let bundle =
                 parse_tokenizer_bundle(entry).map_err(|e| format!("models.{name}: {e}"))?;
-            let loaded = LoadedModel::from_bundle(&bundle, self.cfg.models.get(name), &self.cfg)
+            let loaded = LoadedModel::load(bundle, self.cfg.models.get(name), &self.cfg)
                 .map_err(|e| format!("models.{name}: tokenizer does not load: {e}"))?;
             if !self.models().loaded(name, loaded) {
                 return Err(format!("models.{name}: no free model slot"));
@@ -288,29 +293,5 @@ impl Plugin {
             host.increment(Counter::TokenizerLoaded.into());
         }
         Ok(())
-    }
-}
-
-/// Minimal percent-encoding for a model name in a URL path segment.
-pub fn percent_encode(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn model_names_are_path_safe() {
-        assert_eq!(percent_encode("Qwen/Qwen3-0.6B"), "Qwen%2FQwen3-0.6B");
-        assert_eq!(percent_encode("a b?"), "a%20b%3F");
     }
 }

@@ -5,6 +5,8 @@ use std::net::SocketAddr;
 
 use kvroute_core::api::{check_contract, ContractCheck, RouteAnswer as WireAnswer};
 use kvroute_core::hashing::ExtraKeyStyle;
+use kvroute_core::request::BpeTables;
+use serde::Deserialize;
 use serde_json::Value;
 
 /// Why a request was not routed (each is one `fail_open.<reason>` counter).
@@ -147,6 +149,19 @@ pub fn parse_route_answer(
     })
 }
 
+/// Minimal percent-encoding for a model name in a URL path segment.
+pub fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// Parses a status header value.
 pub fn parse_status(value: Option<&str>) -> Option<u16> {
     value.and_then(|v| v.trim().parse().ok())
@@ -156,7 +171,7 @@ pub fn parse_status(value: Option<&str>) -> Option<u16> {
 /// the VM configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenizerBundle {
-    /// `tokenizer.json` bytes.
+    /// `tokenizer.json` bytes (the compact document when `bpe_tables` is set).
     pub tokenizer_json: Vec<u8>,
     /// `tokenizer_config.json` bytes.
     pub tokenizer_config_json: Vec<u8>,
@@ -166,54 +181,101 @@ pub struct TokenizerBundle {
     pub extra_key_style: Option<ExtraKeyStyle>,
     /// The engines' context length (vLLM's `max_model_len`), if announced.
     pub max_model_len: Option<usize>,
+    /// The compact form's vocabulary and merges (`kvroute_core::api::TokenizerBundle`).
+    pub bpe_tables: Option<BpeTables>,
+}
+
+/// A bundle's members as they arrive: the documents and numbers are checked by
+/// [`RawBundle::check`]; the tables deserialise straight into their vectors (no JSON tree of
+/// them is ever built); unknown members are ignored.
+#[derive(Deserialize)]
+struct RawBundle {
+    #[serde(default)]
+    tokenizer_json: Option<Value>,
+    #[serde(default)]
+    tokenizer_config_json: Option<Value>,
+    #[serde(default)]
+    block_size: Option<Value>,
+    #[serde(default)]
+    extra_key_style: Option<Value>,
+    #[serde(default)]
+    max_model_len: Option<Value>,
+    #[serde(default)]
+    bpe_tables: Option<BpeTables>,
 }
 
 /// A JSON document carried either as a string or inline as an object.
-fn json_doc_bytes(v: &Value) -> Option<Vec<u8>> {
+fn json_doc_bytes(v: Value) -> Option<Vec<u8>> {
     match v {
-        Value::String(s) => Some(s.as_bytes().to_vec()),
-        Value::Object(_) => serde_json::to_vec(v).ok(),
+        Value::String(s) => Some(s.into_bytes()),
+        Value::Object(_) => serde_json::to_vec(&v).ok(),
         _ => None,
     }
 }
 
-/// Parses a tokenizer bundle object.
+impl RawBundle {
+    fn check(self) -> Result<TokenizerBundle, String> {
+        let tokenizer_json = self
+            .tokenizer_json
+            .and_then(json_doc_bytes)
+            .ok_or("tokenizer answer has no tokenizer_json")?;
+        let tokenizer_config_json = self
+            .tokenizer_config_json
+            .and_then(json_doc_bytes)
+            .unwrap_or_else(|| b"{}".to_vec());
+        let block_size = self
+            .block_size
+            .as_ref()
+            .and_then(Value::as_u64)
+            .and_then(|b| usize::try_from(b).ok())
+            .filter(|b| (1..=4096).contains(b));
+        let extra_key_style = match self.extra_key_style {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(
+                serde_json::from_value::<ExtraKeyStyle>(v.clone())
+                    .map_err(|_| format!("tokenizer answer has an unknown extra_key_style {v}"))?,
+            ),
+        };
+        let max_model_len = self
+            .max_model_len
+            .as_ref()
+            .and_then(Value::as_u64)
+            .and_then(|n| usize::try_from(n).ok())
+            .filter(|n| (1..=kvroute_core::request::MAX_SANE_MODEL_MAX_LENGTH).contains(n));
+        Ok(TokenizerBundle {
+            tokenizer_json,
+            tokenizer_config_json,
+            block_size,
+            extra_key_style,
+            max_model_len,
+            bpe_tables: self.bpe_tables,
+        })
+    }
+}
+
+/// Parses a tokenizer bundle object (the VM configuration's offline entries).
 pub fn parse_tokenizer_bundle(v: &Value) -> Result<TokenizerBundle, String> {
-    let obj = v
-        .as_object()
-        .ok_or("tokenizer answer is not a JSON object")?;
-    let tokenizer_json = obj
-        .get("tokenizer_json")
-        .and_then(json_doc_bytes)
-        .ok_or("tokenizer answer has no tokenizer_json")?;
-    let tokenizer_config_json = obj
-        .get("tokenizer_config_json")
-        .and_then(json_doc_bytes)
-        .unwrap_or_else(|| b"{}".to_vec());
-    let block_size = obj
-        .get("block_size")
-        .and_then(Value::as_u64)
-        .and_then(|b| usize::try_from(b).ok())
-        .filter(|b| (1..=4096).contains(b));
-    let extra_key_style = match obj.get("extra_key_style") {
-        None | Some(Value::Null) => None,
-        Some(v) => Some(
-            serde_json::from_value::<ExtraKeyStyle>(v.clone())
-                .map_err(|_| format!("tokenizer answer has an unknown extra_key_style {v}"))?,
-        ),
-    };
-    let max_model_len = obj
-        .get("max_model_len")
-        .and_then(Value::as_u64)
-        .and_then(|n| usize::try_from(n).ok())
-        .filter(|n| (1..=kvroute_core::request::MAX_SANE_MODEL_MAX_LENGTH).contains(n));
-    Ok(TokenizerBundle {
-        tokenizer_json,
-        tokenizer_config_json,
-        block_size,
-        extra_key_style,
-        max_model_len,
-    })
+    if !v.is_object() {
+        return Err("tokenizer answer is not a JSON object".into());
+    }
+    RawBundle::deserialize(v)
+        .map_err(|e| format!("tokenizer answer: {e}"))?
+        .check()
+}
+
+/// Parses the indexer's answer body to `GET /v1/models/{model}/tokenizer` straight from its
+/// bytes: in the compact form the vocabulary and merges land in their vectors without a JSON
+/// tree of them in between.
+pub fn parse_tokenizer_answer(body: &[u8]) -> Result<TokenizerBundle, String> {
+    match serde_json::from_slice::<RawBundle>(body) {
+        Ok(raw) => raw.check(),
+        // Tell "not an object" apart from other errors, as for the offline entries.
+        Err(e) => match serde_json::from_slice::<Value>(body) {
+            Ok(v) if !v.is_object() => Err("tokenizer answer is not a JSON object".into()),
+            Ok(_) => Err(format!("tokenizer answer: {e}")),
+            Err(e) => Err(format!("not JSON: {e}")),
+        },
+    }
 }
 
 /// How a routed request ended, for `POST /v1/complete`.
@@ -341,6 +403,12 @@ pub fn request_id(header: Option<&str>, context_id: u64, now_nanos: u64) -> Stri
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn model_names_are_path_safe() {
+        assert_eq!(percent_encode("Qwen/Qwen3-0.6B"), "Qwen%2FQwen3-0.6B");
+        assert_eq!(percent_encode("a b?"), "a%20b%3F");
+    }
     use serde_json::json;
 
     #[test]

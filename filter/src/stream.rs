@@ -41,6 +41,11 @@ const DBG_REPLICA: &str = "x-kvroute-replica";
 const DBG_REASON: &str = "x-kvroute-reason";
 const DBG_MATCHED: &str = "x-kvroute-matched-tokens";
 const DBG_FAIL_OPEN: &str = "x-kvroute-fail-open";
+/// In shadow mode, where kvroute would have sent the request (Envoy's balancer chose where it
+/// went): named apart so nothing reading `x-kvroute-replica` takes it for the real upstream.
+const DBG_SHADOW_REPLICA: &str = "x-kvroute-shadow-replica";
+/// In shadow mode, the tokens kvroute expected cached on the replica it would have chosen.
+const DBG_SHADOW_MATCHED: &str = "x-kvroute-shadow-matched-tokens";
 
 #[derive(Debug)]
 enum Phase {
@@ -321,7 +326,7 @@ impl Stream {
         if plugin.cfg.debug_headers {
             if let Some(DecisionShown { replica, reason }) = &self.decision {
                 if let Some(r) = replica {
-                    let _ = host.set_header(Headers::Response, DBG_REPLICA, r);
+                    let _ = host.set_header(Headers::Response, self.replica_header(), r);
                 }
                 if let Some(r) = reason {
                     let _ = host.set_header(Headers::Response, DBG_REASON, r);
@@ -629,13 +634,18 @@ impl Stream {
         }
         if plugin.cfg.debug_headers {
             if let Some(r) = &answer.replica {
-                let _ = host.set_header(Headers::Request, DBG_REPLICA, r);
+                let _ = host.set_header(Headers::Request, self.replica_header(), r);
             }
             if let Some(r) = &answer.reason {
                 let _ = host.set_header(Headers::Request, DBG_REASON, r);
             }
             if let Some(m) = answer.matched_gpu_tokens {
-                let _ = host.set_header(Headers::Request, DBG_MATCHED, &m.to_string());
+                let matched = if self.shadow {
+                    DBG_SHADOW_MATCHED
+                } else {
+                    DBG_MATCHED
+                };
+                let _ = host.set_header(Headers::Request, matched, &m.to_string());
             }
         }
         self.decision = Some(DecisionShown {
@@ -646,6 +656,16 @@ impl Stream {
             rewrite_body(host, plugin, self.check.as_mut(), &raw, &parsed);
         }
         Ok(())
+    }
+
+    /// The debug header naming kvroute's choice: where the request went when routing, where it
+    /// would have gone in shadow mode.
+    fn replica_header(&self) -> &'static str {
+        if self.shadow {
+            DBG_SHADOW_REPLICA
+        } else {
+            DBG_REPLICA
+        }
     }
 
     /// Reports the request's end once: a completion (abandoned when the response did not end) of

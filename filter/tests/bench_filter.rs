@@ -9,8 +9,8 @@
 //! * cold: every prompt is new text (nothing in the segment cache);
 //! * warm: a multi-turn conversation whose earlier turns were already seen, with a new last turn.
 //!
-//! Results go to stdout and `target/bench/filter.json`. With `KVROUTE_FILTER_BUILD=native` the
-//! filter Envoy runs the native dynamic module instead (`target/bench/filter-native.json`).
+//! Results go to stdout and `<target>/bench/filter.json`. With `KVROUTE_FILTER_BUILD=native` the
+//! filter Envoy runs the native dynamic module instead (`<target>/bench/filter-native.json`).
 
 mod common;
 
@@ -156,8 +156,8 @@ fn filter_added_latency() {
         "VM linear memory (one worker VM, Qwen3 tokenizer + segment cache): {:.1} MiB",
         vm_memory as f64 / 1048576.0
     );
-    let out = workspace().join("target/bench");
-    std::fs::create_dir_all(&out).expect("mkdir target/bench");
+    let out = target_dir().join("bench");
+    std::fs::create_dir_all(&out).expect("mkdir <target>/bench");
     let (build, file, artifact) = match filter_build() {
         FilterBuild::Wasm => ("wasm", "filter.json", wasm_path()),
         FilterBuild::Native => ("native", "filter-native.json", native_module_path()),
@@ -169,6 +169,6 @@ fn filter_added_latency() {
         out.join(file),
         serde_json::to_string_pretty(&report).unwrap_or_default(),
     )
-    .expect("write the report under target/bench");
+    .expect("write the report under <target>/bench");
     std::thread::sleep(Duration::from_millis(10));
 }

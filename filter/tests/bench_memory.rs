@@ -7,7 +7,8 @@
 //! each build (plain Envoy, the Wasm filter, the native dynamic module): the real indexer serving
 //! the Qwen3 tokenizer, two kvroute-sim replicas, Envoy; the tokenizers loaded; then 320 routed
 //! chat requests (8 clients at once, ~1.5k tokens each, shared system prompts); then Envoy's RSS.
-//! Results go to stdout and `target/bench/memory.json`.
+//! Results go to stdout and `<target>/bench/memory.json`; `cargo xtask bench filter` runs it at 2, 8
+//! and 16 and prints it in one table with `bench_filter`'s latency of both builds.
 
 mod common;
 
@@ -119,8 +120,8 @@ fn envoy_rss_per_build_and_concurrency() {
                              "rss_idle_bytes": idle, "rss_after_bytes": loaded}));
         }
     }
-    let out = workspace().join("target/bench");
-    std::fs::create_dir_all(&out).expect("mkdir target/bench");
+    let out = target_dir().join("bench");
+    std::fs::create_dir_all(&out).expect("mkdir <target>/bench");
     std::fs::write(
         out.join("memory.json"),
         serde_json::to_string_pretty(
@@ -128,5 +129,5 @@ fn envoy_rss_per_build_and_concurrency() {
         )
         .unwrap_or_default(),
     )
-    .expect("write target/bench/memory.json");
+    .expect("write <target>/bench/memory.json");
 }

@@ -25,7 +25,8 @@ fn shadow_mode_never_routes_and_the_indexer_learns_what_it_would_have_saved() {
     let mut opts = EnvoyOptions::new(
         indexer.port,
         sims.iter().map(Sim::addr).collect(),
-        json!({"mode": "shadow", "route_timeout_ms": 2000, "models": {"qwen3": {}}}),
+        json!({"mode": "shadow", "route_timeout_ms": 2000, "debug_headers": true,
+               "models": {"qwen3": {}}}),
     );
     // Envoy's balancer decides in shadow mode: round robin makes its choice predictable.
     opts.yaml_edits.push((
@@ -53,6 +54,12 @@ fn shadow_mode_never_routes_and_the_indexer_learns_what_it_would_have_saved() {
         );
         assert_eq!(r.status, 200, "{}", r.text());
         assert_ne!(r.text(), "attacker reached");
+        // The debug header names kvroute's would-be choice apart from where the request went.
+        assert!(r.header("x-kvroute-replica").is_none(), "request {i}");
+        assert!(
+            r.header("x-kvroute-shadow-replica").is_some(),
+            "request {i}: kvroute's would-be choice is shown"
+        );
         let after: Vec<(u64, u64)> = sims.iter().map(Sim::cache_counters).collect();
         let ran: Vec<usize> = (0..sims.len())
             .filter(|&k| after[k].0 > before[k].0)

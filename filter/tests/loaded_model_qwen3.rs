@@ -28,6 +28,7 @@ fn bundle(block_size: Option<usize>) -> TokenizerBundle {
         block_size,
         extra_key_style: None,
         max_model_len: None,
+        bpe_tables: None,
     }
 }
 

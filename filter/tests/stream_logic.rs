@@ -206,7 +206,9 @@ fn a_routed_request_gets_the_header_and_its_completion_is_reported() {
 
 #[test]
 fn shadow_mode_asks_but_never_sets_the_destination_and_reports_the_real_upstream() {
-    let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}}, "mode": "shadow"}));
+    let plugin = plugin_with_qwen3(
+        json!({"models": {"qwen3": {}}, "mode": "shadow", "debug_headers": true}),
+    );
     let body = chat_body(&long_system());
     let mut host = FakeHost::post(
         CHAT,
@@ -233,6 +235,15 @@ fn shadow_mode_asks_but_never_sets_the_destination_and_reports_the_real_upstream
         None,
         "never set in shadow mode"
     );
+    // Debug headers name kvroute's choice as the would-be one, never as where it went.
+    assert_eq!(host.request_header("x-kvroute-replica"), None);
+    assert_eq!(host.request_header("x-kvroute-matched-tokens"), None);
+    assert_eq!(host.request_header("x-kvroute-shadow-replica"), Some("r1"));
+    assert_eq!(
+        host.request_header("x-kvroute-shadow-matched-tokens"),
+        Some("48")
+    );
+    assert_eq!(host.request_header("x-kvroute-reason"), Some("prefix_hit"));
     assert_eq!(host.resumed, 1);
     assert_eq!(host.count("kvroute.shadowed"), 1);
     assert_eq!(host.count("kvroute.routed"), 0);
@@ -246,6 +257,8 @@ fn shadow_mode_asks_but_never_sets_the_destination_and_reports_the_real_upstream
         "text/event-stream",
         &[SSE_USAGE, b"data: [DONE]\n\n"],
     );
+    assert_eq!(host.response_header("x-kvroute-replica"), None);
+    assert_eq!(host.response_header("x-kvroute-shadow-replica"), Some("r1"));
     stream.on_stream_end(&mut host);
     let reports = host.detached_calls();
     assert_eq!(reports.len(), 1);
@@ -510,7 +523,10 @@ fn a_model_the_indexer_does_not_know_fails_open_and_is_remembered() {
     let mut root = FakeHost::new();
     plugin.on_tick(&mut root);
     let fetch = root.last_call().clone();
-    assert_eq!(fetch.header(":path"), Some("/v1/models/mystery/tokenizer"));
+    assert_eq!(
+        fetch.header(":path"),
+        Some("/v1/models/mystery/tokenizer?form=compact")
+    );
     assert!(plugin.on_call_reply(
         &mut root,
         fetch.id,

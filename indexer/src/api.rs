@@ -232,10 +232,23 @@ async fn models_handler(State(state): State<Arc<AppState>>) -> Response {
     Json(json!({"models": models})).into_response()
 }
 
+/// `GET /v1/models/{model}/tokenizer[?form=compact]`: the model's tokenizer bundle, in the
+/// compact form when asked for and the tokenizer is one it covers (docs/filter.md, "Memory").
 async fn tokenizer_handler(
     State(state): State<Arc<AppState>>,
     Path(model): Path<String>,
+    Query(q): Query<HashMap<String, String>>,
 ) -> Response {
+    let compact = match q.get("form").map(String::as_str) {
+        None | Some("json") => false,
+        Some("compact") => true,
+        Some(other) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("unknown tokenizer form {other:?} (json or compact)"),
+            )
+        }
+    };
     let Some(m) = state.models.get(&model).cloned() else {
         return error(StatusCode::NOT_FOUND, format!("unknown model {model:?}"));
     };
@@ -245,20 +258,15 @@ async fn tokenizer_handler(
             format!("model {model:?} has no model_dir configured"),
         );
     };
-    let files = match tokio::task::spawn_blocking(move || ModelFiles::from_dir(dir)).await {
-        Ok(Ok(f)) => f,
+    let name = model.clone();
+    let built = tokio::task::spawn_blocking(move || {
+        ModelFiles::from_dir(dir).and_then(|f| TokenizerBundle::from_files(&name, f, compact))
+    })
+    .await;
+    let bundle = match built {
+        Ok(Ok(b)) => b,
         Ok(Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-    };
-    let text = |bytes: Vec<u8>, name: &str| {
-        String::from_utf8(bytes).map_err(|_| format!("{name} of model {model:?} is not UTF-8"))
-    };
-    let (tok, cfg) = match (
-        text(files.tokenizer_json, "tokenizer.json"),
-        text(files.tokenizer_config_json, "tokenizer_config.json"),
-    ) {
-        (Ok(t), Ok(c)) => (t, c),
-        (Err(e), _) | (_, Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
     };
     let max_model_len = state
         .config
@@ -267,12 +275,10 @@ async fn tokenizer_handler(
         .find(|c| c.name == model)
         .and_then(|c| c.max_model_len);
     Json(TokenizerBundle {
-        model,
         block_size: m.block_size(),
         max_model_len,
         extra_key_style: Some(m.style),
-        tokenizer_json: tok,
-        tokenizer_config_json: cfg,
+        ..bundle
     })
     .into_response()
 }

@@ -63,6 +63,18 @@ enum Command {
         /// session, to the report.
         #[arg(long)]
         listen: Option<String>,
+        /// Audit prompts (off by default: it keeps the stored blocks' token ids in memory for the
+        /// window): report where request families diverge early, e.g. a per-request timestamp
+        /// at the start of the system prompt, and how much reuse that destroys.
+        #[arg(long)]
+        audit: bool,
+        /// With --audit: put the decoded text around each divergence in the report (prompt
+        /// content; never logged).
+        #[arg(long, requires = "audit")]
+        show_text: bool,
+        /// With --audit: blocks (with their tokens) kept at most, over all models.
+        #[arg(long, default_value_t = assess::audit::DEFAULT_MAX_BLOCKS, requires = "audit")]
+        audit_max_blocks: usize,
     },
     /// Read a JSON object (algo, block_size, token_ids, seed, lora_name, lora_path, cache_salt,
     /// mm_features) on stdin; print vLLM's block hashes, wire values and kvroute's router keys.
@@ -150,6 +162,9 @@ fn main() -> anyhow::Result<()> {
             json,
             html,
             listen,
+            audit,
+            show_text,
+            audit_max_blocks,
         } => {
             init_logging();
             let cfg = Config::load(&config)?;
@@ -157,7 +172,11 @@ fn main() -> anyhow::Result<()> {
                 let _ = tokio::signal::ctrl_c().await;
             };
             let rt = runtime()?;
-            let report = rt.block_on(assess::run(cfg, duration, listen, stop))?;
+            let audit = audit.then_some(assess::AuditOptions {
+                max_blocks: audit_max_blocks,
+                show_text,
+            });
+            let report = rt.block_on(assess::run(cfg, duration, listen, audit, stop))?;
             // The subscribers block in their sockets: do not wait for them.
             rt.shutdown_timeout(std::time::Duration::from_millis(500));
             if let Some(path) = json {

@@ -169,6 +169,8 @@ pub struct AppState {
     pub shadow: crate::shadow::ShadowBook,
     /// Refuse route requests that are not shadow (`assess --listen`: nothing is routed).
     pub shadow_only: std::sync::atomic::AtomicBool,
+    /// The prompt audit, set only by `assess --audit` (it keeps prompt tokens).
+    pub audit: std::sync::OnceLock<Mutex<crate::assess::audit::PromptAudit>>,
     /// The routing policy.
     pub policy: Policy,
     /// State of the non-kv policies.
@@ -250,6 +252,7 @@ impl AppState {
             load,
             shadow,
             shadow_only: std::sync::atomic::AtomicBool::new(false),
+            audit: std::sync::OnceLock::new(),
             policy,
             policy_state,
             metrics: Metrics::default(),

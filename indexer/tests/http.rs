@@ -369,6 +369,48 @@ async fn tokenizer_files_are_served() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tokenizer_is_served_compact_when_asked() {
+    use kvroute_core::api::TokenizerBundle;
+    let dir = std::env::temp_dir().join(format!("kvroute-tok-compact-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tokenizer = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                  "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                  "fuse_unk": false, "byte_fallback": true, "ignore_merges": false,
+                  "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": [["a", "b"]]}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), "{}").unwrap();
+    let cfg = format!(
+        "scrape_interval_ms = 0\n[[models]]\nname = \"m\"\nmodel_dir = \"{}\"\nblock_size = 16\n",
+        dir.display()
+    );
+    let base = serve_http(start_indexer(&cfg, Policy::Kv)).await;
+    let c = reqwest::Client::new();
+    let get = |query: &'static str| {
+        let c = c.clone();
+        let url = format!("{base}/v1/models/m/tokenizer{query}");
+        async move { c.get(url).send().await.unwrap() }
+    };
+    let whole: TokenizerBundle = get("").await.json().await.unwrap();
+    assert_eq!(whole.bpe_tables, None, "not asked: the whole document");
+    assert_eq!(whole.tokenizer_json, tokenizer.to_string());
+    let compact: TokenizerBundle = get("?form=compact").await.json().await.unwrap();
+    let tables = compact.bpe_tables.expect("the tables");
+    assert_eq!(tables.vocab, ["a", "b", "ab"]);
+    assert_eq!(tables.merges, [[0, 1]]);
+    let doc: Value = serde_json::from_str(&compact.tokenizer_json).unwrap();
+    assert_eq!(doc["model"]["vocab"], json!({}));
+    assert_eq!(doc["model"]["byte_fallback"], true, "options kept");
+    assert_eq!(compact.block_size, Some(16));
+    let bad = get("?form=postcard").await;
+    assert_eq!(bad.status(), 400);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// An indexer and a model with a tokenizer directory, LoRA adapter `adapter` and the given
 /// `[models.hash]` table.
 async fn indexer_with_model(hash: &str) -> String {

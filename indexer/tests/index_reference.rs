@@ -430,9 +430,9 @@ impl Reference {
             // The replica's first GPU copy of a block another replica holds on GPU: prefill
             // computed twice.
             let on_gpu = |holder: &dyn Fn(usize, usize) -> bool| {
-                self.held.iter().any(|(&(hr, hg, k), &m)| {
-                    k == key && m & MEDIA_GPU != 0 && holder(hr, hg)
-                })
+                self.held
+                    .iter()
+                    .any(|(&(hr, hg, k), &m)| k == key && m & MEDIA_GPU != 0 && holder(hr, hg))
             };
             let duplicate = bit(medium) == MEDIA_GPU
                 && on_gpu(&|hr, _| hr != r)

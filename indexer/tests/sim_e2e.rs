@@ -17,19 +17,6 @@ use serde_json::{json, Value};
 const MODEL: &str = "qwen3";
 const BS: u64 = 16;
 
-/// Newest modification time under `path` (files, recursively).
-fn newest_mtime(path: &std::path::Path) -> Option<std::time::SystemTime> {
-    let meta = std::fs::metadata(path).ok()?;
-    if meta.is_file() {
-        return meta.modified().ok();
-    }
-    std::fs::read_dir(path)
-        .ok()?
-        .flatten()
-        .filter_map(|e| newest_mtime(&e.path()))
-        .max()
-}
-
 /// `<target>/debug/kvroute-sim`, built with `cargo build -p kvroute-sim` when missing or older
 /// than its sources (sim, core, Cargo.lock); `cargo test --workspace` builds it anyway.
 fn sim_binary() -> PathBuf {
@@ -647,6 +634,23 @@ where
     F: FnOnce() -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
+    assess_with(dir, tag, sims, seconds, &[], traffic).await.0
+}
+
+/// [`assess_while`] with extra `assess` arguments; also returns its log (stderr: everything
+/// but the report).
+async fn assess_with<F, Fut>(
+    dir: &std::path::Path,
+    tag: &str,
+    sims: &[&SimSpec],
+    seconds: u32,
+    extra: &[&str],
+    traffic: F,
+) -> (Value, String)
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
     let mut cfg = format!(
         "scrape_interval_ms = 100\n\
          [events]\nmax_backoff_ms = 200\n\
@@ -669,6 +673,7 @@ where
         .arg(&cfg_path)
         .args(["--duration", &format!("{seconds}s"), "--json"])
         .arg(&json_path)
+        .args(extra)
         .env("RUST_LOG", "info");
     let mut p = Proc::spawn_piped(
         &format!("assess-{tag}"),
@@ -689,7 +694,8 @@ where
     let text = std::fs::read_to_string(&json_path)
         .unwrap_or_else(|e| panic!("no JSON report ({e}); stderr:\n{}", p.log_tail()));
     let report: Value = serde_json::from_str(&text).expect("report JSON");
-    report["models"][0].clone()
+    let output = std::fs::read_to_string(dir.join(format!("assess-{tag}.log"))).unwrap_or_default();
+    (report["models"][0].clone(), output)
 }
 
 fn replica_report<'a>(model: &'a Value, name: &str) -> &'a Value {
@@ -816,4 +822,142 @@ async fn on_a_hybrid_sim_the_index_predicts_the_engines_hit_and_group_zero_alone
     );
     // Group-0-only indexing predicted 0 blocks (waited for above): wrong by 192 tokens.
     assert_eq!(hit, 192);
+}
+
+/// A chat request whose system prompt starts with `stamp` (a per-request timestamp, or the same
+/// one for all) before ~700 tokens of shared instructions, then its own question.
+fn stamped_chat(stamp: &str, question: usize) -> Value {
+    let rules: String = (0..60)
+        .map(|i| format!("Rule {i}: answer briefly, cite the manual, and never guess. "))
+        .collect();
+    json!({"model": MODEL, "max_tokens": 1, "temperature": 0, "messages": [
+        {"role": "system", "content": format!("Current time: {stamp}. {rules}")},
+        {"role": "user", "content": format!("Question {question}: how do I reset device {}?", question * 37)}]})
+}
+
+/// The engine's token ids of a chat body, from the indexer's own tokenizer CLI.
+fn chat_tokens(body: &Value) -> Vec<u32> {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-indexer"))
+        .args(["tokenize", "--model-dir"])
+        .arg(model_dir())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("kvroute-indexer tokenize");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(body.to_string().as_bytes())
+        .expect("write body");
+    let out = child.wait_with_output().expect("tokenize output");
+    assert!(out.status.success());
+    let v: Value = serde_json::from_slice(&out.stdout).expect("token JSON");
+    serde_json::from_value(v["token_ids"].clone()).expect("token ids")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_prompt_audit_finds_a_per_request_timestamp_and_nothing_in_clean_prompts() {
+    let bin = sim_binary();
+    let dir = TempDir::new("sim-e2e-audit");
+    let a = SimSpec::new("sim-audit-a", 1);
+    let b = SimSpec::new("sim-audit-b", 1);
+    let _sa = a.start(&bin, &dir.0, "first");
+    let _sb = b.start(&bin, &dir.0, "first");
+    let c = client();
+    let n = 6;
+    let stamps: Vec<String> = (0..n)
+        .map(|i| format!("2026-12-03 09:{:02}:{:02} UTC", 10 + i, 7 * i + 3))
+        .collect();
+    let send = |bodies: Vec<Value>| {
+        let c = &c;
+        let sims = [&a, &b];
+        async move {
+            for (i, body) in bodies.iter().enumerate() {
+                let sim = sims[i % 2];
+                let (status, reply) = post_json(
+                    c,
+                    &format!("http://{}/v1/chat/completions", sim.addr()),
+                    body,
+                )
+                .await;
+                assert_eq!(status, 200, "{reply}");
+            }
+        }
+    };
+
+    // Where the prompts really diverge: the first token at which any two differ.
+    let stamped: Vec<Value> = (0..n).map(|i| stamped_chat(&stamps[i], i)).collect();
+    let tokens: Vec<Vec<u32>> = stamped.iter().map(chat_tokens).collect();
+    let truth = tokens[1..]
+        .iter()
+        .map(|t| {
+            t.iter()
+                .zip(&tokens[0])
+                .position(|(x, y)| x != y)
+                .expect("differ")
+        })
+        .min()
+        .expect("truth");
+    assert!(
+        truth < 32,
+        "the stamp is early in the prompt (token {truth})"
+    );
+
+    let (model, log) = assess_with(
+        &dir.0,
+        "audit-stamped",
+        &[&a, &b],
+        4,
+        &["--audit", "--show-text"],
+        || send(stamped.clone()),
+    )
+    .await;
+    let audit = &model["audit"];
+    let found = audit["divergences"].as_array().expect("divergences");
+    assert_eq!(found.len(), 1, "{audit}");
+    let d = &found[0];
+    let at = d["position_tokens"].as_u64().expect("position") as i64;
+    assert!(
+        (at - truth as i64).abs() < 16,
+        "divergence reported at token {at}, the prompts differ from token {truth}: {audit}"
+    );
+    assert_eq!(d["requests"], n as u64, "{audit}");
+    // Every block of the shared instructions after the stamp is stored once per request.
+    let shared_blocks = (tokens[0].len() - truth) as u64 / 16;
+    let destroyed = d["reuse_destroyed_tokens"].as_u64().expect("destroyed");
+    assert!(
+        destroyed >= (n as u64 - 1) * 16 * (shared_blocks - 4),
+        "{destroyed} tokens destroyed, expected about {} ({audit})",
+        (n as u64 - 1) * 16 * shared_blocks
+    );
+    let text = d["text"]
+        .as_array()
+        .expect("--show-text puts the text in the report");
+    assert!(
+        text.iter().any(|t| t
+            .as_str()
+            .is_some_and(|t| t.contains("Current time: 2026-12-03 09:1"))),
+        "{text:?}"
+    );
+    // The prompt text is in the report, never in the log.
+    assert!(log.contains("INFO"), "the log was captured: {log}");
+    assert!(!log.contains("Current time"), "prompt text logged:\n{log}");
+
+    // The same prompts with one (new) timestamp for all: nothing diverges early.
+    let clean: Vec<Value> = (0..n)
+        .map(|i| stamped_chat("2026-12-03 10:00:00 UTC", i))
+        .collect();
+    let (model, _) = assess_with(&dir.0, "audit-clean", &[&a, &b], 4, &["--audit"], || {
+        send(clean.clone())
+    })
+    .await;
+    let audit = &model["audit"];
+    assert!(audit["blocks"].as_u64() > Some(40), "{audit}");
+    assert_eq!(audit["divergences"], json!([]), "{audit}");
+
+    // Without --audit, no audit at all.
+    let model = assess_while(&dir.0, "no-audit", &[&a], 1, || async {}).await;
+    assert!(model.get("audit").is_none(), "{model}");
 }

@@ -9,13 +9,19 @@ use serde_json::Value;
 use crate::fake_server::{Reply, TestServer};
 use crate::paths::model_dir;
 
-/// The model's tokenizer files as the indexer serves them.
+/// The model's tokenizer files as the indexer serves them (the whole `tokenizer.json`).
 pub fn tokenizer_answer(model: &str, block_size: usize) -> Value {
-    let dir = model_dir();
-    let tj = std::fs::read_to_string(dir.join("tokenizer.json")).expect("tokenizer.json");
-    let tc =
-        std::fs::read_to_string(dir.join("tokenizer_config.json")).expect("tokenizer_config.json");
-    serde_json::json!({"model": model, "block_size": block_size, "tokenizer_json": tj, "tokenizer_config_json": tc})
+    tokenizer_answer_in_form(model, block_size, false)
+}
+
+/// [`tokenizer_answer`], in the compact form when `compact` (the indexer's `?form=compact`).
+pub fn tokenizer_answer_in_form(model: &str, block_size: usize, compact: bool) -> Value {
+    let files = kvroute_core::request::ModelFiles::from_dir(model_dir()).expect("model files");
+    let bundle = kvroute_core::api::TokenizerBundle {
+        block_size: u32::try_from(block_size).ok(),
+        ..kvroute_core::api::TokenizerBundle::from_files(model, files, compact).expect("bundle")
+    };
+    serde_json::to_value(bundle).expect("bundle serialises")
 }
 
 /// What the fake indexer answers to `POST /v1/route`.
@@ -49,14 +55,25 @@ pub struct FakeIndexer {
 impl FakeIndexer {
     /// Knows only `model`; every other model is 404 on both endpoints.
     pub fn start(model: &'static str, route: RouteMode, tokenizer: TokenizerMode) -> FakeIndexer {
-        let answer = Arc::new(tokenizer_answer(model, 16).to_string().into_bytes());
+        let whole = Arc::new(tokenizer_answer(model, 16).to_string().into_bytes());
+        let compact = Arc::new(
+            tokenizer_answer_in_form(model, 16, true)
+                .to_string()
+                .into_bytes(),
+        );
         let route = Arc::new(Mutex::new(route));
         let tokenizer = Arc::new(Mutex::new(tokenizer));
         let (r2, t2) = (route.clone(), tokenizer.clone());
         let server = TestServer::start(move |req| {
             let prefix = "/v1/models/";
             if req.method == "GET" && req.path.starts_with(prefix) {
-                let name = req.path[prefix.len()..].trim_end_matches("/tokenizer");
+                let (path, query) = req.path.split_once('?').unwrap_or((&req.path, ""));
+                let name = path[prefix.len()..].trim_end_matches("/tokenizer");
+                let answer = if query.split('&').any(|p| p == "form=compact") {
+                    &compact
+                } else {
+                    &whole
+                };
                 if name != model {
                     return Reply::json(404, &serde_json::json!({"error": "unknown model"}));
                 }

@@ -5,7 +5,8 @@
 //! * [`ports`]: free loopback ports.
 //! * [`process`]: one test child process, killed on drop ([`process::Proc`]).
 //! * [`supervisor`]: the process groups of a local stack, stopped on drop and on Ctrl-C.
-//! * [`cmd`]: running build tools with readable failures; [`toolchain`]: the wasm32 target.
+//! * [`cmd`]: running build tools with readable failures; [`toolchain`]: the wasm32 target;
+//!   [`filter_build`]: the filter's two builds (wasm, native) and building a stack.
 //! * [`http`]: the one loopback HTTP/1.1 client; [`fake_server`]: a tiny server for fakes;
 //!   [`fake_indexer`]: a programmable indexer API.
 //! * [`prom`]: Prometheus metrics of running processes (kvroute-core's parser).
@@ -20,6 +21,7 @@ pub mod cases;
 pub mod cmd;
 pub mod fake_indexer;
 pub mod fake_server;
+pub mod filter_build;
 pub mod fleet;
 pub mod http;
 pub mod json;

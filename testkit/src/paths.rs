@@ -97,6 +97,14 @@ impl Layout {
             .join("kvroute_filter.wasm")
     }
 
+    /// The filter's native dynamic module (built by `cargo build -p kvroute-filter-native --release`,
+    /// alone: see [`crate::filter_build::FilterBuild::cargo_args`]).
+    pub fn filter_native(&self) -> PathBuf {
+        self.target_dir
+            .join("release")
+            .join("libkvroute_filter_native.so")
+    }
+
     /// The environment variables tests and child processes use to find what setup installed.
     pub fn child_env(&self) -> Vec<(&'static str, PathBuf)> {
         vec![
@@ -105,6 +113,7 @@ impl Layout {
             ("KVROUTE_PYTHON", self.venv_python()),
             ("KVROUTE_ENVOY", self.envoy_bin()),
             ("KVROUTE_FILTER_WASM", self.filter_wasm()),
+            ("KVROUTE_FILTER_NATIVE", self.filter_native()),
             ("KVROUTE_LITELLM", self.litellm_bin()),
             // The debug binaries `cargo build --workspace --bins` made (tests of other packages
             // start them; CARGO_BIN_EXE_* only covers a test's own package).
@@ -133,6 +142,19 @@ pub fn workspace() -> PathBuf {
 /// Cargo's target directory (`CARGO_TARGET_DIR`, relative to the workspace, or `<workspace>/target`).
 pub fn target_dir() -> PathBuf {
     Layout::for_tests().target_dir
+}
+
+/// The newest modification time of `path` or, for a directory, of any file below it.
+pub fn newest_mtime(path: &Path) -> Option<std::time::SystemTime> {
+    let meta = std::fs::metadata(path).ok()?;
+    if meta.is_file() {
+        return meta.modified().ok();
+    }
+    std::fs::read_dir(path)
+        .ok()?
+        .flatten()
+        .filter_map(|e| newest_mtime(&e.path()))
+        .max()
 }
 
 /// `path` if it exists; otherwise panics naming `what` and the setup command.

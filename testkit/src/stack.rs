@@ -4,13 +4,14 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 
+use crate::filter_build::FilterBuild;
 use crate::http;
 use crate::paths::Layout;
 use crate::ports::PortPool;
@@ -24,6 +25,9 @@ const SIM_DECODE_STEP_PER_SEQ_S: f64 = 0.000_03;
 /// The scoring model's default latency objectives (model seconds).
 const TTFT_OBJECTIVE_S: f64 = 2.0;
 const ITL_OBJECTIVE_S: f64 = 0.05;
+/// The process name of `kvroute-indexer assess` in the stack (an `indexer` prefix: stopped with
+/// the indexer and counted as the router's cost).
+const ASSESS: &str = "indexer-assess";
 use crate::prom::CacheCounters;
 
 /// The baseline Envoy configuration (no filter), rendered by [`Stack::start_baseline_envoy`].
@@ -107,8 +111,10 @@ pub struct Binaries {
     pub indexer: PathBuf,
     /// Envoy.
     pub envoy: PathBuf,
-    /// `kvroute_filter.wasm`.
-    pub filter_wasm: PathBuf,
+    /// The filter build the kvroute Envoy runs.
+    pub filter: FilterBuild,
+    /// Its artifact (`kvroute_filter.wasm` or `libkvroute_filter_native.so`).
+    pub filter_artifact: PathBuf,
 }
 
 impl Binaries {
@@ -119,12 +125,22 @@ impl Binaries {
             sim: layout.target_dir.join(profile_dir).join("kvroute-sim"),
             indexer: layout.target_dir.join(profile_dir).join("kvroute-indexer"),
             envoy: layout.envoy_bin(),
-            filter_wasm: layout.filter_wasm(),
+            filter: FilterBuild::Wasm,
+            filter_artifact: FilterBuild::Wasm.artifact(layout),
+        }
+    }
+
+    /// The same with the kvroute Envoy running `filter` (its release artifact).
+    pub fn with_filter(self, layout: &Layout, filter: FilterBuild) -> Self {
+        Self {
+            filter,
+            filter_artifact: filter.artifact(layout),
+            ..self
         }
     }
 
     fn check(&self) -> Result<()> {
-        for path in [&self.sim, &self.indexer, &self.envoy, &self.filter_wasm] {
+        for path in [&self.sim, &self.indexer, &self.envoy, &self.filter_artifact] {
             if !path.is_file() {
                 bail!(
                     "{} is missing (build or setup step skipped?)",
@@ -140,7 +156,8 @@ impl Binaries {
 pub struct Stack {
     cfg: StackConfig,
     bins: Binaries,
-    /// The kvroute `envoy/envoy.yaml` template.
+    /// The kvroute Envoy template: `envoy/envoy.yaml`, or `envoy/envoy-native.yaml` for the
+    /// native build.
     envoy_template: PathBuf,
     /// Configuration files and logs go here.
     work_dir: PathBuf,
@@ -170,9 +187,9 @@ impl Stack {
             .with_context(|| format!("creating {}", work_dir.display()))?;
         Ok(Self {
             ports: Ports::allocate(cfg.replicas)?,
+            envoy_template: layout.root.join("envoy").join(envoy_template(bins.filter)),
             cfg,
             bins,
-            envoy_template: layout.root.join("envoy").join("envoy.yaml"),
             work_dir,
             sup: Supervisor::new(die_with_parent),
             generation: 0,
@@ -337,6 +354,47 @@ impl Stack {
             .wait_http_ok("the indexer", &listen, "/readyz", Duration::from_secs(60))
     }
 
+    /// Starts `kvroute-indexer assess` in the indexer's place (same configuration and port,
+    /// `--listen` for filters in shadow mode), writing its report to `json` when it ends, and
+    /// waits until its window has begun. End it with [`Stack::finish_assess`].
+    pub fn start_assess(&mut self, json: &Path) -> Result<()> {
+        let config = self.work_dir.join("indexer.toml");
+        fs::write(&config, self.indexer_toml()?)
+            .with_context(|| format!("writing {}", config.display()))?;
+        let listen = format!("127.0.0.1:{}", self.ports.indexer);
+        let _ = fs::remove_file(json);
+        let mut cmd = Command::new(&self.bins.indexer);
+        cmd.args(["assess", "--config"])
+            .arg(&config)
+            .args(["--listen", &listen, "--duration", "24h", "--json"])
+            .arg(json)
+            .env("RUST_LOG", indexer_log_filter());
+        let log = self.log(ASSESS);
+        self.sup.spawn(ASSESS, cmd, &log)?;
+        self.sup
+            .wait_http_ok("assess", &listen, "/readyz", Duration::from_secs(60))?;
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while !fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("assess: watching")
+        {
+            self.sup.check_alive()?;
+            if std::time::Instant::now() >= deadline {
+                bail!(
+                    "assess did not start its window within 60 s; see {}",
+                    log.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok(())
+    }
+
+    /// Ends the `assess` window (SIGINT, as Ctrl-C) and waits for it to write its report.
+    pub fn finish_assess(&mut self) -> Result<()> {
+        self.sup.interrupt_and_wait(ASSESS, Duration::from_secs(60))
+    }
+
     /// The indexer's configuration for this stack (its prefill rate is the replicas' time-scaled).
     fn indexer_toml(&self) -> Result<String> {
         let quote = |s: &str| serde_json::to_string(s);
@@ -398,22 +456,44 @@ impl Stack {
         serde_json::Value::Array(endpoints).to_string()
     }
 
-    /// Renders `envoy/envoy.yaml`, starts Envoy with the filter and waits until every worker's
-    /// filter has loaded the tokenizer.
+    /// Renders the kvroute Envoy template of the filter build, starts Envoy with the filter and
+    /// waits until the filter has loaded the tokenizer (in every worker's VM for the Wasm build,
+    /// once for the native one).
     pub fn start_kvroute_envoy(&mut self) -> Result<()> {
+        self.start_kvroute_envoy_in(false)
+    }
+
+    /// [`Stack::start_kvroute_envoy`] with the filter in shadow mode (`"mode": "shadow"`) and the
+    /// fallback cluster on `ROUND_ROBIN`: Envoy's round robin routes every request while the
+    /// filter asks the indexer and reports what it would have chosen (docs/assess.md).
+    pub fn start_kvroute_envoy_shadow(&mut self) -> Result<()> {
+        self.start_kvroute_envoy_in(true)
+    }
+
+    fn start_kvroute_envoy_in(&mut self, shadow: bool) -> Result<()> {
         let template = fs::read_to_string(&self.envoy_template)
             .with_context(|| format!("reading {}", self.envoy_template.display()))?;
-        let plugin_config = json!({"models": {self.cfg.model.as_str(): {}}}).to_string();
+        let mut plugin = json!({"models": {self.cfg.model.as_str(): {}}});
+        if shadow {
+            plugin["mode"] = json!("shadow");
+        }
+        let plugin_config = plugin.to_string();
         let (listen, admin) = self.ports.kvroute;
         let values = kvroute_template_values(
             listen,
             admin,
-            &self.bins.filter_wasm.to_string_lossy(),
+            (
+                self.bins.filter,
+                &self.bins.filter_artifact.to_string_lossy(),
+            ),
             self.ports.indexer,
             &self.lb_endpoints(),
             &plugin_config,
         )?;
-        let yaml = render(&template, &values)?;
+        let mut yaml = render(&template, &values)?;
+        if shadow {
+            yaml = with_round_robin_fallback(&yaml)?;
+        }
         self.start_envoy("envoy-kvroute", &yaml, admin)?;
         self.wait_tokenizers_loaded(Duration::from_secs(90))
     }
@@ -508,7 +588,8 @@ impl Stack {
         Ok(CacheCounters::sum(&all))
     }
 
-    /// The kvroute filter's counters from Envoy's admin `/stats` (names without `wasmcustom.`).
+    /// The kvroute filter's counters from Envoy's admin `/stats` (names without `wasmcustom.` or
+    /// the native build's `dynamicmodulescustom.`).
     pub fn filter_counters(&self) -> Result<BTreeMap<String, u64>> {
         let admin = format!("127.0.0.1:{}", self.ports.kvroute.1);
         let (status, text) = http::get(&admin, "/stats?filter=kvroute", Duration::from_secs(5))?;
@@ -520,7 +601,10 @@ impl Stack {
             .filter_map(|line| {
                 let (name, value) = line.split_once(':')?;
                 let name = name.trim();
-                let name = name.strip_prefix("wasmcustom.").unwrap_or(name);
+                let name = name
+                    .strip_prefix("wasmcustom.")
+                    .or_else(|| name.strip_prefix("dynamicmodulescustom."))
+                    .unwrap_or(name);
                 Some((name.to_string(), value.trim().parse::<u64>().ok()?))
             })
             .collect())
@@ -528,7 +612,10 @@ impl Stack {
 
     fn wait_tokenizers_loaded(&mut self, timeout: Duration) -> Result<()> {
         let deadline = std::time::Instant::now() + timeout;
-        let want = self.cfg.envoy_concurrency as u64;
+        let want = match self.bins.filter {
+            FilterBuild::Wasm => self.cfg.envoy_concurrency as u64,
+            FilterBuild::Native => 1,
+        };
         loop {
             self.sup.check_alive()?;
             let counters = self.filter_counters().unwrap_or_default();
@@ -548,7 +635,7 @@ impl Stack {
                     .copied()
                     .unwrap_or(0);
                 bail!(
-                    "the kvroute filter loaded the tokenizer in {loaded} of {want} Envoy workers \
+                    "the kvroute filter loaded the tokenizer in {loaded} of {want} Envoy VMs \
                      within {}s ({failed} failed loads); see {}",
                     timeout.as_secs(),
                     self.log("envoy-kvroute").display()
@@ -609,25 +696,40 @@ fn parse_listening(table: &str) -> Vec<(std::net::IpAddr, u16)> {
         .collect()
 }
 
-/// The values of `envoy/envoy.yaml`'s placeholders (documented at the top of that file).
+/// The kvroute Envoy template of a filter build, in `envoy/`.
+fn envoy_template(filter: FilterBuild) -> &'static str {
+    match filter {
+        FilterBuild::Wasm => "envoy.yaml",
+        FilterBuild::Native => "envoy-native.yaml",
+    }
+}
+
+/// The values of the kvroute Envoy template's placeholders (documented at the top of each file):
+/// `filter` is the build and its artifact's path.
 fn kvroute_template_values(
     listen: u16,
     admin: u16,
-    wasm_path: &str,
+    filter: (FilterBuild, &str),
     indexer: u16,
     lb_endpoints: &str,
     plugin_config: &str,
 ) -> Result<Vec<(&'static str, String)>> {
-    Ok(vec![
+    let mut values = vec![
         ("LISTEN_PORT", listen.to_string()),
         ("ADMIN_PORT", admin.to_string()),
-        ("WASM_PATH", wasm_path.to_string()),
         ("INDEXER_PORT", indexer.to_string()),
         ("FALLBACK_LB_ENDPOINTS", lb_endpoints.to_string()),
         // JSON string literals: Envoy reads them as the StringValue of the configuration.
         ("PLUGIN_CONFIG", serde_json::to_string(plugin_config)?),
-        ("VM_CONFIG", serde_json::to_string("")?),
-    ])
+    ];
+    match filter {
+        (FilterBuild::Wasm, path) => {
+            values.push(("WASM_PATH", path.to_string()));
+            values.push(("VM_CONFIG", serde_json::to_string("")?));
+        }
+        (FilterBuild::Native, path) => values.push(("MODULE_PATH", path.to_string())),
+    }
+    Ok(values)
 }
 
 /// The active health check of `envoy/envoy.yaml`'s fallback cluster (`GET /health` every 5 s, out
@@ -640,6 +742,17 @@ const HEALTH_CHECKS: &str = "    health_checks:
       healthy_threshold: 1
       http_health_check: { path: /health }
 ";
+
+/// The kvroute Envoy config with its fallback cluster (`kvroute_replicas_fallback`) balancing
+/// by `ROUND_ROBIN` instead of `LEAST_REQUEST`.
+pub fn with_round_robin_fallback(yaml: &str) -> Result<String> {
+    let anchor =
+        "  - name: kvroute_replicas_fallback\n    type: STATIC\n    lb_policy: LEAST_REQUEST\n";
+    if yaml.matches(anchor).count() != 1 {
+        bail!("envoy.yaml has no single LEAST_REQUEST fallback cluster to switch to round robin");
+    }
+    Ok(yaml.replacen(anchor, &anchor.replace("LEAST_REQUEST", "ROUND_ROBIN"), 1))
+}
 
 /// A rendered single-cluster Envoy config (the baseline and session templates) with
 /// [`HEALTH_CHECKS`] added to its cluster (after its `connect_timeout`).
@@ -679,6 +792,7 @@ fn indexer_log_filter() -> String {
 #[cfg(test)]
 mod tests {
     use super::render;
+    use crate::filter_build::FilterBuild;
     use std::path::{Path, PathBuf};
     use std::process::Command;
 
@@ -724,13 +838,40 @@ mod tests {
     }
 
     #[test]
-    fn xtask_fills_every_placeholder_of_the_kvroute_envoy_template() {
+    fn xtask_fills_every_placeholder_of_the_kvroute_envoy_templates() {
+        for (build, path) in [
+            (FilterBuild::Wasm, "/x.wasm"),
+            (FilterBuild::Native, "/x.so"),
+        ] {
+            let name = super::envoy_template(build);
+            let template = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../envoy")
+                .join(name);
+            let text = std::fs::read_to_string(&template).expect("the envoy template");
+            let values =
+                super::kvroute_template_values(1, 2, (build, path), 3, "[]", "{}").expect("values");
+            let yaml = render(&text, &values)
+                .unwrap_or_else(|e| panic!("stack.rs must know every placeholder of {name}: {e}"));
+            assert!(yaml.contains(path), "{name} names the filter artifact");
+        }
+    }
+
+    #[test]
+    fn the_shadow_stack_switches_only_the_fallback_cluster_to_round_robin() {
         let template = Path::new(env!("CARGO_MANIFEST_DIR")).join("../envoy/envoy.yaml");
         let text = std::fs::read_to_string(&template).expect("envoy/envoy.yaml");
         let values =
             super::kvroute_template_values(1, 2, "/x.wasm", 3, "[]", "{}").expect("values");
-        render(&text, &values)
-            .expect("xtask's stack.rs must know every placeholder of envoy/envoy.yaml");
+        let yaml = render(&text, &values).expect("render");
+        let rr = super::with_round_robin_fallback(&yaml).expect("round robin");
+        assert_eq!(
+            rr.matches("LEAST_REQUEST").count() + 1,
+            yaml.matches("LEAST_REQUEST").count()
+        );
+        assert!(rr.contains(
+            "- name: kvroute_replicas_fallback\n    type: STATIC\n    lb_policy: ROUND_ROBIN\n"
+        ));
+        assert!(super::with_round_robin_fallback(&rr).is_err(), "only once");
     }
 
     #[test]

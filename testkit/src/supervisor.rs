@@ -143,6 +143,45 @@ impl Supervisor {
             .collect()
     }
 
+    /// Sends SIGINT (Ctrl-C) to the child named `name` and waits up to `timeout` for it to exit
+    /// on its own (a tool that reports when interrupted, such as `kvroute-indexer assess`); it is
+    /// stopped by force after that. Fails if it was not running, did not exit in time, or exited
+    /// with an error.
+    pub fn interrupt_and_wait(&mut self, name: &str, timeout: Duration) -> Result<()> {
+        let Some(at) = self.children.iter().position(|m| m.name == name) else {
+            bail!("{name} is not running");
+        };
+        let mut managed = self.children.remove(at);
+        let pid = managed.child.id() as i32;
+        // SAFETY: kill(2) on one process id; no memory is involved.
+        unsafe {
+            libc::kill(pid, libc::SIGINT);
+        }
+        let deadline = Instant::now() + timeout;
+        let status = loop {
+            match managed.child.try_wait() {
+                Ok(Some(status)) => break Some(status),
+                Ok(None) if Instant::now() < deadline => thread::sleep(Duration::from_millis(50)),
+                _ => break None,
+            }
+        };
+        let log = managed.log.clone();
+        stop_children(vec![managed]);
+        match status {
+            Some(s) if s.success() => Ok(()),
+            Some(s) => bail!(
+                "{name} exited ({s}); last lines of {}:\n{}",
+                log.display(),
+                log_tail(&log, 20)
+            ),
+            None => bail!(
+                "{name} did not exit within {}s of SIGINT; see {}",
+                timeout.as_secs(),
+                log.display()
+            ),
+        }
+    }
+
     /// Stops every child.
     pub fn stop_all(&mut self) {
         self.stop_matching("");

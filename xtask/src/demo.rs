@@ -11,7 +11,6 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::{IsTerminal, Write};
-use std::process::Command;
 use std::sync::atomic::Ordering;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -21,9 +20,8 @@ use clap::Args;
 use serde_json::json;
 
 use crate::chat_traffic::{self, ChatWorkload, Progress, Target};
-use crate::cmd;
-use crate::paths::{cargo_bin, Layout};
-use crate::setup;
+use crate::paths::Layout;
+use crate::prepare::PrepareOptions;
 use crate::stack::{Binaries, Stack, StackConfig};
 use crate::stats::PolicySummary;
 use crate::supervisor;
@@ -34,15 +32,9 @@ pub struct DemoOptions {
     /// Leave the kvroute stack running at the end and print a curl line to try it.
     #[arg(long)]
     pub keep: bool,
-    /// Do not run setup first.
-    #[arg(long)]
-    pub no_setup: bool,
-    /// Do not build; use the release binaries and .wasm already in the target directory.
-    #[arg(long)]
-    pub no_build: bool,
-    /// Build and run debug binaries instead of release ones (faster to build, slower to run).
-    #[arg(long)]
-    pub debug: bool,
+    /// Setup and builds.
+    #[command(flatten)]
+    pub prepare: PrepareOptions,
     /// Only run kvroute (no round-robin comparison).
     #[arg(long)]
     pub kvroute_only: bool,
@@ -90,12 +82,7 @@ pub fn run(layout: &Layout, opts: &DemoOptions) -> Result<()> {
     if opts.replicas == 0 || opts.groups == 0 || opts.users == 0 || opts.turns == 0 {
         bail!("--replicas, --groups, --users and --turns must be at least 1");
     }
-    if !opts.no_setup {
-        setup::run(layout)?;
-    }
-    if !opts.no_build {
-        build(layout, opts.debug)?;
-    }
+    opts.prepare.run(layout)?;
 
     let demo_dir = layout.target_dir.join("demo");
     let workload = ChatWorkload {
@@ -125,7 +112,7 @@ pub fn run(layout: &Layout, opts: &DemoOptions) -> Result<()> {
     let mut stack = Stack::new(
         layout,
         cfg,
-        Binaries::new(layout, if opts.debug { "debug" } else { "release" }),
+        Binaries::new(layout, opts.prepare.profile()),
         demo_dir.clone(),
         !opts.keep,
     )?;
@@ -291,32 +278,6 @@ done
 
 fn step(what: &str) {
     println!("\n==> xtask demo: {what}");
-}
-
-fn build(layout: &Layout, debug: bool) -> Result<()> {
-    step(&format!(
-        "building ({}): kvroute-sim, kvroute-indexer; kvroute_filter.wasm (release)",
-        if debug { "debug" } else { "release" }
-    ));
-    let mut native = Command::new(cargo_bin());
-    native.args(["build", "-p", "kvroute-sim", "-p", "kvroute-indexer"]);
-    if !debug {
-        native.arg("--release");
-    }
-    native.current_dir(&layout.root);
-    cmd::run(&mut native)?;
-    crate::toolchain::ensure_wasm_target(&layout.root)?;
-    let mut wasm = Command::new(cargo_bin());
-    wasm.args([
-        "build",
-        "--release",
-        "-p",
-        "kvroute-filter",
-        "--target",
-        crate::toolchain::WASM_TARGET,
-    ])
-    .current_dir(&layout.root);
-    cmd::run(&mut wasm)
 }
 
 fn run_policy(

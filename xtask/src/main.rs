@@ -8,6 +8,7 @@
 
 mod chaos;
 mod demo;
+mod prepare;
 mod setup;
 mod test;
 
@@ -17,7 +18,7 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 // The benchmark's traffic and the test kit's modules, under the names xtask's code uses.
 use kvroute_bench::{chat_traffic, stats};
-use kvroute_testkit::{cmd, http, paths, stack, supervisor, toolchain};
+use kvroute_testkit::{cmd, filter_build, http, paths, stack, supervisor, toolchain};
 
 use crate::paths::Layout;
 

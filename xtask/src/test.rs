@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 use crate::cmd;
+use crate::filter_build::FilterBuild;
 use crate::paths::{cargo_bin, Layout};
 use crate::setup;
 
@@ -204,22 +205,11 @@ fn plan(opts: &TestOptions) -> Vec<Step> {
             crate::toolchain::WASM_TARGET,
         ]),
     ));
-    steps.push(step(
-        "filter .wasm",
-        cargo(&[
-            "build",
-            "-p",
-            "kvroute-filter",
-            "--target",
-            crate::toolchain::WASM_TARGET,
-            "--release",
-        ]),
-    ));
-    // Alone, so the filter crate is built without its proxy-wasm glue (the `wasm-host` feature a
-    // workspace build would unify in); the native e2e tests load this `.so`.
+    steps.push(step("filter .wasm", cargo(FilterBuild::Wasm.cargo_args())));
+    // Alone (see `cargo_args`); the native e2e tests load this `.so`.
     steps.push(step(
         "filter native .so",
-        cargo(&["build", "-p", "kvroute-filter-native", "--release"]),
+        cargo(FilterBuild::Native.cargo_args()),
     ));
     steps.push(step("binaries", cargo(&["build", "--workspace", "--bins"])));
 

@@ -12,8 +12,9 @@ use anyhow::{bail, Result};
 
 use super::{PeerEnv, PeerPolicy, PromptForm, ReplicaInfo, RouterCost, TextVocab};
 use crate::replay::{self, ClientForm, Progress, ReplayConfig};
+use crate::replica_counters::ReplicaCounters;
 use crate::stack::Stack;
-use crate::summary::{ReplicaCounters, RunContext, RunSummary};
+use crate::summary::{RunContext, RunSummary};
 use crate::supervisor;
 use crate::workloads::Workload;
 

@@ -3,8 +3,8 @@
 
 use std::collections::BTreeMap;
 
-use serde_json::Value;
 use sha2::{Digest as _, Sha256};
+use tokenizers::Tokenizer;
 
 use super::chat_template::ChatTemplates;
 use super::TokenizerOptions;
@@ -20,16 +20,39 @@ fn fingerprint(parts: &[&[u8]]) -> String {
     hex::encode(&h.finalize()[..8])
 }
 
-/// Digest of a tokenizer built from `tokenizer_json` (parsed, so a bundle sent as a string or
-/// inline as an object digests alike), `templates`, the special tokens templates see, and the
-/// options that change rendering (cache sizes and bounds change no token and are left out).
+/// SHA-256 of what is written to it.
+struct HashWriter(Sha256);
+
+impl std::io::Write for HashWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Fingerprint of the built tokenizer: its serialisation (vocabulary by id, merges by rank,
+/// added tokens by id, every component), hashed as it is written, so no copy of the document
+/// is held. A tokenizer built from the compact form and one built from the whole
+/// `tokenizer.json` digest alike exactly when they are the same tokenizer.
+fn tokenizer_fingerprint(tokenizer: &Tokenizer) -> String {
+    let mut w = HashWriter(Sha256::new());
+    if serde_json::to_writer(&mut w, tokenizer).is_err() {
+        return String::new();
+    }
+    hex::encode(&w.0.finalize()[..8])
+}
+
+/// Digest of a built tokenizer, `templates`, the special tokens templates see, and the options
+/// that change rendering (cache sizes and bounds change no token and are left out).
 pub(crate) fn digest(
-    tokenizer_json: &Value,
+    tokenizer: &Tokenizer,
     templates: Option<&ChatTemplates>,
     special_tokens: &BTreeMap<String, String>,
     opts: &TokenizerOptions,
 ) -> TokenizerDigest {
-    let tokenizer = serde_json::to_vec(tokenizer_json).unwrap_or_default();
     let mut template_parts: Vec<&[u8]> = Vec::new();
     if let Some(t) = templates {
         for (name, source) in t.sources() {
@@ -50,7 +73,7 @@ pub(crate) fn digest(
     })
     .to_string();
     TokenizerDigest {
-        tokenizer: fingerprint(&[&tokenizer]),
+        tokenizer: tokenizer_fingerprint(tokenizer),
         template: fingerprint(&template_parts),
         options: fingerprint(&[options.as_bytes()]),
     }

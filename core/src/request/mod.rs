@@ -16,6 +16,7 @@
 //! rendered text's size ([`MAX_PROMPT_BYTES_PER_TOKEN`]), then while tokenising, so that the
 //! tokeniser's working set stays proportional to the cap, not to the body.
 
+mod bpe_tables;
 mod chat_template;
 mod digest;
 mod model_files;
@@ -24,6 +25,7 @@ mod segment_cache;
 mod segmenter;
 mod tokenizer;
 
+pub use bpe_tables::{compact_tokenizer_json, BpeTables, CompactTokenizerJson};
 pub use model_files::{ModelFileSet, ModelFiles, MODEL_FILE_NAMES};
 pub use segment_cache::SegmentCacheStats;
 pub use tokenizer::{ModelTokenizer, TokenizerOptions};

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use serde_json::{Map, Value};
 use tokenizers::{Encoding, Token, Tokenizer};
 
+use super::bpe_tables::{build_tokenizer, is_compact, BpeTables};
 use super::chat_template::ChatTemplates;
 use super::openai::{self, CompletionPrompt};
 use super::segment_cache::{SegmentCache, SegmentCacheStats, SegmentKey};
@@ -124,10 +125,46 @@ fn py_is_space(c: char) -> bool {
 impl ModelTokenizer {
     /// Loads a model's tokenizer and chat template.
     pub fn from_files(files: &ModelFiles, opts: TokenizerOptions) -> Result<Self, RequestError> {
+        Self::build(files, None, opts)
+    }
+
+    /// Loads a model's tokenizer from the compact form: `files.tokenizer_json` is the document
+    /// [`super::compact_tokenizer_json`] made, `tables` the vocabulary and merges it took out.
+    /// The same tokenizer as [`Self::from_files`] on the whole document, without its parse
+    /// peak.
+    pub fn from_compact(
+        files: &ModelFiles,
+        tables: BpeTables,
+        opts: TokenizerOptions,
+    ) -> Result<Self, RequestError> {
+        Self::build(files, Some(tables), opts)
+    }
+
+    fn build(
+        files: &ModelFiles,
+        tables: Option<BpeTables>,
+        opts: TokenizerOptions,
+    ) -> Result<Self, RequestError> {
         let tokenizer_json: Value = serde_json::from_slice(&files.tokenizer_json)
             .map_err(|e| RequestError::ModelFiles(format!("tokenizer.json is not JSON: {e}")))?;
-        let mut tokenizer = Tokenizer::from_bytes(&files.tokenizer_json)
-            .map_err(|e| RequestError::ModelFiles(format!("tokenizer.json: {e}")))?;
+        let segmenter = Segmenter::from_tokenizer_json(&tokenizer_json, opts.line_chunk_bytes);
+        let mut tokenizer = match tables {
+            Some(tables) => build_tokenizer(&tokenizer_json, tables)?,
+            None if is_compact(&tokenizer_json) => {
+                return Err(RequestError::ModelFiles(
+                    "tokenizer.json is the compact form (its BPE model has no vocab and no \
+                     merges) but no BPE tables came with it"
+                        .into(),
+                ))
+            }
+            None => {
+                // The parsed document is not needed any more: free it before the tokenizer's
+                // own parse, whose peak is the larger.
+                drop(tokenizer_json);
+                Tokenizer::from_bytes(&files.tokenizer_json)
+                    .map_err(|e| RequestError::ModelFiles(format!("tokenizer.json: {e}")))?
+            }
+        };
         // transformers disables the file's truncation and padding unless asked per call.
         tokenizer
             .with_truncation(None)
@@ -155,7 +192,6 @@ impl ModelTokenizer {
                     .map(|c| ((*name).to_owned(), c))
             })
             .collect();
-        let segmenter = Segmenter::from_tokenizer_json(&tokenizer_json, opts.line_chunk_bytes);
         let cache = Mutex::new(SegmentCache::new(
             opts.segment_cache_max_bytes,
             opts.segment_cache_max_entries,
@@ -165,8 +201,7 @@ impl ModelTokenizer {
             .and_then(Value::as_u64)
             .and_then(|n| usize::try_from(n).ok())
             .filter(|n| (1..=MAX_SANE_MODEL_MAX_LENGTH).contains(n));
-        let digest =
-            super::digest::digest(&tokenizer_json, templates.as_ref(), &special_tokens, &opts);
+        let digest = super::digest::digest(&tokenizer, templates.as_ref(), &special_tokens, &opts);
         Ok(Self {
             tokenizer,
             templates,

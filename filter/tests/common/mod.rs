@@ -14,9 +14,12 @@ use serde_json::Value;
 
 pub use kvroute_testkit::fake_indexer::{tokenizer_answer, FakeIndexer, RouteMode, TokenizerMode};
 pub use kvroute_testkit::fake_server::{echo_replica, Reply, Request, TestServer};
+pub use kvroute_testkit::filter_build::FilterBuild;
 pub use kvroute_testkit::fleet::{Indexer, Sim, SimPlan, ADMIN_TOKEN};
 pub use kvroute_testkit::http::{http, post_json, try_http, FullResponse as Response};
-pub use kvroute_testkit::paths::{bin, envoy_bin, model_dir, need, target_dir, workspace};
+pub use kvroute_testkit::paths::{
+    bin, envoy_bin, model_dir, need, newest_mtime, target_dir, workspace,
+};
 pub use kvroute_testkit::ports::free_port;
 pub use kvroute_testkit::process::{wait_for, Proc};
 pub use kvroute_testkit::text::filler;
@@ -51,36 +54,10 @@ pub fn wasm_path() -> PathBuf {
     p
 }
 
-fn newest_mtime(dir: &Path) -> Option<std::time::SystemTime> {
-    let mut newest = None;
-    for entry in std::fs::read_dir(dir).ok()?.flatten() {
-        let path = entry.path();
-        let t = if path.is_dir() {
-            newest_mtime(&path)
-        } else {
-            entry.metadata().and_then(|m| m.modified()).ok()
-        };
-        if t > newest {
-            newest = t;
-        }
-    }
-    newest
-}
-
 /// Which build of the filter the e2e tests run in Envoy: `KVROUTE_FILTER_BUILD=wasm` (default)
 /// or `native` (the dynamic module); `cargo xtask test` runs the e2e suites with both.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FilterBuild {
-    Wasm,
-    Native,
-}
-
 pub fn filter_build() -> FilterBuild {
-    match std::env::var("KVROUTE_FILTER_BUILD").as_deref() {
-        Err(_) | Ok("") | Ok("wasm") => FilterBuild::Wasm,
-        Ok("native") => FilterBuild::Native,
-        Ok(other) => panic!("KVROUTE_FILTER_BUILD={other:?}: expected wasm or native"),
-    }
+    FilterBuild::from_env().unwrap_or_else(|e| panic!("KVROUTE_FILTER_BUILD: {e}"))
 }
 
 /// The native dynamic module (`KVROUTE_FILTER_NATIVE`, or the release build in the target
@@ -164,19 +141,6 @@ fn cut_wasm_filter(text: &str) -> String {
     out
 }
 
-/// True when a non-comment line still holds a `{{UPPER_CASE}}` placeholder.
-fn has_placeholder(yaml: &str) -> bool {
-    yaml.lines()
-        .filter(|l| !l.trim_start().starts_with('#'))
-        .any(|l| {
-            l.split("{{").skip(1).any(|rest| {
-                rest.split_once("}}").is_some_and(|(name, _)| {
-                    !name.is_empty() && name.bytes().all(|b| b.is_ascii_uppercase() || b == b'_')
-                })
-            })
-        })
-}
-
 pub fn render_envoy(opts: &EnvoyOptions, listen: u16, admin: u16) -> String {
     // Plain Envoy (no filter) is the Wasm template with the filter cut out.
     let native = opts.with_filter && opts.native_module.is_some();
@@ -207,34 +171,31 @@ pub fn render_envoy(opts: &EnvoyOptions, listen: u16, admin: u16) -> String {
         assert!(text.contains(from.as_str()), "envoy.yaml has no {from:?}");
         text = text.replace(from.as_str(), to);
     }
-    text.replace("{{LISTEN_PORT}}", &listen.to_string())
-        .replace("{{ADMIN_PORT}}", &admin.to_string())
-        .replace("{{WASM_PATH}}", &wasm)
-        .replace(
-            "{{MODULE_PATH}}",
-            &opts
-                .native_module
-                .as_ref()
-                .map_or_else(String::new, |p| p.display().to_string()),
-        )
-        .replace("{{INDEXER_PORT}}", &opts.indexer_port.to_string())
-        .replace(
-            "{{FALLBACK_LB_ENDPOINTS}}",
-            &Value::Array(endpoints).to_string(),
-        )
-        .replace(
-            "{{VM_CONFIG}}",
-            &Value::String(if opts.vm_config.is_null() {
-                String::new()
-            } else {
-                opts.vm_config.to_string()
-            })
-            .to_string(),
-        )
-        .replace(
-            "{{PLUGIN_CONFIG}}",
-            &Value::String(filter_config(opts, native).to_string()).to_string(),
-        )
+    let module = opts.native_module.as_ref();
+    let values = [
+        ("LISTEN_PORT", listen.to_string()),
+        ("ADMIN_PORT", admin.to_string()),
+        ("WASM_PATH", wasm),
+        (
+            "MODULE_PATH",
+            module.map_or_else(String::new, |p| p.display().to_string()),
+        ),
+        ("INDEXER_PORT", opts.indexer_port.to_string()),
+        ("FALLBACK_LB_ENDPOINTS", Value::Array(endpoints).to_string()),
+        ("VM_CONFIG", json_string(&opts.vm_config)),
+        ("PLUGIN_CONFIG", json_string(&filter_config(opts, native))),
+    ];
+    kvroute_testkit::stack::render(&text, &values).expect("render the envoy template")
+}
+
+/// `v` as a JSON string literal (Envoy reads it as a StringValue); `Value::Null` as `""`.
+fn json_string(v: &Value) -> String {
+    let text = if v.is_null() {
+        String::new()
+    } else {
+        v.to_string()
+    };
+    Value::String(text).to_string()
 }
 
 /// The filter's configuration: the native build has one string, so the VM configuration rides
@@ -253,10 +214,6 @@ impl Envoy {
     pub fn start(name: &str, opts: &EnvoyOptions, dir: &Path) -> Envoy {
         let (port, admin) = (free_port(), free_port());
         let yaml = render_envoy(opts, port, admin);
-        assert!(
-            !has_placeholder(&yaml),
-            "unrendered placeholder in envoy.yaml"
-        );
         let cfg = dir.join(format!("{name}.yaml"));
         std::fs::write(&cfg, yaml).expect("write envoy config");
         let mut proc = Proc::spawn(
@@ -299,22 +256,15 @@ impl Envoy {
 
     /// A counter or gauge from the admin stats (0 when absent).
     pub fn stat(&self, name: &str) -> u64 {
-        let r = http(
-            self.admin,
-            "GET",
-            &format!("/stats?filter=^{name}$"),
-            &[],
-            b"",
-        );
-        r.text()
-            .lines()
-            .filter_map(|l| l.split_once(": "))
-            .find(|(k, _)| *k == name)
-            .and_then(|(_, v)| v.trim().parse().ok())
-            .unwrap_or(0)
+        let stats = self.stats_containing(&format!("^{name}$"));
+        stats
+            .into_iter()
+            .find(|(k, _)| k == name)
+            .map_or(0, |(_, v)| v)
     }
 
-    /// Every stat whose name contains `part`, as (name, value) (histograms skipped).
+    /// Every stat whose name contains `part` (Envoy's `filter` regex), as (name, value)
+    /// (histograms skipped).
     pub fn stats_containing(&self, part: &str) -> Vec<(String, u64)> {
         let r = http(
             self.admin,

@@ -277,21 +277,20 @@ pub fn qwen3_bundle_json() -> Vec<u8> {
             std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("../target/kvroute-cache/models/qwen3")
         });
-    let read = |f: &str| {
-        std::fs::read_to_string(dir.join(f)).unwrap_or_else(|e| {
-            panic!(
-                "{} missing ({e}): run `cargo xtask setup` or set KVROUTE_MODEL_DIR",
-                dir.join(f).display()
-            )
-        })
+    let files = kvroute_core::request::ModelFiles::from_dir(&dir).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}: run `cargo xtask setup` or set KVROUTE_MODEL_DIR",
+            dir.display()
+        )
+    });
+    // The compact form, as the indexer serves it to the filter's `?form=compact`.
+    let bundle = kvroute_core::api::TokenizerBundle {
+        block_size: Some(16),
+        ..kvroute_core::api::TokenizerBundle::from_files("qwen3", files, true)
+            .expect("the compact bundle")
     };
-    serde_json::to_vec(&serde_json::json!({
-        "model": "qwen3",
-        "block_size": 16,
-        "tokenizer_json": read("tokenizer.json"),
-        "tokenizer_config_json": read("tokenizer_config.json"),
-    }))
-    .expect("bundle serialises")
+    assert!(bundle.bpe_tables.is_some(), "Qwen3 has a compact form");
+    serde_json::to_vec(&bundle).expect("bundle serialises")
 }
 
 /// One plugin with `{"models": {"qwen3": {}}}` for the tests that do not change its models.
@@ -308,7 +307,10 @@ pub fn plugin_with_qwen3(config: Value) -> Arc<Plugin> {
     let plugin = Plugin::configure(&host, config.to_string().as_bytes(), b"").expect("configure");
     plugin.on_tick(&mut host);
     let fetch = host.last_call().clone();
-    assert_eq!(fetch.header(":path"), Some("/v1/models/qwen3/tokenizer"));
+    assert_eq!(
+        fetch.header(":path"),
+        Some("/v1/models/qwen3/tokenizer?form=compact")
+    );
     let reply = CallReply {
         status: Some(200),
         contract: None,

@@ -90,6 +90,49 @@ fn model_section(out: &mut String, m: &ModelReport) {
         &[("recomputed", thrash)],
         "%",
     );
+    if let Some(a) = &m.audit {
+        audit_section(out, a);
+    }
+}
+
+/// The prompt audit's divergences (`--audit`) as a table, with the text under `--show-text`.
+fn audit_section(out: &mut String, a: &super::audit::AuditReport) {
+    let _ = writeln!(
+        out,
+        "<h3>Prompt audit</h3><p>{} blocks examined{}.</p>",
+        a.blocks,
+        if a.blocks_dropped > 0 {
+            format!(", {} not kept (memory bound)", a.blocks_dropped)
+        } else {
+            String::new()
+        }
+    );
+    if a.divergences.is_empty() {
+        out.push_str("<p>No early divergence found.</p>\n");
+        return;
+    }
+    out.push_str(
+        "<table id=\"audit\"><tr><th>at token</th><th>differing tokens</th><th>requests</th>\
+         <th>families</th><th>tokens stored again</th><th>of stored</th></tr>\n",
+    );
+    for d in &a.divergences {
+        let _ = writeln!(
+            out,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.1} %</td></tr>",
+            d.position_tokens,
+            d.differing_tokens,
+            d.requests,
+            d.families,
+            d.reuse_destroyed_tokens,
+            d.reuse_destroyed_share * 100.0
+        );
+    }
+    out.push_str("</table>\n");
+    for d in &a.divergences {
+        for line in d.text.iter().flatten() {
+            let _ = writeln!(out, "<pre>{}</pre>", escape(line));
+        }
+    }
 }
 
 fn share(part: f64, whole: f64) -> f64 {

@@ -3,6 +3,7 @@
 //! traffic reuses, what it computes twice across replicas, what the engines recompute after
 //! evicting, and whether prefix-aware routing would pay (see docs/assess.md).
 
+pub mod audit;
 pub mod html;
 pub mod render;
 pub mod report;
@@ -69,15 +70,26 @@ fn block_sizes(state: &AppState) -> Vec<(String, u32)> {
         .collect()
 }
 
+/// The prompt audit's settings (`assess --audit`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AuditOptions {
+    /// Blocks (with their tokens) kept at most, over all models.
+    pub max_blocks: usize,
+    /// Decode the text around each divergence into the report (`--show-text`).
+    pub show_text: bool,
+}
+
 /// Follows the fleet for `duration` (or until `stop` resolves) and reports. Writes no snapshot.
 /// With `listen`, serves the indexer's API there for filters in shadow mode (route requests
 /// that are not shadow are refused, so nothing is routed) and decides with the `kv` policy;
-/// otherwise serves nothing. Prints one line to stdout when the window starts (scripts and tests
-/// wait for it), after `listening on ADDR` when serving.
+/// otherwise serves nothing. With `audit`, keeps the stored blocks' tokens for the prompt audit.
+/// Prints one line to stdout when the window starts (scripts and tests wait for it), after
+/// `listening on ADDR` when serving.
 pub async fn run(
     mut config: Config,
     duration: Duration,
     listen: Option<String>,
+    audit: Option<AuditOptions>,
     stop: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<Report> {
     anyhow::ensure!(
@@ -93,6 +105,11 @@ pub async fn run(
         Policy::RoundRobin
     };
     let state = crate::server::start(config, policy).context("starting")?;
+    if let Some(a) = audit {
+        let _ = state
+            .audit
+            .set(std::sync::Mutex::new(audit::PromptAudit::new(a.max_blocks)));
+    }
     if let Some(listen) = listen {
         let addr: std::net::SocketAddr = listen
             .parse()
@@ -152,7 +169,7 @@ pub async fn run(
         t_s: window_s,
         readings: end.clone(),
     });
-    Ok(build_full(
+    let mut report = build_full(
         &start,
         &end,
         &block_sizes(&state),
@@ -160,7 +177,52 @@ pub async fn run(
         Thresholds::default(),
         &state.shadow.totals(),
         &samples,
-    ))
+    );
+    if let (Some(a), Some(collected)) = (audit, state.audit.get()) {
+        let mut decoders = Decoders::new(&state);
+        let mut decode = |model: &str, tokens: &[u32]| decoders.decode(model, tokens);
+        let decode: Option<&mut dyn FnMut(&str, &[u32]) -> Option<String>> =
+            if a.show_text { Some(&mut decode) } else { None };
+        let mut audits = lock(collected).report(decode);
+        for m in &mut report.models {
+            m.audit = Some(audits.remove(&m.model).unwrap_or(audit::AuditReport {
+                blocks: 0,
+                blocks_dropped: 0,
+                divergences: Vec::new(),
+            }));
+        }
+    }
+    Ok(report)
+}
+
+/// Each model's tokenizer, loaded on first use, for `--show-text`.
+struct Decoders<'a> {
+    state: &'a AppState,
+    loaded: std::collections::HashMap<String, Option<kvroute_core::request::ModelTokenizer>>,
+}
+
+impl<'a> Decoders<'a> {
+    fn new(state: &'a AppState) -> Self {
+        Self {
+            state,
+            loaded: std::collections::HashMap::new(),
+        }
+    }
+
+    /// `tokens` as text (`None`: the model has no loadable tokenizer).
+    fn decode(&mut self, model: &str, tokens: &[u32]) -> Option<String> {
+        let state = self.state;
+        let tok = self.loaded.entry(model.to_string()).or_insert_with(|| {
+            let dir = state.models.get(model)?.model_dir.clone()?;
+            let files = kvroute_core::request::ModelFiles::from_dir(&dir).ok()?;
+            kvroute_core::request::ModelTokenizer::from_files(
+                &files,
+                kvroute_core::request::TokenizerOptions::default(),
+            )
+            .ok()
+        });
+        tok.as_ref()?.decode(tokens).ok()
+    }
 }
 
 /// Waits until every replica was scraped once (or `timeout`).

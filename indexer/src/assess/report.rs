@@ -197,6 +197,9 @@ pub struct ModelReport {
     /// What shadow decisions showed (when a filter in shadow mode asked during the window).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub shadow: Option<ShadowReport>,
+    /// The prompt audit (`--audit` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub audit: Option<super::audit::AuditReport>,
     /// The window interval by interval (for the plots).
     pub series: Vec<SeriesPoint>,
 }
@@ -482,6 +485,7 @@ fn model_report(
         summary,
         replicas,
         shadow,
+        audit: None,
         series: Vec::new(),
     }
 }

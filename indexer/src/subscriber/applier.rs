@@ -121,6 +121,14 @@ impl Applier {
             if !in_window {
                 return;
             }
+            if let Some(audit) = self.state.audit.get() {
+                let mut audit = lock(audit);
+                for ev in &batch.events {
+                    if let KvEvent::BlockStored(bs) = ev {
+                        audit.observe(&self.model.name, bs);
+                    }
+                }
+            }
             stats
                 .stored_blocks
                 .fetch_add(outcome.stored, Ordering::Relaxed);

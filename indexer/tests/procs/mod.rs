@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use kvroute_testkit::paths::{env_or, Layout};
-pub use kvroute_testkit::paths::{model_dir, python, target_dir, workspace, TempDir};
+pub use kvroute_testkit::paths::{model_dir, newest_mtime, python, target_dir, workspace, TempDir};
 pub use kvroute_testkit::ports::{free_port, free_port_run};
 pub use kvroute_testkit::process::{proc_status_bytes, Proc};
 pub use kvroute_testkit::prom::sum as metric_sum;

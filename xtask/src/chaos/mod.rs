@@ -23,7 +23,7 @@ use clap::Args;
 use serde_json::json;
 
 use crate::paths::Layout;
-use crate::setup;
+use crate::prepare::PrepareOptions;
 use crate::stack::{Binaries, Stack, StackConfig};
 use crate::supervisor;
 
@@ -36,26 +36,15 @@ pub struct ChaosOptions {
     /// Only the scenarios whose names contain one of these.
     #[arg(long = "only")]
     pub only: Vec<String>,
-    /// Do not run setup first.
-    #[arg(long)]
-    pub no_setup: bool,
-    /// Do not build; use the binaries and .wasm already in the target directory.
-    #[arg(long)]
-    pub no_build: bool,
-    /// Run the debug binaries (what `cargo xtask test` built) instead of release ones.
-    #[arg(long)]
-    pub debug: bool,
+    /// Setup and builds.
+    #[command(flatten)]
+    pub prepare: PrepareOptions,
 }
 
 /// Runs the suite; fails when any scenario failed.
 pub fn run(layout: &Layout, opts: &ChaosOptions) -> Result<()> {
     supervisor::install_ctrl_c()?;
-    if !opts.no_setup {
-        setup::run(layout)?;
-    }
-    if !opts.no_build {
-        build(layout, opts.debug)?;
-    }
+    opts.prepare.run(layout)?;
     let selected: Vec<_> = scenarios::ALL
         .iter()
         .filter(|(name, _)| opts.only.is_empty() || opts.only.iter().any(|o| name.contains(o)))
@@ -92,7 +81,7 @@ pub fn run(layout: &Layout, opts: &ChaosOptions) -> Result<()> {
         scoring: Vec::new(),
     };
     let model = cfg.model.clone();
-    let profile = if opts.debug { "debug" } else { "release" };
+    let profile = opts.prepare.profile();
     let mut stack = Stack::new(
         layout,
         cfg,
@@ -263,33 +252,4 @@ fn print_table(reports: &[scenarios::Report]) {
         }
     }
     println!();
-}
-
-fn build(layout: &Layout, debug: bool) -> Result<()> {
-    let mut bins = std::process::Command::new(crate::paths::cargo_bin());
-    bins.args([
-        "build",
-        "-p",
-        "kvroute-sim",
-        "-p",
-        "kvroute-indexer",
-        "--bins",
-    ]);
-    if !debug {
-        bins.arg("--release");
-    }
-    let mut wasm = std::process::Command::new(crate::paths::cargo_bin());
-    wasm.args([
-        "build",
-        "-p",
-        "kvroute-filter",
-        "--target",
-        crate::toolchain::WASM_TARGET,
-        "--release",
-    ]);
-    for mut cmd in [bins, wasm] {
-        cmd.current_dir(&layout.root);
-        crate::cmd::run(&mut cmd)?;
-    }
-    Ok(())
 }
