@@ -6,6 +6,9 @@
 //! tokens, how long the differing run is and how much reuse it destroys; the decoded text around
 //! it only when asked (`--show-text`). Nothing here is logged.
 
+/// Decodes a model's token ids to text (for `--show-text`); `None` when it cannot.
+pub type TextDecoder<'a> = dyn FnMut(&str, &[u32]) -> Option<String> + 'a;
+
 use std::collections::HashMap;
 
 use kvroute_core::events::{BlockStored, Medium};
@@ -111,18 +114,15 @@ impl PromptAudit {
         let mut parent = ev.parent_block_hash.as_ref().map(|h| h.as_u64());
         for (i, h) in ev.block_hashes.iter().enumerate() {
             let hash = h.as_u64();
-            if !m.blocks.contains_key(&hash) {
+            if let std::collections::hash_map::Entry::Vacant(slot) = m.blocks.entry(hash) {
                 if self.kept >= self.max_blocks {
                     self.dropped += 1;
-                } else {
+                } else if let Some(tokens) = ev.token_ids.get(i * bs..(i + 1) * bs) {
                     self.kept += 1;
-                    m.blocks.insert(
-                        hash,
-                        Block {
-                            parent,
-                            tokens: ev.token_ids[i * bs..(i + 1) * bs].into(),
-                        },
-                    );
+                    slot.insert(Block {
+                        parent,
+                        tokens: tokens.into(),
+                    });
                 }
             }
             parent = Some(hash);
@@ -131,10 +131,7 @@ impl PromptAudit {
 
     /// The audit of every model seen; `decode` turns a model's tokens into text (only called
     /// with `--show-text`).
-    pub fn report(
-        &self,
-        mut decode: Option<&mut dyn FnMut(&str, &[u32]) -> Option<String>>,
-    ) -> HashMap<String, AuditReport> {
+    pub fn report(&self, mut decode: Option<&mut TextDecoder<'_>>) -> HashMap<String, AuditReport> {
         self.models
             .iter()
             .map(|(name, m)| {

@@ -181,7 +181,7 @@ pub async fn run(
     if let (Some(a), Some(collected)) = (audit, state.audit.get()) {
         let mut decoders = Decoders::new(&state);
         let mut decode = |model: &str, tokens: &[u32]| decoders.decode(model, tokens);
-        let decode: Option<&mut dyn FnMut(&str, &[u32]) -> Option<String>> =
+        let decode: Option<&mut audit::TextDecoder<'_>> =
             if a.show_text { Some(&mut decode) } else { None };
         let mut audits = lock(collected).report(decode);
         for m in &mut report.models {
