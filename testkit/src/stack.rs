@@ -766,21 +766,44 @@ pub fn with_health_checks(yaml: &str) -> Result<String> {
 
 /// Replaces every `{{NAME}}` of `template`; fails if a non-comment line still holds a `{{...}}`.
 pub fn render(template: &str, values: &[(&str, String)]) -> Result<String> {
-    let mut text = template.to_string();
-    for (name, value) in values {
-        text = text.replace(&format!("{{{{{name}}}}}"), value);
+    // One pass over the template: a value is inserted as it is and never scanned again (a chat
+    // template inside a plugin configuration has `{{` of its own).
+    let mut out = String::with_capacity(template.len());
+    let mut leftovers = Vec::new();
+    for line in template.split_inclusive('\n') {
+        let comment = line.trim_start().starts_with('#');
+        let mut rest = line;
+        while let Some(start) = rest.find("{{") {
+            out.push_str(&rest[..start]);
+            let after = &rest[start + 2..];
+            let name = after.find("}}").map(|end| &after[..end]).filter(|n| {
+                !n.is_empty()
+                    && n.bytes()
+                        .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_')
+            });
+            match name.and_then(|n| values.iter().find(|(k, _)| *k == n).map(|(_, v)| (n, v))) {
+                Some((n, value)) => {
+                    out.push_str(value);
+                    rest = &after[n.len() + 2..];
+                }
+                None => {
+                    if !comment {
+                        leftovers.push(line.trim_end().to_string());
+                    }
+                    out.push_str("{{");
+                    rest = after;
+                }
+            }
+        }
+        out.push_str(rest);
     }
-    let leftovers: Vec<&str> = text
-        .lines()
-        .filter(|line| !line.trim_start().starts_with('#') && line.contains("{{"))
-        .collect();
     if !leftovers.is_empty() {
         bail!(
             "template placeholders left unfilled (the template has new ones xtask does not know): {}",
             leftovers.join(" | ")
         );
     }
-    Ok(text)
+    Ok(out)
 }
 
 /// The indexer's log filter in a local stack: `warn`, or `KVROUTE_STACK_INDEXER_LOG` (e.g.
@@ -905,6 +928,11 @@ mod tests {
         assert_eq!(out, "# 10 in a comment is fine\nport: 10\nlist: [1]\n");
         assert!(render("x: {{C}}\n", &[("A", "1".into())]).is_err());
         assert!(render("# only {{C}} in a comment\n", &[]).is_ok());
+        // A value with braces of its own (a chat template in a plugin configuration) is inserted
+        // as it is, not read as a placeholder.
+        let jinja = "{{- messages[0].content }}{{X}}".to_string();
+        let out = render("value: {{V}}\n", &[("V", jinja.clone())]).expect("render");
+        assert_eq!(out, format!("value: {jinja}\n"));
     }
 
     #[test]
