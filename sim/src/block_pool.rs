@@ -2,10 +2,6 @@
 //! blocks, a hash -> block map of cached full blocks, reference counts, and a free queue in
 //! eviction order that keeps freed blocks' hashes until they are reused.
 //!
-//! Hybrid models: the pool is shared by every KV cache group (as vLLM's coordinator shares one
-//! `BlockPool`); a block is cached under (hash, group), vLLM's `BlockHashWithGroupId`, and its
-//! events carry the group.
-//!
 //! Invariants, as in vLLM:
 //! * block 0 is the null block, taken at start and never handed out (usable = N - 1);
 //! * a block with `ref_cnt > 0` is pinned: it is never in the free queue, never evicted;
@@ -22,9 +18,6 @@ use crate::sequence::{BlockHash, SeqMeta};
 
 /// Index of a block in the pool.
 pub type BlockId = u32;
-
-/// A KV cache group id.
-pub type GroupId = u8;
 
 /// Errors from the pool.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -59,11 +52,9 @@ pub enum PoolEvent {
         token_ids: Vec<u32>,
         /// Tokens per block.
         block_size: usize,
-        /// The KV cache group.
-        group: GroupId,
     },
-    /// A cached block of a KV cache group was evicted.
-    Removed(BlockHash, GroupId),
+    /// A cached block was evicted.
+    Removed(BlockHash),
     /// The prefix cache was reset.
     Cleared,
 }
@@ -71,7 +62,7 @@ pub enum PoolEvent {
 #[derive(Debug, Clone, Default)]
 struct Block {
     ref_cnt: u32,
-    hash: Option<(BlockHash, GroupId)>,
+    hash: Option<BlockHash>,
 }
 
 /// One hash maps to one block, or (rarely) to several, kept in insertion order.
@@ -86,7 +77,7 @@ enum Cached {
 pub struct BlockPool {
     blocks: Vec<Block>,
     free: FreeQueue,
-    cached: HashMap<(BlockHash, GroupId), Cached>,
+    cached: HashMap<BlockHash, Cached>,
     events: Vec<PoolEvent>,
     emit_events: bool,
 }
@@ -137,8 +128,8 @@ impl BlockPool {
         self.blocks.get(id as usize).map_or(0, |b| b.ref_cnt)
     }
 
-    /// The hash (and group) a block is cached under, if any.
-    pub fn block_hash(&self, id: BlockId) -> Option<(BlockHash, GroupId)> {
+    /// The hash a block is cached under, if any.
+    pub fn block_hash(&self, id: BlockId) -> Option<BlockHash> {
         self.blocks.get(id as usize).and_then(|b| b.hash)
     }
 
@@ -147,21 +138,24 @@ impl BlockPool {
         self.free.to_vec()
     }
 
-    /// Any block of `group` cached under `hash` (the earliest inserted).
-    pub fn get_cached_block(&self, hash: &BlockHash, group: GroupId) -> Option<BlockId> {
-        match self.cached.get(&(*hash, group))? {
+    /// Any block cached under `hash` (the earliest inserted).
+    pub fn get_cached_block(&self, hash: &BlockHash) -> Option<BlockId> {
+        match self.cached.get(hash)? {
             Cached::One(id) => Some(*id),
             Cached::Many(ids) => ids.first().copied(),
         }
     }
 
-    /// vLLM's `get_cached_block(hash, group_ids)`: one cached block per group, or `None` when
-    /// any group misses.
-    pub fn get_cached_blocks(&self, hash: &BlockHash, groups: &[GroupId]) -> Option<Vec<BlockId>> {
-        groups
-            .iter()
-            .map(|&g| self.get_cached_block(hash, g))
-            .collect()
+    /// The longest run of cached blocks from the start of `hashes`, at most `max_blocks` long.
+    pub fn longest_hit(&self, hashes: &[BlockHash], max_blocks: usize) -> Vec<BlockId> {
+        let mut out = Vec::new();
+        for h in hashes.iter().take(max_blocks) {
+            match self.get_cached_block(h) {
+                Some(id) => out.push(id),
+                None => break,
+            }
+        }
+        out
     }
 
     /// Takes `n` blocks from the head of the free queue, evicting their hashes (one
@@ -186,12 +180,12 @@ impl BlockPool {
     }
 
     fn evict_hash(&mut self, id: BlockId) {
-        let Some(key) = self.blocks[id as usize].hash.take() else {
+        let Some(hash) = self.blocks[id as usize].hash.take() else {
             return;
         };
-        let removed = match self.cached.get_mut(&key) {
+        let removed = match self.cached.get_mut(&hash) {
             Some(Cached::One(b)) if *b == id => {
-                self.cached.remove(&key);
+                self.cached.remove(&hash);
                 true
             }
             Some(Cached::Many(ids)) => {
@@ -200,14 +194,14 @@ impl BlockPool {
                 let removed = ids.len() != before;
                 if ids.len() == 1 {
                     let only = ids[0];
-                    self.cached.insert(key, Cached::One(only));
+                    self.cached.insert(hash, Cached::One(only));
                 }
                 removed
             }
             _ => false,
         };
         if removed && self.emit_events {
-            self.events.push(PoolEvent::Removed(key.0, key.1));
+            self.events.push(PoolEvent::Removed(hash));
         }
     }
 
@@ -256,7 +250,6 @@ impl BlockPool {
             num_cached,
             num_full,
             block_size,
-            group,
         } = run;
         if num_cached >= num_full || num_full > blocks.len() || num_full > hashes.len() {
             return;
@@ -266,7 +259,7 @@ impl BlockPool {
             if id == NULL_BLOCK {
                 continue;
             }
-            let h = (hashes[i], group);
+            let h = hashes[i];
             let blk = &mut self.blocks[id as usize];
             if blk.hash == Some(h) {
                 continue;
@@ -296,7 +289,6 @@ impl BlockPool {
                 first_block: num_cached,
                 token_ids: tokens[num_cached * block_size..num_full * block_size].to_vec(),
                 block_size,
-                group,
             });
         }
     }
@@ -310,7 +302,6 @@ impl BlockPool {
         hashes: &[BlockHash],
         num_hit: usize,
         block_size: usize,
-        group: GroupId,
     ) {
         if !self.emit_events || num_hit == 0 || num_hit > hashes.len() {
             return;
@@ -322,7 +313,6 @@ impl BlockPool {
             first_block: 0,
             token_ids: tokens[..num_hit * block_size].to_vec(),
             block_size,
-            group,
         });
     }
 
@@ -365,6 +355,4 @@ pub struct CacheRun<'a> {
     pub num_full: usize,
     /// Tokens per block.
     pub block_size: usize,
-    /// The KV cache group of `blocks`.
-    pub group: GroupId,
 }

@@ -4,26 +4,21 @@ use kvroute_core::router_key::{chain, request_keys, RouterKey, ROOT};
 
 use super::*;
 
-pub(super) const BS: usize = 4;
+const BS: usize = 4;
 
 /// Tokens of block `b` of a conversation `conv`.
-pub(super) fn block_tokens(conv: u32, b: usize) -> Vec<u32> {
+fn block_tokens(conv: u32, b: usize) -> Vec<u32> {
     (0..BS as u32)
         .map(|t| conv * 100_000 + b as u32 * 10 + t)
         .collect()
 }
 
 /// A fake engine hash for block `b` of `conv` on a replica hashing with `salt`.
-pub(super) fn eh(conv: u32, b: usize, salt: u64) -> u64 {
+fn eh(conv: u32, b: usize, salt: u64) -> u64 {
     (u64::from(conv) << 32 | b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ salt
 }
 
-pub(super) fn stored(
-    conv: u32,
-    blocks: std::ops::Range<usize>,
-    medium: Medium,
-    salt: u64,
-) -> KvEvent {
+fn stored(conv: u32, blocks: std::ops::Range<usize>, medium: Medium, salt: u64) -> KvEvent {
     let parent = if blocks.start == 0 {
         None
     } else {
@@ -42,7 +37,7 @@ pub(super) fn stored(
     })
 }
 
-pub(super) fn removed(conv: u32, blocks: &[usize], medium: Medium, salt: u64) -> KvEvent {
+fn removed(conv: u32, blocks: &[usize], medium: Medium, salt: u64) -> KvEvent {
     KvEvent::BlockRemoved(BlockRemoved {
         block_hashes: blocks
             .iter()
@@ -54,7 +49,7 @@ pub(super) fn removed(conv: u32, blocks: &[usize], medium: Medium, salt: u64) ->
 }
 
 /// Router keys of the first `n` blocks of `conv`, computed the way a request computes them.
-pub(super) fn keys(conv: u32, n: usize) -> Vec<RouterKey> {
+fn keys(conv: u32, n: usize) -> Vec<RouterKey> {
     let tokens: Vec<u32> = (0..n).flat_map(|b| block_tokens(conv, b)).collect();
     request_keys(
         &tokens,
@@ -64,7 +59,7 @@ pub(super) fn keys(conv: u32, n: usize) -> Vec<RouterKey> {
     )
 }
 
-pub(super) fn m(replica: u32, gpu: u32, predicted: u32, cpu: u32, storage: u32) -> ReplicaMatch {
+fn m(replica: u32, gpu: u32, predicted: u32, cpu: u32, storage: u32) -> ReplicaMatch {
     ReplicaMatch {
         replica,
         gpu,
@@ -74,7 +69,7 @@ pub(super) fn m(replica: u32, gpu: u32, predicted: u32, cpu: u32, storage: u32) 
     }
 }
 
-pub(super) fn apply(ix: &mut KvIndex, r: u32, ev: &KvEvent) -> ApplyOutcome {
+fn apply(ix: &mut KvIndex, r: u32, ev: &KvEvent) -> ApplyOutcome {
     ix.apply(r, ev).expect("event applies")
 }
 
@@ -309,11 +304,8 @@ fn replicas_hashing_differently_share_router_keys() {
 }
 
 #[test]
-fn other_kv_cache_groups_are_ignored_when_one_group_is_configured() {
-    let mut ix = KvIndex::new(IndexConfig {
-        group_idx: Some(0),
-        ..IndexConfig::default()
-    });
+fn other_kv_cache_groups_are_ignored() {
+    let mut ix = KvIndex::default();
     let KvEvent::BlockStored(mut st) = stored(1, 0..2, Medium::Gpu, 0) else {
         unreachable!()
     };
