@@ -430,17 +430,6 @@ impl LoadTracker {
         lock(&self.inner).expire(now, &self.cfg, &self.stats);
     }
 
-    /// How long the prefill kvroute routed to `replica` is still estimated to run from `now`: the
-    /// queued decisions' prefills, back to back, minus what has elapsed since the first started.
-    /// (Pending prefill counts a request's whole uncached prompt until it is estimated done; this
-    /// is what is left of it.)
-    pub fn prefill_busy_for(&self, replica: &str, now: Instant) -> Duration {
-        lock(&self.inner)
-            .busy_until
-            .get(replica)
-            .map_or(Duration::ZERO, |t| t.saturating_duration_since(now))
-    }
-
     /// Records a completion; returns the decision it belonged to, or `None` for an unknown id.
     pub fn completed(&self, id: DecisionId) -> Option<Pending> {
         let mut inner = lock(&self.inner);
@@ -772,37 +761,6 @@ mod tests {
         assert!(t.completed(a).is_some());
         assert!(t.completed(a).is_none(), "a completion counts once");
         assert_eq!(in_flight(&r), 0);
-    }
-
-    #[test]
-    fn the_queue_left_on_a_replica_drains_from_the_first_prefill_on() {
-        let fleet = Fleet::new();
-        let (r, other) = (replica(&fleet, "r0"), replica(&fleet, "r1"));
-        let t = LoadTracker::default();
-        t.routed(decision(&r, 100, Duration::from_millis(400)));
-        t.routed(decision(&r, 100, Duration::from_millis(400)));
-        let now = Instant::now();
-        // Back to back: the second ends ~800 ms from now.
-        let busy = t.prefill_busy_for("r0", now);
-        assert!(
-            busy > Duration::from_millis(700) && busy <= Duration::from_millis(800),
-            "{busy:?}"
-        );
-        // Half way through the first, 600 ms of the queue are left, though both still count
-        // whole as pending blocks (the first until it is estimated done).
-        let later = now + Duration::from_millis(200);
-        t.expire(later);
-        assert_eq!(pending(&r), 200);
-        let left = t.prefill_busy_for("r0", later);
-        assert!(
-            left > Duration::from_millis(500) && left <= Duration::from_millis(600),
-            "{left:?}"
-        );
-        assert_eq!(
-            t.prefill_busy_for("r0", now + Duration::from_secs(1)),
-            Duration::ZERO
-        );
-        assert_eq!(t.prefill_busy_for(&other.name, now), Duration::ZERO);
     }
 
     #[test]

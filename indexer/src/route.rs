@@ -176,23 +176,6 @@ fn prefill_estimate(rates: &ReplicaRates, uncached_blocks: u32, block_size: u32)
     Duration::try_from_secs_f64(tokens / rate).unwrap_or(crate::load::MAX_PREFILL_ESTIMATE)
 }
 
-/// What is left of the prefill kvroute queued on a replica: its pending requests' uncached tokens
-/// count whole until each is estimated done, but the queue has been draining since the first
-/// started, so at most `busy` (the estimated time until the last ends) at the rate the estimates
-/// were made with.
-fn remaining_prefill_tokens(pending_tokens: u64, busy: Duration, rates: &ReplicaRates) -> u64 {
-    let rate = rates.prefill_tokens_per_s;
-    if !(rate.is_finite() && rate > 0.0) {
-        return pending_tokens;
-    }
-    let left = (busy.as_secs_f64() * rate).ceil();
-    pending_tokens.min(if left >= u64::MAX as f64 {
-        u64::MAX
-    } else {
-        left as u64
-    })
-}
-
 /// A replica's rates: calibrated from its metrics, or the configured priors.
 pub fn replica_rates(
     cfg: &ScoringConfig,
@@ -233,13 +216,11 @@ impl Lookup<'_> {
         let state = self.state;
         let stale_after = state.stale_after();
         let bs = u64::from(self.keys.block_size);
-        let now = std::time::Instant::now();
         self.replicas
             .iter()
             .enumerate()
             .map(|(i, r)| {
                 let s = lock(&r.scraped).clone();
-                let rates = replica_rates(&state.config.scoring, r, &state.config.calibration);
                 let get = |a: &std::sync::atomic::AtomicI64| a.load(Ordering::Relaxed).max(0);
                 Candidate {
                     replica: i as u32,
@@ -249,11 +230,8 @@ impl Lookup<'_> {
                         waiting: s.waiting.max(0.0) as u32,
                         running: s.running.max(0.0) as u32,
                         kv_usage: s.kv_usage as f32,
-                        pending_prefill_tokens: remaining_prefill_tokens(
-                            (get(&r.pending_prefill_blocks) as u64).saturating_mul(bs),
-                            state.load.prefill_busy_for(&r.name, now),
-                            &rates,
-                        ),
+                        pending_prefill_tokens: (get(&r.pending_prefill_blocks) as u64)
+                            .saturating_mul(bs),
                         pending_prefill_requests: clamp_u32(get(&r.pending_prefill_requests)),
                         in_flight_uncached_tokens: (get(&r.in_flight_uncached_blocks) as u64)
                             .saturating_mul(bs),
@@ -265,7 +243,7 @@ impl Lookup<'_> {
                                 .decode_step_s
                         }),
                     },
-                    rates,
+                    rates: replica_rates(&state.config.scoring, r, &state.config.calibration),
                     healthy: r.healthy(),
                     stale: r.stale(stale_after),
                 }
@@ -614,38 +592,5 @@ fn record(
         cost: t.cost_s,
         predicted_ttft_ms: t.ttft_s * 1000.0,
         explain,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_queue_ahead_is_what_is_left_of_the_pending_prefill() {
-        let rates = ReplicaRates {
-            prefill_tokens_per_s: 10_000.0,
-            ..ScoringConfig::default().prior_rates()
-        };
-        // 8,000 tokens pending whole, 300 ms of them left: 3,000 tokens.
-        assert_eq!(
-            remaining_prefill_tokens(8_000, Duration::from_millis(300), &rates),
-            3_000
-        );
-        // Never more than is pending (a completion released some before its estimate).
-        assert_eq!(
-            remaining_prefill_tokens(1_000, Duration::from_secs(5), &rates),
-            1_000
-        );
-        assert_eq!(remaining_prefill_tokens(1_000, Duration::ZERO, &rates), 0);
-        // Without a usable rate, the pending tokens stand.
-        let unknown = ReplicaRates {
-            prefill_tokens_per_s: f64::NAN,
-            ..rates
-        };
-        assert_eq!(
-            remaining_prefill_tokens(1_000, Duration::ZERO, &unknown),
-            1_000
-        );
     }
 }
