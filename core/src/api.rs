@@ -187,7 +187,7 @@ pub struct CompleteReport {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttft_us: Option<u64>,
     /// The request ended before its response did (client left, stream reset).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub abandoned: bool,
     /// Informational.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -222,10 +222,17 @@ pub struct TokenizerBundle {
     #[serde(default)]
     pub extra_key_style: Option<ExtraKeyStyle>,
     /// `tokenizer.json`, as text; in the compact form (with `bpe_tables`), the document with
-    /// the BPE model's `vocab` and `merges` emptied.
+    /// the BPE model's `vocab` and `merges` emptied. Readers also take the document inline as an
+    /// object (the filter's offline VM-configuration entries).
+    #[serde(deserialize_with = "json_document")]
     pub tokenizer_json: String,
     /// The effective `tokenizer_config.json`, as text: the file with `chat_template.jinja`,
-    /// `chat_template.json` and `special_tokens_map.json` merged in (`ModelFiles`).
+    /// `chat_template.json` and `special_tokens_map.json` merged in (`ModelFiles`). Text or an
+    /// inline object; absent reads as `{}`.
+    #[serde(
+        default = "empty_json_object",
+        deserialize_with = "json_document"
+    )]
     pub tokenizer_config_json: String,
     /// The compact form's vocabulary and merges (`?form=compact`, for a BPE model the form
     /// covers): build with `ModelTokenizer::from_compact`. Absent: `tokenizer_json` is whole.
@@ -239,7 +246,107 @@ pub struct TokenizerBundle {
 /// sends the whole document, which a new filter loads too (with the larger parse peak).
 pub const TOKENIZER_FORM_COMPACT: &str = "form=compact";
 
+/// Largest block size a bundle may announce (vLLM's are 1 to a few hundred tokens).
+pub const MAX_BUNDLE_BLOCK_SIZE: u32 = 4096;
+
+/// Why a tokenizer bundle was refused by its reader.
+#[derive(Debug, thiserror::Error)]
+pub enum BundleError {
+    /// The body is not JSON.
+    #[error("not JSON: {0}")]
+    NotJson(String),
+    /// JSON, but not an object.
+    #[error("tokenizer answer is not a JSON object")]
+    NotObject,
+    /// An object whose members do not fit the contract (missing `tokenizer_json`, an unknown
+    /// `extra_key_style`, a wrong type).
+    #[error("tokenizer answer: {0}")]
+    Members(String),
+    /// A number outside what any engine runs with.
+    #[error("tokenizer answer: {field} {value} is out of range 1..={max}")]
+    OutOfRange {
+        /// The member.
+        field: &'static str,
+        /// Its value.
+        value: u64,
+        /// The largest accepted.
+        max: u64,
+    },
+}
+
+/// `"{}"`, the reading of an absent `tokenizer_config_json`.
+fn empty_json_object() -> String {
+    "{}".to_owned()
+}
+
+/// A JSON document carried as text, or inline as an object (serialised back to text). Text is
+/// taken as it is, without building a tree of it.
+fn json_document<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    struct Doc;
+    impl<'de> serde::de::Visitor<'de> for Doc {
+        type Value = String;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON document as a string or an object")
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<String, E> {
+            Ok(v.to_owned())
+        }
+        fn visit_string<E: serde::de::Error>(self, v: String) -> Result<String, E> {
+            Ok(v)
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<String, A::Error> {
+            let doc = serde_json::Map::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+            serde_json::to_string(&doc).map_err(serde::de::Error::custom)
+        }
+    }
+    d.deserialize_any(Doc)
+}
+
 impl TokenizerBundle {
+    /// Reads a bundle from the body of `GET /v1/models/{model}/tokenizer` (straight from the
+    /// bytes: the compact form's tables land in their vectors without a JSON tree in between),
+    /// then checks its numbers ([`Self::checked`]).
+    pub fn parse(body: &[u8]) -> Result<Self, BundleError> {
+        match serde_json::from_slice::<Self>(body) {
+            Ok(b) => b.checked(),
+            // Tell "not an object" and "not JSON" apart from a member error.
+            Err(e) => Err(match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+                Err(e) => BundleError::NotJson(e.to_string()),
+                Ok(_) if !body.trim_ascii_start().starts_with(b"{") => BundleError::NotObject,
+                Ok(_) => BundleError::Members(e.to_string()),
+            }),
+        }
+    }
+
+    /// Reads a bundle given as a JSON value (the filter's offline VM-configuration entries).
+    pub fn from_value(v: &serde_json::Value) -> Result<Self, BundleError> {
+        if !v.is_object() {
+            return Err(BundleError::NotObject);
+        }
+        Self::deserialize(v)
+            .map_err(|e| BundleError::Members(e.to_string()))?
+            .checked()
+    }
+
+    /// The bundle when its block size and context length are ones an engine can run with.
+    pub fn checked(self) -> Result<Self, BundleError> {
+        let range = |field, value: Option<u32>, max: u64| match value {
+            Some(v) if v == 0 || u64::from(v) > max => Err(BundleError::OutOfRange {
+                field,
+                value: v.into(),
+                max,
+            }),
+            _ => Ok(()),
+        };
+        range("block_size", self.block_size, MAX_BUNDLE_BLOCK_SIZE.into())?;
+        range(
+            "max_model_len",
+            self.max_model_len,
+            crate::request::MAX_SANE_MODEL_MAX_LENGTH as u64,
+        )?;
+        Ok(self)
+    }
+
     /// The bundle of `model`'s files, in the compact form when `compact` and the form covers
     /// the tokenizer (else whole). Other fields are left at their defaults.
     pub fn from_files(
@@ -404,6 +511,32 @@ mod tests {
         assert_eq!(v["extra_key_style"], "plain");
         let back: TokenizerBundle = serde_json::from_value(v).expect("parse");
         assert_eq!(back.extra_key_style, Some(ExtraKeyStyle::Plain));
+    }
+
+    #[test]
+    fn bundles_take_documents_as_text_or_objects_and_refuse_odd_numbers() {
+        let b = TokenizerBundle::from_value(&serde_json::json!({
+            "model": "qwen3", "block_size": 16, "extra": "ignored",
+            "tokenizer_json": "{\"a\":1}", "tokenizer_config_json": {"chat_template": "x"}
+        }))
+        .expect("bundle");
+        assert_eq!(b.tokenizer_json, r#"{"a":1}"#);
+        assert_eq!(b.tokenizer_config_json, r#"{"chat_template":"x"}"#);
+        assert_eq!(b.block_size, Some(16));
+        let bare = TokenizerBundle::parse(br#"{"tokenizer_json": "{}"}"#).expect("bundle");
+        assert_eq!(bare.tokenizer_config_json, "{}");
+        for (body, want) in [
+            (&br#"{"block_size": 16}"#[..], "tokenizer_json"),
+            (br#"[1]"#, "not a JSON object"),
+            (b"{", "not JSON"),
+            (br#"{"tokenizer_json": "{}", "extra_key_style": "odd"}"#, "odd"),
+            (br#"{"tokenizer_json": "{}", "block_size": 0}"#, "block_size 0 is out of range"),
+            (br#"{"tokenizer_json": "{}", "block_size": 5000}"#, "block_size 5000"),
+            (br#"{"tokenizer_json": "{}", "max_model_len": 0}"#, "max_model_len 0"),
+        ] {
+            let e = TokenizerBundle::parse(body).expect_err(want).to_string();
+            assert!(e.contains(want), "{e} (want {want})");
+        }
     }
 
     #[test]

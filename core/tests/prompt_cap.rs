@@ -3,58 +3,28 @@
 //! otherwise while tokenising, with a working set that follows the cap and not the prompt. Peak
 //! heap is measured with a counting allocator (run with `--nocapture` to see the figures).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use kvroute_core::request::{
     Endpoint, ModelFiles, ModelTokenizer, PromptTokens, RequestError, TokenizerOptions,
     MAX_PROMPT_BYTES_PER_TOKEN,
 };
+use kvroute_testkit::counting_alloc::CountingAllocator;
 use serde_json::{json, Value};
 
-struct Counting;
-
-static CURRENT: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards to the system allocator, only counting sizes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let now = CURRENT.fetch_add(layout.size(), Ordering::SeqCst) + layout.size();
-            PEAK.fetch_max(now, Ordering::SeqCst);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
-        CURRENT.fetch_sub(layout.size(), Ordering::SeqCst);
-    }
-}
-
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static HEAP: CountingAllocator = CountingAllocator::new();
 
 /// Serialises the tests: the peak counter is process-wide.
 static SERIAL: Mutex<()> = Mutex::new(());
 
 /// Heap bytes allocated at the peak of `f`, above what was live before it.
 fn peak_of<R>(f: impl FnOnce() -> R) -> (R, usize) {
-    let base = CURRENT.load(Ordering::SeqCst);
-    PEAK.store(base, Ordering::SeqCst);
-    let r = f();
-    (r, PEAK.load(Ordering::SeqCst).saturating_sub(base))
+    HEAP.peak_during(f)
 }
 
 fn tokenizer() -> ModelTokenizer {
-    let dir = std::env::var_os("KVROUTE_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/kvroute-cache/models/qwen3")
-        });
+    let dir = kvroute_testkit::paths::model_dir();
     let read = |f: &str| {
         std::fs::read(dir.join(f)).unwrap_or_else(|e| {
             panic!(

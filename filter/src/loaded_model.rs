@@ -13,7 +13,7 @@ use kvroute_core::router_key::request_keys;
 use serde_json::Value;
 
 use crate::config::{FilterConfig, ModelConfig};
-use crate::protocol::TokenizerBundle;
+use kvroute_core::api::TokenizerBundle;
 
 /// The OpenAI endpoint a routed path serves: the standard paths, else by suffix so that
 /// prefixed paths (`/openai/v1/chat/completions`) work too.
@@ -93,6 +93,7 @@ impl LoadedModel {
         cfg: &FilterConfig,
     ) -> Result<Self, String> {
         let TokenizerBundle {
+            model: _,
             tokenizer_json,
             tokenizer_config_json,
             block_size: announced_block_size,
@@ -101,8 +102,8 @@ impl LoadedModel {
             bpe_tables,
         } = bundle;
         let files = ModelFiles {
-            tokenizer_json,
-            tokenizer_config_json,
+            tokenizer_json: tokenizer_json.into_bytes(),
+            tokenizer_config_json: tokenizer_config_json.into_bytes(),
         };
         let opts = model_cfg
             .and_then(|m| m.tokenizer_options.clone())
@@ -115,7 +116,7 @@ impl LoadedModel {
         drop(files);
         let block_size = model_cfg
             .and_then(|m| m.block_size)
-            .or(announced_block_size)
+            .or(announced_block_size.map(|b| b as usize))
             .unwrap_or(cfg.default_block_size);
         // Configuration first, then what the indexer knows of the engines' vLLM version.
         let style: ExtraKeyStyle = model_cfg
@@ -124,7 +125,7 @@ impl LoadedModel {
             .unwrap_or_default();
         let max_prompt_tokens = model_cfg
             .and_then(|m| m.max_prompt_tokens)
-            .or(max_model_len)
+            .or(max_model_len.map(|n| n as usize))
             .or(tokenizer.model_max_length())
             .unwrap_or(DEFAULT_MAX_PROMPT_TOKENS);
         Ok(Self {

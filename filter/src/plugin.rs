@@ -10,8 +10,8 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvroute_core::api::{
-    check_contract, AgreementReport, ContractCheck, CONTRACT_HEADER, CONTRACT_VERSION_STR,
-    TOKENIZER_FORM_COMPACT,
+    check_contract, AgreementReport, ContractCheck, TokenizerBundle, CONTRACT_HEADER,
+    CONTRACT_VERSION_STR, TOKENIZER_FORM_COMPACT,
 };
 use serde_json::Value;
 
@@ -21,9 +21,7 @@ use crate::hlog;
 use crate::loaded_model::LoadedModel;
 use crate::metrics::Counter;
 use crate::models::{log_name, Lookup, ModelRegistry, RegistryPolicy};
-use crate::protocol::{
-    parse_tokenizer_answer, parse_tokenizer_bundle, percent_encode, TokenizerBundle,
-};
+use crate::protocol::percent_encode;
 use crate::seam::{CallId, CallReply, Callout, Host};
 
 /// How often the host should call [`Plugin::on_tick`].
@@ -192,7 +190,7 @@ impl Plugin {
                 reply.contract.as_deref().unwrap_or("(refused ours)"),
                 kvroute_core::api::CONTRACT_VERSION
             )),
-            Some(200) => parse_tokenizer_answer(&reply.body),
+            Some(200) => TokenizerBundle::parse(&reply.body).map_err(|e| e.to_string()),
             // 404, or any refusal of the name itself (414 URI too long, 400): a negative answer,
             // cached; not a failure to retry.
             Some(s) if (400..500).contains(&s) && s != 408 && s != 429 => {
@@ -284,7 +282,7 @@ impl Plugin {
                 )
             })?;
             let bundle =
-                parse_tokenizer_bundle(entry).map_err(|e| format!("models.{name}: {e}"))?;
+                TokenizerBundle::from_value(entry).map_err(|e| format!("models.{name}: {e}"))?;
             let loaded = LoadedModel::load(bundle, self.cfg.models.get(name), &self.cfg)
                 .map_err(|e| format!("models.{name}: tokenizer does not load: {e}"))?;
             if !self.models().loaded(name, loaded) {

@@ -3,10 +3,7 @@
 
 use std::net::SocketAddr;
 
-use kvroute_core::api::{check_contract, ContractCheck, RouteAnswer as WireAnswer};
-use kvroute_core::hashing::ExtraKeyStyle;
-use kvroute_core::request::BpeTables;
-use serde::Deserialize;
+use kvroute_core::api::{check_contract, CompleteReport, ContractCheck, RouteAnswer as WireAnswer};
 use serde_json::Value;
 
 /// Why a request was not routed (each is one `fail_open.<reason>` counter).
@@ -167,117 +164,6 @@ pub fn parse_status(value: Option<&str>) -> Option<u16> {
     value.and_then(|v| v.trim().parse().ok())
 }
 
-/// A model's tokenizer as served by the indexer (`GET /v1/models/{model}/tokenizer`) or given in
-/// the VM configuration.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TokenizerBundle {
-    /// `tokenizer.json` bytes (the compact document when `bpe_tables` is set).
-    pub tokenizer_json: Vec<u8>,
-    /// `tokenizer_config.json` bytes.
-    pub tokenizer_config_json: Vec<u8>,
-    /// Block size the engine runs with, if announced.
-    pub block_size: Option<usize>,
-    /// How the engines hash LoRA / cache_salt extra keys, if announced.
-    pub extra_key_style: Option<ExtraKeyStyle>,
-    /// The engines' context length (vLLM's `max_model_len`), if announced.
-    pub max_model_len: Option<usize>,
-    /// The compact form's vocabulary and merges (`kvroute_core::api::TokenizerBundle`).
-    pub bpe_tables: Option<BpeTables>,
-}
-
-/// A bundle's members as they arrive: the documents and numbers are checked by
-/// [`RawBundle::check`]; the tables deserialise straight into their vectors (no JSON tree of
-/// them is ever built); unknown members are ignored.
-#[derive(Deserialize)]
-struct RawBundle {
-    #[serde(default)]
-    tokenizer_json: Option<Value>,
-    #[serde(default)]
-    tokenizer_config_json: Option<Value>,
-    #[serde(default)]
-    block_size: Option<Value>,
-    #[serde(default)]
-    extra_key_style: Option<Value>,
-    #[serde(default)]
-    max_model_len: Option<Value>,
-    #[serde(default)]
-    bpe_tables: Option<BpeTables>,
-}
-
-/// A JSON document carried either as a string or inline as an object.
-fn json_doc_bytes(v: Value) -> Option<Vec<u8>> {
-    match v {
-        Value::String(s) => Some(s.into_bytes()),
-        Value::Object(_) => serde_json::to_vec(&v).ok(),
-        _ => None,
-    }
-}
-
-impl RawBundle {
-    fn check(self) -> Result<TokenizerBundle, String> {
-        let tokenizer_json = self
-            .tokenizer_json
-            .and_then(json_doc_bytes)
-            .ok_or("tokenizer answer has no tokenizer_json")?;
-        let tokenizer_config_json = self
-            .tokenizer_config_json
-            .and_then(json_doc_bytes)
-            .unwrap_or_else(|| b"{}".to_vec());
-        let block_size = self
-            .block_size
-            .as_ref()
-            .and_then(Value::as_u64)
-            .and_then(|b| usize::try_from(b).ok())
-            .filter(|b| (1..=4096).contains(b));
-        let extra_key_style = match self.extra_key_style {
-            None | Some(Value::Null) => None,
-            Some(v) => Some(
-                serde_json::from_value::<ExtraKeyStyle>(v.clone())
-                    .map_err(|_| format!("tokenizer answer has an unknown extra_key_style {v}"))?,
-            ),
-        };
-        let max_model_len = self
-            .max_model_len
-            .as_ref()
-            .and_then(Value::as_u64)
-            .and_then(|n| usize::try_from(n).ok())
-            .filter(|n| (1..=kvroute_core::request::MAX_SANE_MODEL_MAX_LENGTH).contains(n));
-        Ok(TokenizerBundle {
-            tokenizer_json,
-            tokenizer_config_json,
-            block_size,
-            extra_key_style,
-            max_model_len,
-            bpe_tables: self.bpe_tables,
-        })
-    }
-}
-
-/// Parses a tokenizer bundle object (the VM configuration's offline entries).
-pub fn parse_tokenizer_bundle(v: &Value) -> Result<TokenizerBundle, String> {
-    if !v.is_object() {
-        return Err("tokenizer answer is not a JSON object".into());
-    }
-    RawBundle::deserialize(v)
-        .map_err(|e| format!("tokenizer answer: {e}"))?
-        .check()
-}
-
-/// Parses the indexer's answer body to `GET /v1/models/{model}/tokenizer` straight from its
-/// bytes: in the compact form the vocabulary and merges land in their vectors without a JSON
-/// tree of them in between.
-pub fn parse_tokenizer_answer(body: &[u8]) -> Result<TokenizerBundle, String> {
-    match serde_json::from_slice::<RawBundle>(body) {
-        Ok(raw) => raw.check(),
-        // Tell "not an object" apart from other errors, as for the offline entries.
-        Err(e) => match serde_json::from_slice::<Value>(body) {
-            Ok(v) if !v.is_object() => Err("tokenizer answer is not a JSON object".into()),
-            Ok(_) => Err(format!("tokenizer answer: {e}")),
-            Err(e) => Err(format!("not JSON: {e}")),
-        },
-    }
-}
-
 /// How a routed request ended, for `POST /v1/complete`.
 #[derive(Debug, Clone, Copy)]
 pub struct Completion<'a> {
@@ -297,40 +183,34 @@ pub struct Completion<'a> {
     pub upstream: Option<&'a str>,
 }
 
-/// The body of `POST /v1/complete` for a routed request. Without a `decision_id` it is the
-/// original body (`request_id`, `endpoint`, `cached_tokens`), which older indexers accept.
+/// The body of `POST /v1/complete` for a routed request. Without a `decision_id` it carries only
+/// `request_id`, `endpoint` and `cached_tokens`, which indexers from before decision ids accept.
 pub fn complete_body(c: &Completion<'_>) -> Vec<u8> {
-    match c.decision_id {
-        Some(d) => {
-            let report = kvroute_core::api::CompleteReport {
-                decision_id: Some(d.to_string()),
-                callout_id: None,
-                ttft_us: c.ttft_us,
-                abandoned: c.abandoned,
-                request_id: Some(c.request_id.to_string()),
-                endpoint: Some(c.endpoint.to_string()),
-                cached_tokens: c.cached_tokens,
-                upstream: c.upstream.map(str::to_string),
-            };
-            serde_json::to_vec(&report).unwrap_or_default()
-        }
-        None => serde_json::json!({
-            "request_id": c.request_id,
-            "endpoint": c.endpoint,
-            "cached_tokens": c.cached_tokens,
-        })
-        .to_string()
-        .into_bytes(),
-    }
+    let keyed = c.decision_id.is_some();
+    let report = CompleteReport {
+        decision_id: c.decision_id.map(str::to_string),
+        callout_id: None,
+        ttft_us: c.ttft_us.filter(|_| keyed),
+        abandoned: c.abandoned && keyed,
+        request_id: Some(c.request_id.to_string()),
+        endpoint: Some(c.endpoint.to_string()),
+        cached_tokens: c.cached_tokens,
+        upstream: c.upstream.filter(|_| keyed).map(str::to_string),
+    };
+    serde_json::to_vec(&report).unwrap_or_default()
 }
 
 /// The body of `POST /v1/complete` abandoning a route call whose answer never reached the
 /// request (the client left while it was pending, or the call failed after the indexer may have
 /// counted it): the indexer releases that decision, or does not count it when it arrives later.
 pub fn abandon_body(callout_id: &str, request_id: &str) -> Vec<u8> {
-    serde_json::json!({"callout_id": callout_id, "request_id": request_id, "abandoned": true})
-        .to_string()
-        .into_bytes()
+    let report = CompleteReport {
+        callout_id: Some(callout_id.to_string()),
+        request_id: Some(request_id.to_string()),
+        abandoned: true,
+        ..CompleteReport::default()
+    };
+    serde_json::to_vec(&report).unwrap_or_default()
 }
 
 /// A route call id unique per VM: the VM's start time (ns) and a sequence number.
@@ -496,18 +376,6 @@ mod tests {
     }
 
     #[test]
-    fn an_unknown_key_style_in_a_bundle_is_an_error() {
-        let b =
-            parse_tokenizer_bundle(&json!({"tokenizer_json": "{}", "extra_key_style": "plain"}))
-                .unwrap();
-        assert_eq!(b.extra_key_style, Some(ExtraKeyStyle::Plain));
-        assert!(
-            parse_tokenizer_bundle(&json!({"tokenizer_json": "{}", "extra_key_style": "odd"}))
-                .is_err()
-        );
-    }
-
-    #[test]
     fn status_header_parses() {
         assert_eq!(parse_status(Some("200")), Some(200));
         assert_eq!(parse_status(Some("x")), None);
@@ -545,20 +413,6 @@ mod tests {
         };
         let s = serde_json::to_string(&with_max).unwrap();
         assert!(s.contains(r#""max_tokens":64"#), "{s}");
-    }
-
-    #[test]
-    fn tokenizer_bundles_accept_strings_or_objects() {
-        let b = parse_tokenizer_bundle(&json!({
-            "model": "qwen3", "block_size": 16,
-            "tokenizer_json": "{\"a\":1}", "tokenizer_config_json": {"chat_template": "x"}
-        }))
-        .unwrap();
-        assert_eq!(b.tokenizer_json, br#"{"a":1}"#);
-        assert_eq!(b.tokenizer_config_json, br#"{"chat_template":"x"}"#);
-        assert_eq!(b.block_size, Some(16));
-        assert!(parse_tokenizer_bundle(&json!({"block_size": 16})).is_err());
-        assert!(parse_tokenizer_bundle(&json!([1])).is_err());
     }
 
     #[test]
@@ -617,7 +471,7 @@ mod tests {
         let v: Value = serde_json::from_slice(&complete_body(&legacy)).unwrap();
         assert_eq!(
             v,
-            json!({"request_id":"r","endpoint":"127.0.0.1:1","cached_tokens":null}),
+            json!({"request_id":"r","endpoint":"127.0.0.1:1"}),
             "an older indexer gets the body it knows"
         );
         let keyed = Completion {

@@ -4,10 +4,10 @@
 use kvroute_core::request::{Endpoint, ModelFiles, ModelTokenizer, TokenizerOptions};
 use kvroute_filter::config::FilterConfig;
 use kvroute_filter::loaded_model::LoadedModel;
-use kvroute_filter::protocol::TokenizerBundle;
+use kvroute_core::api::TokenizerBundle;
 use serde_json::json;
 
-fn bundle(block_size: Option<usize>) -> TokenizerBundle {
+fn bundle(block_size: Option<u32>) -> TokenizerBundle {
     let dir = std::env::var_os("KVROUTE_MODEL_DIR")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| {
@@ -15,7 +15,7 @@ fn bundle(block_size: Option<usize>) -> TokenizerBundle {
                 .join("../target/kvroute-cache/models/qwen3")
         });
     let read = |f: &str| {
-        std::fs::read(dir.join(f)).unwrap_or_else(|e| {
+        std::fs::read_to_string(dir.join(f)).unwrap_or_else(|e| {
             panic!(
                 "{} missing ({e}): run `cargo xtask setup`",
                 dir.join(f).display()
@@ -26,9 +26,7 @@ fn bundle(block_size: Option<usize>) -> TokenizerBundle {
         tokenizer_json: read("tokenizer.json"),
         tokenizer_config_json: read("tokenizer_config.json"),
         block_size,
-        extra_key_style: None,
-        max_model_len: None,
-        bpe_tables: None,
+        ..TokenizerBundle::default()
     }
 }
 
@@ -49,8 +47,8 @@ fn chat_requests_become_the_core_tokens_and_keys() {
         .expect("prepare");
     // Same ids as the core tokenizer used directly (what the indexer and the sim compute).
     let files = ModelFiles {
-        tokenizer_json: bundle(None).tokenizer_json,
-        tokenizer_config_json: bundle(None).tokenizer_config_json,
+        tokenizer_json: bundle(None).tokenizer_json.into_bytes(),
+        tokenizer_config_json: bundle(None).tokenizer_config_json.into_bytes(),
     };
     let tok = ModelTokenizer::from_files(&files, TokenizerOptions::default()).expect("tokenizer");
     let ids = match tok

@@ -7,50 +7,18 @@
 //! `cargo test -p kvroute-filter --test vm_memory -- --nocapture` prints the table; the test
 //! asserts that the load peaks stay within the budget the lean VM is sized for.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use kvroute_core::request::Endpoint;
 use kvroute_filter::config::FilterConfig;
 use kvroute_filter::loaded_model::LoadedModel;
-use kvroute_filter::protocol::parse_tokenizer_answer;
+use kvroute_testkit::counting_alloc::CountingAllocator;
+use kvroute_testkit::paths::model_dir;
 use kvroute_testkit::text::filler;
 use serde_json::{json, Value};
 
-struct Counting;
-
-static CURRENT: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards to the system allocator, only counting sizes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let now = CURRENT.fetch_add(layout.size(), Ordering::SeqCst) + layout.size();
-            PEAK.fetch_max(now, Ordering::SeqCst);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
-        CURRENT.fetch_sub(layout.size(), Ordering::SeqCst);
-    }
-}
-
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static HEAP: CountingAllocator = CountingAllocator::new();
 
 const MIB: f64 = 1048576.0;
-
-fn model_dir() -> PathBuf {
-    std::env::var_os("KVROUTE_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/kvroute-cache/models/qwen3")
-        })
-}
 
 /// The indexer's answer to `GET /v1/models/qwen3/tokenizer` in the given form, as bytes.
 fn answer(compact: bool) -> Vec<u8> {
@@ -83,16 +51,15 @@ struct Phases {
 
 impl Phases {
     fn new() -> Self {
-        let start = CURRENT.load(Ordering::SeqCst);
-        PEAK.store(start, Ordering::SeqCst);
+        let start = HEAP.reset_peak();
         Self {
             start,
             rows: Vec::new(),
         }
     }
     fn mark(&mut self, name: &str) -> f64 {
-        let live = CURRENT.load(Ordering::SeqCst).saturating_sub(self.start) as f64 / MIB;
-        let peak = PEAK.load(Ordering::SeqCst).saturating_sub(self.start) as f64 / MIB;
+        let live = HEAP.current().saturating_sub(self.start) as f64 / MIB;
+        let peak = HEAP.peak().saturating_sub(self.start) as f64 / MIB;
         self.rows.push((name.to_owned(), live, peak));
         peak
     }
@@ -114,7 +81,7 @@ fn vm_life(compact: bool) -> (f64, f64) {
     let mut p = Phases::new();
     let body = std::hint::black_box(body.clone());
     p.mark(&format!("answer body ({:.1} MiB)", body.len() as f64 / MIB));
-    let bundle = parse_tokenizer_answer(&body).expect("answer parses");
+    let bundle = kvroute_core::api::TokenizerBundle::parse(&body).expect("answer parses");
     p.mark("answer parsed");
     drop(body);
     let model =

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use kvroute_core::hashing::{ExtraKeyStyle, HashAlgo, HashConfig};
 use kvroute_core::scoring::ScoringConfig;
@@ -92,7 +93,7 @@ pub struct Config {
     pub calibration: kvroute_core::calibration::CalibrationConfig,
     /// How long routed requests count as in flight without a completion (`[inflight]`).
     #[serde(default)]
-    pub inflight: crate::load::InflightConfig,
+    pub inflight: InflightConfig,
     /// How recomputation after eviction is recognised (`[reuse]`).
     #[serde(default)]
     pub reuse: crate::reuse::ReuseConfig,
@@ -785,6 +786,93 @@ pub fn expand_ranks(list: &[String], dp: u32) -> Vec<String> {
                 .map(|p| format!("tcp://{host}:{p}"))
         })
         .collect()
+}
+
+
+/// `[inflight]`: how long a routed request counts as in flight without a completion.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct InflightConfig {
+    /// Shortest lifetime of a decision without a completion, in ms (default 30000).
+    #[serde(default = "default_expiry_floor_ms")]
+    pub expiry_floor_ms: u64,
+    /// Longest lifetime of a decision without a completion, in ms (default 600000).
+    #[serde(default = "default_expiry_cap_ms")]
+    pub expiry_cap_ms: u64,
+    /// Decode rate of one request assumed for the deadline, tokens/s (default 20; keep it low:
+    /// a request that outlives its deadline stops counting as load).
+    #[serde(default = "default_decode_tokens_per_s")]
+    pub decode_tokens_per_s: f64,
+    /// Output length assumed when the route request has no `max_tokens` (default 2048).
+    #[serde(default = "default_max_tokens")]
+    pub default_max_tokens: u64,
+    /// Most decisions (and early abandons) remembered (default 200000).
+    #[serde(default = "default_max_pending")]
+    pub max_pending: usize,
+}
+
+impl Default for InflightConfig {
+    fn default() -> Self {
+        Self {
+            expiry_floor_ms: default_expiry_floor_ms(),
+            expiry_cap_ms: default_expiry_cap_ms(),
+            decode_tokens_per_s: default_decode_tokens_per_s(),
+            default_max_tokens: default_max_tokens(),
+            max_pending: default_max_pending(),
+        }
+    }
+}
+fn default_expiry_floor_ms() -> u64 {
+    30_000
+}
+fn default_expiry_cap_ms() -> u64 {
+    600_000
+}
+fn default_decode_tokens_per_s() -> f64 {
+    20.0
+}
+fn default_max_tokens() -> u64 {
+    2048
+}
+fn default_max_pending() -> usize {
+    200_000
+}
+
+impl InflightConfig {
+    /// Checks the fields; the error is (field, message).
+    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+        if self.expiry_floor_ms == 0 {
+            return Err(("expiry_floor_ms", "must be > 0".into()));
+        }
+        if self.expiry_cap_ms < self.expiry_floor_ms {
+            return Err(("expiry_cap_ms", "must be >= expiry_floor_ms".into()));
+        }
+        if !(self.decode_tokens_per_s.is_finite() && self.decode_tokens_per_s > 0.0) {
+            return Err(("decode_tokens_per_s", "must be a number > 0".into()));
+        }
+        if self.max_pending == 0 {
+            return Err(("max_pending", "must be > 0".into()));
+        }
+        Ok(())
+    }
+
+    /// The shortest lifetime.
+    pub fn floor(&self) -> Duration {
+        Duration::from_millis(self.expiry_floor_ms)
+    }
+
+    /// The longest lifetime.
+    pub fn cap(&self) -> Duration {
+        Duration::from_millis(self.expiry_cap_ms.max(self.expiry_floor_ms))
+    }
+
+    /// Estimated decode time of `max_tokens` (the default when `None`), at most the cap.
+    pub fn decode_time(&self, max_tokens: Option<u64>) -> Duration {
+        let tokens = max_tokens.unwrap_or(self.default_max_tokens) as f64;
+        Duration::try_from_secs_f64(tokens / self.decode_tokens_per_s)
+            .unwrap_or(self.cap())
+            .min(self.cap())
+    }
 }
 
 #[cfg(test)]

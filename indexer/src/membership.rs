@@ -156,7 +156,7 @@ pub struct ScrapedLoad {
     /// Running + waiting requests per engine (DP rank), from the `engine` label.
     pub busy_by_engine: std::collections::BTreeMap<u32, f64>,
     /// The engine's reuse counters of the last successful scrape.
-    pub reuse: crate::scrape::EngineReuse,
+    pub reuse: EngineReuse,
 }
 
 /// A replica of one model.
@@ -582,6 +582,17 @@ fn resolve_wildcard(ep: &str, host: &str) -> String {
         }
     }
     ep.to_string()
+}
+
+/// The engine's own reuse counters (totals since it started), read by `assess`.
+#[derive(Debug, Default, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct EngineReuse {
+    /// `vllm:prefix_cache_hits_total`: prompt tokens served from the prefix cache.
+    pub cache_hit_tokens: f64,
+    /// `vllm:prefix_cache_queries_total`: prompt tokens looked up in it.
+    pub cache_query_tokens: f64,
+    /// `vllm:num_preemptions_total`.
+    pub preemptions: f64,
 }
 
 #[cfg(test)]

@@ -7,17 +7,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::api::CandidateExplain;
-use kvroute_core::hashing::{usable_hit_blocks, LoraRef, RequestExtras};
+use kvroute_core::hashing::{LoraRef, RequestExtras};
 use kvroute_core::router_key::{request_keys, RouterKey};
 use kvroute_core::scoring::{
-    Candidate, Decision, DecisionReason, Load, MatchedBlocks, ReplicaRates, RequestShape, Scored,
-    ScoringConfig,
+    Candidate, Decision, DecisionReason, MatchedBlocks, ReplicaRates, RequestShape, Scored,
 };
 
 use crate::load::NewDecision;
+pub use crate::lookup::{
+    exact_matches, now_ms, replica_rates, Lookup, RemoteRecord, RequestKeys, RoutePolicy,
+};
 use crate::membership::{lock, Replica};
 use crate::policies::route_policy;
-use crate::state::{AppState, ModelRuntime};
+use crate::state::AppState;
 
 /// Block size assumed while neither the config nor an event has told it.
 pub const FALLBACK_BLOCK_SIZE: u32 = 16;
@@ -46,26 +48,6 @@ impl RouteError {
             RouteError::BadRequest(_) => 400,
             RouteError::NoReplica(_) => 503,
         }
-    }
-}
-
-/// The model, its block size and the request's router keys and prompt length.
-pub struct RequestKeys {
-    /// Model settings.
-    pub model: Arc<ModelRuntime>,
-    /// Block size used.
-    pub block_size: u32,
-    /// Router keys of the full blocks.
-    pub keys: Vec<RouterKey>,
-    /// Prompt length in tokens.
-    pub num_tokens: usize,
-}
-
-impl RequestKeys {
-    /// Keys that could be hits (the last token is always recomputed).
-    pub fn usable(&self) -> &[RouterKey] {
-        let n = usable_hit_blocks(self.num_tokens, self.block_size as usize).min(self.keys.len());
-        &self.keys[..n]
     }
 }
 
@@ -130,42 +112,6 @@ pub fn request_router_keys(
     }
 }
 
-/// Per replica (same order as `replicas`), its best match over its DP ranks.
-pub fn exact_matches(
-    state: &AppState,
-    replicas: &[Arc<Replica>],
-    keys: &[RouterKey],
-) -> Vec<MatchedBlocks> {
-    let found = state.index.lookup(keys, now_ms());
-    replicas
-        .iter()
-        .map(|r| {
-            let ids = r.index_ids();
-            found
-                .iter()
-                .filter(|m| ids.contains(&m.replica))
-                .map(|m| MatchedBlocks {
-                    gpu: m.gpu,
-                    cpu: m.cpu,
-                    storage: m.storage,
-                    predicted: m.predicted,
-                })
-                .max_by_key(|m| (m.total(), m.gpu))
-                .unwrap_or_default()
-        })
-        .collect()
-}
-
-/// Milliseconds on the index's clock (monotonic since process start).
-pub fn now_ms() -> u64 {
-    use std::sync::OnceLock;
-    static START: OnceLock<std::time::Instant> = OnceLock::new();
-    START
-        .get_or_init(std::time::Instant::now)
-        .elapsed()
-        .as_millis() as u64
-}
-
 /// How long `uncached_blocks` of prefill take at `rates`.
 fn prefill_estimate(rates: &ReplicaRates, uncached_blocks: u32, block_size: u32) -> Duration {
     let tokens = f64::from(uncached_blocks) * f64::from(block_size);
@@ -174,131 +120,6 @@ fn prefill_estimate(rates: &ReplicaRates, uncached_blocks: u32, block_size: u32)
         return Duration::ZERO;
     }
     Duration::try_from_secs_f64(tokens / rate).unwrap_or(crate::load::MAX_PREFILL_ESTIMATE)
-}
-
-/// A replica's rates: calibrated from its metrics, or the configured priors.
-pub fn replica_rates(
-    cfg: &ScoringConfig,
-    r: &Replica,
-    calibration: &kvroute_core::calibration::CalibrationConfig,
-) -> ReplicaRates {
-    lock(&r.calibration)
-        .as_ref()
-        .map_or_else(|| cfg.prior_rates(), |c| c.rates(calibration))
-}
-
-/// Everything the policies may look at: the replicas of the model, in order, as candidates.
-pub struct Lookup<'a> {
-    /// The indexer.
-    pub state: &'a AppState,
-    /// The request's keys and model.
-    pub keys: RequestKeys,
-    /// The model's replicas (candidates are in this order).
-    pub replicas: Vec<Arc<Replica>>,
-    /// The request, as the cost model sees it.
-    pub shape: RequestShape,
-    /// Session key (body, else header).
-    pub session: Option<&'a str>,
-    /// Seed for random choices.
-    pub seed: u64,
-    /// Requests expected per second at each healthy replica.
-    pub arrival_rate_per_replica: f64,
-}
-
-impl Lookup<'_> {
-    /// Usable router keys (could be hits).
-    pub fn usable(&self) -> &[RouterKey] {
-        self.keys.usable()
-    }
-
-    /// The candidates with `matched` (per replica, in order; missing = nothing matched).
-    pub fn candidates(&self, matched: &[MatchedBlocks]) -> Vec<Candidate> {
-        let state = self.state;
-        let stale_after = state.stale_after();
-        let bs = u64::from(self.keys.block_size);
-        self.replicas
-            .iter()
-            .enumerate()
-            .map(|(i, r)| {
-                let s = lock(&r.scraped).clone();
-                let get = |a: &std::sync::atomic::AtomicI64| a.load(Ordering::Relaxed).max(0);
-                Candidate {
-                    replica: i as u32,
-                    matched: matched.get(i).copied().unwrap_or_default(),
-                    load: Load {
-                        in_flight: clamp_u32(get(&r.in_flight)),
-                        waiting: s.waiting.max(0.0) as u32,
-                        running: s.running.max(0.0) as u32,
-                        kv_usage: s.kv_usage as f32,
-                        pending_prefill_tokens: (get(&r.pending_prefill_blocks) as u64)
-                            .saturating_mul(bs),
-                        pending_prefill_requests: clamp_u32(get(&r.pending_prefill_requests)),
-                        in_flight_uncached_tokens: (get(&r.in_flight_uncached_blocks) as u64)
-                            .saturating_mul(bs),
-                        // Requests in flight are on average half way through their output.
-                        remaining_output_tokens: get(&r.remaining_output_tokens) as u64 / 2,
-                        arrival_rate_per_s: self.arrival_rate_per_replica,
-                        kv_release: state.load.kv_release(r, |r| {
-                            replica_rates(&state.config.scoring, r, &state.config.calibration)
-                                .decode_step_s
-                        }),
-                    },
-                    rates: replica_rates(&state.config.scoring, r, &state.config.calibration),
-                    healthy: r.healthy(),
-                    stale: r.stale(stale_after),
-                }
-            })
-            .collect()
-    }
-}
-
-fn clamp_u32(v: i64) -> u32 {
-    u32::try_from(v.max(0)).unwrap_or(u32::MAX)
-}
-
-/// A routing policy: what it believes each replica holds, how it chooses, what it remembers.
-pub trait RoutePolicy: Send + Sync {
-    /// Per replica (in [`Lookup::replicas`] order), the request's blocks this policy believes are
-    /// cached there. Default: none (cache-blind policies).
-    fn matches(&self, _lookup: &Lookup<'_>) -> Vec<MatchedBlocks> {
-        Vec::new()
-    }
-
-    /// Chooses among `cands`; `Some(reason)` overrides the decision's own reason label.
-    fn choose(
-        &self,
-        lookup: &Lookup<'_>,
-        cands: &[Candidate],
-    ) -> Option<(Decision, Option<&'static str>)>;
-
-    /// Remembers the decision (predicted entries, router-side guesses, session bindings).
-    fn record(&self, _lookup: &Lookup<'_>, _chosen: &Replica) {}
-
-    /// What peer gateways need to replay [`RoutePolicy::record`] for this decision: the number of
-    /// leading usable blocks they need not be told about, and the router keys after them.
-    /// Default: nothing.
-    fn shared_keys<'a>(
-        &self,
-        _lookup: &'a Lookup<'_>,
-        _matched: &MatchedBlocks,
-    ) -> (u32, &'a [RouterKey]) {
-        (0, &[])
-    }
-
-    /// Replays a peer gateway's decision as [`RoutePolicy::record`] did there.
-    fn record_remote(&self, _state: &AppState, _remote: &RemoteRecord<'_>) {}
-}
-
-/// A peer gateway's decision, as a policy replays it (see `crate::peers`).
-pub struct RemoteRecord<'a> {
-    /// Model name.
-    pub model: &'a str,
-    /// The replica it chose.
-    pub replica: &'a Replica,
-    /// The router keys it shared ([`RoutePolicy::shared_keys`]).
-    pub keys: &'a [RouterKey],
-    /// The request's session, if any.
-    pub session: Option<&'a str>,
 }
 
 /// Decides where a request goes and records the decision (load, predicted entries, policy state).

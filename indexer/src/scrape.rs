@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use kvroute_core::calibration::{EngineTotals, ReplicaCalibration};
 use kvroute_core::prometheus;
 
+pub use crate::membership::EngineReuse;
 use crate::membership::{lock, Replica};
 use crate::state::AppState;
 
@@ -31,17 +32,6 @@ pub struct EngineMetrics {
     pub totals: EngineTotals,
     /// Prefix-cache and preemption counters, summed over engines.
     pub reuse: EngineReuse,
-}
-
-/// The engine's own reuse counters (totals since it started), read by `assess`.
-#[derive(Debug, Default, Clone, Copy, PartialEq, serde::Serialize)]
-pub struct EngineReuse {
-    /// `vllm:prefix_cache_hits_total`: prompt tokens served from the prefix cache.
-    pub cache_hit_tokens: f64,
-    /// `vllm:prefix_cache_queries_total`: prompt tokens looked up in it.
-    pub cache_query_tokens: f64,
-    /// `vllm:num_preemptions_total`.
-    pub preemptions: f64,
 }
 
 /// Parses Prometheus text exposition (only the series kvroute needs).

@@ -13,7 +13,7 @@ use crate::config::{hash_config, Config};
 use crate::index::{IndexConfig, SharedIndex};
 use crate::load::LoadTracker;
 use crate::membership::{lock, Fleet};
-use crate::policies::{Policy, PolicyState};
+use crate::policy_state::{Policy, PolicyState};
 
 /// Per-model settings used at run time.
 #[derive(Debug)]

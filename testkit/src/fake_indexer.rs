@@ -4,6 +4,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use kvroute_core::api::{RouteAnswer, RouteRequest};
 use serde_json::Value;
 
 use crate::fake_server::{Reply, TestServer};
@@ -91,27 +92,39 @@ impl FakeIndexer {
                 return Reply::text(204, "");
             }
             if req.path == "/v1/route" {
-                let body: Value = serde_json::from_slice(&req.body).unwrap_or(Value::Null);
-                if body.get("model").and_then(Value::as_str) != Some(model) {
+                // The real contract types: a body the indexer would refuse is refused here too.
+                let body = match serde_json::from_slice::<RouteRequest>(&req.body) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        return Reply::json(400, &serde_json::json!({"error": e.to_string()}))
+                    }
+                };
+                if body.model != model {
                     return Reply::json(404, &serde_json::json!({"error": "unknown model"}));
                 }
+                let to = |endpoint: &str| RouteAnswer {
+                    endpoint: endpoint.to_string(),
+                    ..RouteAnswer::default()
+                };
                 let mode = r2.lock().expect("lock").clone();
                 return match mode {
                     RouteMode::To(ep) => Reply::json(
                         200,
-                        &serde_json::json!({"endpoint": ep, "replica": "fake", "reason": "test"}),
+                        &RouteAnswer {
+                            replica: "fake".into(),
+                            reason: "test".into(),
+                            ..to(&ep)
+                        },
                     ),
                     RouteMode::Slow(d, ep) => Reply {
                         delay: d,
-                        ..Reply::json(200, &serde_json::json!({"endpoint": ep}))
+                        ..Reply::json(200, &to(&ep))
                     },
                     RouteMode::Status(s) => {
                         Reply::json(s, &serde_json::json!({"error": "injected"}))
                     }
                     RouteMode::Garbage => Reply::text(200, "<html>surprise</html>"),
-                    RouteMode::BadEndpoint => {
-                        Reply::json(200, &serde_json::json!({"endpoint": "replica-0.svc:8000"}))
-                    }
+                    RouteMode::BadEndpoint => Reply::json(200, &to("replica-0.svc:8000")),
                 };
             }
             Reply::text(404, "no such path")

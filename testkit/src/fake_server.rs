@@ -9,7 +9,6 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
 
-use serde_json::Value;
 
 #[derive(Debug, Clone)]
 pub struct Request {
@@ -27,11 +26,11 @@ pub struct Reply {
 }
 
 impl Reply {
-    pub fn json(status: u16, v: &Value) -> Reply {
+    pub fn json(status: u16, v: &impl serde::Serialize) -> Reply {
         Reply {
             status,
             content_type: "application/json",
-            body: v.to_string().into_bytes(),
+            body: serde_json::to_vec(v).expect("a JSON body serialises"),
             delay: Duration::ZERO,
         }
     }

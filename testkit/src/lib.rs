@@ -14,11 +14,12 @@
 //! * [`fleet`]: `kvroute-sim` replicas and `kvroute-indexer` for end-to-end tests;
 //!   [`stack`]: the whole stack (replicas, indexer, Envoy) for xtask and the benchmark.
 //! * [`peer_install`]: peer routers (LiteLLM, vllm-router, ...) pinned, each in its own venv.
-//! * [`text`]: deterministic filler prompts.
+//! * [`text`]: deterministic filler prompts; [`counting_alloc`]: heap bytes and their peak.
 //! * [`cases`], [`json`], [`mutate`]: proptest configuration and hostile-input strategies.
 
 pub mod cases;
 pub mod cmd;
+pub mod counting_alloc;
 pub mod fake_indexer;
 pub mod fake_server;
 pub mod filter_build;

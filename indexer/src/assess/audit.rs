@@ -83,6 +83,34 @@ pub struct AuditReport {
     pub divergences: Vec<Divergence>,
 }
 
+impl AuditReport {
+    /// "N blocks examined", and how many were not kept when the memory bound was reached.
+    pub fn examined(&self) -> String {
+        match self.blocks_dropped {
+            0 => format!("{} blocks examined", self.blocks),
+            n => format!(
+                "{} blocks examined, {n} not kept (--audit-max-blocks)",
+                self.blocks
+            ),
+        }
+    }
+}
+
+impl Divergence {
+    /// The divergence's figures as the report's renderings show them: at token, differing
+    /// tokens, requests, families, tokens stored again, share of stored (`"12.5 %"`).
+    pub fn cells(&self) -> [String; 6] {
+        [
+            self.position_tokens.to_string(),
+            self.differing_tokens.to_string(),
+            self.requests.to_string(),
+            self.families.to_string(),
+            self.reuse_destroyed_tokens.to_string(),
+            format!("{:.1} %", self.reuse_destroyed_share * 100.0),
+        ]
+    }
+}
+
 impl PromptAudit {
     /// An empty audit keeping at most `max_blocks` blocks over all models.
     pub fn new(max_blocks: usize) -> Self {

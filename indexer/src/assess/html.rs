@@ -97,16 +97,7 @@ fn model_section(out: &mut String, m: &ModelReport) {
 
 /// The prompt audit's divergences (`--audit`) as a table, with the text under `--show-text`.
 fn audit_section(out: &mut String, a: &super::audit::AuditReport) {
-    let _ = writeln!(
-        out,
-        "<h3>Prompt audit</h3><p>{} blocks examined{}.</p>",
-        a.blocks,
-        if a.blocks_dropped > 0 {
-            format!(", {} not kept (memory bound)", a.blocks_dropped)
-        } else {
-            String::new()
-        }
-    );
+    let _ = writeln!(out, "<h3>Prompt audit</h3><p>{}.</p>", a.examined());
     if a.divergences.is_empty() {
         out.push_str("<p>No early divergence found.</p>\n");
         return;
@@ -116,16 +107,11 @@ fn audit_section(out: &mut String, a: &super::audit::AuditReport) {
          <th>families</th><th>tokens stored again</th><th>of stored</th></tr>\n",
     );
     for d in &a.divergences {
-        let _ = writeln!(
-            out,
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.1} %</td></tr>",
-            d.position_tokens,
-            d.differing_tokens,
-            d.requests,
-            d.families,
-            d.reuse_destroyed_tokens,
-            d.reuse_destroyed_share * 100.0
-        );
+        out.push_str("<tr>");
+        for cell in d.cells() {
+            let _ = write!(out, "<td>{cell}</td>");
+        }
+        out.push_str("</tr>\n");
     }
     out.push_str("</table>\n");
     for d in &a.divergences {

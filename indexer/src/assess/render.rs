@@ -74,33 +74,20 @@ pub fn text(r: &Report) -> String {
             }
         }
         if let Some(a) = &m.audit {
-            let _ = writeln!(
-                out,
-                "  prompt audit: {} blocks examined{}; {}",
-                a.blocks,
-                if a.blocks_dropped > 0 {
-                    format!(" ({} not kept: --audit-max-blocks)", a.blocks_dropped)
-                } else {
-                    String::new()
-                },
-                if a.divergences.is_empty() {
-                    "no early divergence found".to_string()
-                } else {
-                    format!("{} divergence(s):", a.divergences.len())
-                }
-            );
+            let found = if a.divergences.is_empty() {
+                "no early divergence found".to_string()
+            } else {
+                format!("{} divergence(s):", a.divergences.len())
+            };
+            let _ = writeln!(out, "  prompt audit: {}; {found}", a.examined());
             for d in &a.divergences {
+                let [at, differing, requests, families, again, share] = d.cells();
                 let _ = writeln!(
                     out,
-                    "    at token {} ({} differing tokens): {} request(s) in {} famil{}; {} tokens \
-                     stored again that would have been reused ({:.1} % of stored)",
-                    d.position_tokens,
-                    d.differing_tokens,
-                    d.requests,
-                    d.families,
+                    "    at token {at} ({differing} differing tokens): {requests} request(s) in \
+                     {families} famil{}; {again} tokens stored again that would have been reused \
+                     ({share} of stored)",
                     if d.families == 1 { "y" } else { "ies" },
-                    d.reuse_destroyed_tokens,
-                    d.reuse_destroyed_share * 100.0
                 );
                 for line in d.text.iter().flatten() {
                     let _ = writeln!(out, "      text: {line:?}");

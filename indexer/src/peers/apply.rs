@@ -12,7 +12,7 @@ use super::PeerLink;
 use crate::load::{NewDecision, MAX_PREFILL_ESTIMATE};
 use crate::membership::lock;
 use crate::policies::route_policy;
-use crate::route::RemoteRecord;
+use crate::lookup::RemoteRecord;
 use crate::state::AppState;
 
 /// Applies one message received on the peers channel (undecodable, foreign-version, own and
