@@ -10,9 +10,11 @@
 
 mod agentic;
 mod assess;
+mod assess_checks;
 pub mod chat_traffic;
 mod filter_costs;
 mod fleet;
+mod goal_check;
 mod ideal;
 mod peers;
 mod policies;

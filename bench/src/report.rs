@@ -9,7 +9,8 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 
-use super::assess;
+use super::assess_checks;
+pub use super::goal_check::GoalCheck;
 use super::policies::Policy;
 use super::scaleout;
 use super::summary::RunSummary;
@@ -49,19 +50,6 @@ pub struct WorkloadResults {
     pub notes: Vec<String>,
     /// Every run of it (all load points, fleets and policies).
     pub runs: Vec<RunSummary>,
-}
-
-/// A goal and whether a run met it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GoalCheck {
-    /// The goal.
-    pub goal: String,
-    /// Workload, fleet and load it was checked on.
-    pub scope: String,
-    /// The numbers.
-    pub measured: String,
-    /// Met, missed, or could not be checked (None).
-    pub met: Option<bool>,
 }
 
 fn fmt_ms(v: Option<f64>) -> String {
@@ -120,7 +108,7 @@ pub fn check_goals(results: &[WorkloadResults]) -> Vec<GoalCheck> {
                 .find(|r| r.policy == Policy::Shadow.name())
             {
                 let scope = format!("{}, {}, {load}", w.name, fleet(shadow));
-                checks.extend(assess::checks(&w.name, &scope, shadow, find(Policy::Kv)));
+                checks.extend(assess_checks::checks(&w.name, &scope, shadow, find(Policy::Kv)));
             }
             let Some(kv) = find(Policy::Kv) else { continue };
             let scope = format!("{}, {}, {load}", w.name, fleet(kv));

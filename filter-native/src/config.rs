@@ -12,19 +12,13 @@ use kvroute_filter::seam::{CallId, CallReply, Callout};
 use serde_json::Value;
 
 use crate::envoy::{CalloutRequest, CalloutStart, ConfigHandle};
-use crate::host::{log_error, ConfigHost};
+use crate::config_host::{ConfigHost, ConfigSide};
+use crate::envoy::log_error;
 use crate::main_thread::{MainThread, EVENT_FLUSH, EVENT_TICK};
 
 /// Most detached callouts (completion reports) waiting for the main thread; more are refused (and
 /// counted as `complete_failed`), so a stalled main thread cannot grow memory without bound.
 const MAX_QUEUED_CALLOUTS: usize = 4096;
-
-/// The configuration's Envoy side and stat ids: what a [`ConfigHost`] needs.
-#[derive(Debug)]
-pub struct ConfigSide {
-    pub envoy: ConfigHandle,
-    pub metrics: MetricIds<usize>,
-}
 
 /// A callout issued on the configuration's behalf once the main thread runs.
 #[derive(Debug)]
@@ -157,7 +151,7 @@ impl NativeConfig {
                 timeout_ms: u64::try_from(call.timeout.as_millis()).unwrap_or(u64::MAX),
             };
             if let CalloutStart::Refused(code) = self.side.envoy.http_callout(&request) {
-                crate::host::log_debug(&format!(
+                crate::envoy::log_debug(&format!(
                     "kvroute: queued report to {} not sent (callout refused: {code})",
                     call.cluster
                 ));

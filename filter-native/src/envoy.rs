@@ -47,6 +47,16 @@ pub fn log(level: abi::CEnum, message: &str) {
     }
 }
 
+/// Logs an error line (for the adapter's own failures).
+pub fn log_error(message: &str) {
+    log(abi::LOG_ERROR, message);
+}
+
+/// Logs a debug line (for the adapter's own events).
+pub fn log_debug(message: &str) {
+    log(abi::LOG_DEBUG, message);
+}
+
 /// Copies an Envoy-owned buffer.
 fn envoy_bytes(buffer: EnvoyBuffer) -> Vec<u8> {
     if buffer.ptr.is_null() || buffer.length == 0 {

@@ -21,7 +21,7 @@ use crate::abi_check;
 use crate::config::NativeConfig;
 use crate::envoy::{self, CalloutResponse, ConfigHandle, Stream};
 use crate::filter::StreamFilter;
-use crate::host::log_error;
+use crate::envoy::log_error;
 
 /// Largest route answer read from a stream's callout (bytes).
 const MAX_ROUTE_ANSWER: usize = 1 << 20;

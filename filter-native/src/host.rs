@@ -1,8 +1,6 @@
-//! The filter's host seam over Envoy's dynamic-module callbacks: [`ConfigHost`] (the `Host` of the
-//! shared plugin, on the main thread) and [`NativeStreamHost`] (the `StreamHost` of one request,
-//! on its worker).
-
-use std::time::{SystemTime, UNIX_EPOCH};
+//! The filter's host seam over Envoy's dynamic-module callbacks for one request:
+//! [`NativeStreamHost`] (the `StreamHost` of a stream, on its worker). The shared plugin's host is
+//! `crate::config_host`.
 
 use kvroute_filter::metrics::{Histogram, Metric};
 use kvroute_filter::seam::{
@@ -10,94 +8,9 @@ use kvroute_filter::seam::{
 };
 
 use crate::abi::{self, CEnum};
-use crate::config::{ConfigSide, NativeConfig};
-use crate::envoy::{self, CalloutRequest, CalloutStart, Stream};
-
-/// Logs an error line (for the adapter's own failures).
-pub fn log_error(message: &str) {
-    envoy::log(abi::LOG_ERROR, message);
-}
-
-/// Logs a debug line (for the adapter's own events).
-pub fn log_debug(message: &str) {
-    envoy::log(abi::LOG_DEBUG, message);
-}
-
-fn level(level: Level) -> CEnum {
-    match level {
-        Level::Trace => abi::LOG_TRACE,
-        Level::Debug => abi::LOG_DEBUG,
-        Level::Info => abi::LOG_INFO,
-        Level::Warn => abi::LOG_WARN,
-        Level::Error => abi::LOG_ERROR,
-    }
-}
-
-fn now_nanos() -> Option<u64> {
-    let since = SystemTime::now().duration_since(UNIX_EPOCH).ok()?;
-    u64::try_from(since.as_nanos()).ok()
-}
-
-fn timeout_ms(call: &Callout<'_>) -> u64 {
-    u64::try_from(call.timeout.as_millis()).unwrap_or(u64::MAX)
-}
-
-fn started(start: CalloutStart) -> HostResult<CallId> {
-    match start {
-        CalloutStart::Started(id) => Ok(CallId(id)),
-        CalloutStart::Refused(abi::CALLOUT_INIT_CLUSTER_NOT_FOUND) => {
-            Err(HostError::UnknownCluster)
-        }
-        CalloutStart::Refused(code) => Err(HostError::Failed(format!(
-            "callout refused (http_callout_init_result {code})"
-        ))),
-    }
-}
-
-/// The plugin's host: the configuration's callouts and counters (main thread).
-pub struct ConfigHost<'a> {
-    side: &'a ConfigSide,
-}
-
-impl<'a> ConfigHost<'a> {
-    /// The host of the configuration `side`.
-    pub fn new(side: &'a ConfigSide) -> Self {
-        Self { side }
-    }
-}
-
-impl Host for ConfigHost<'_> {
-    fn now_nanos(&self) -> Option<u64> {
-        now_nanos()
-    }
-
-    fn increment(&self, metric: Metric) {
-        if let Some(id) = self.side.metrics.get(metric) {
-            self.side.envoy.increment(id);
-        }
-    }
-
-    fn record(&self, _histogram: Histogram, _value: u64) {
-        // The plugin records no histograms; the per-request ones go through the stream.
-    }
-
-    fn log_enabled(&self, at: Level) -> bool {
-        envoy::log_enabled(level(at))
-    }
-
-    fn log(&self, at: Level, message: &str) {
-        envoy::log(level(at), message);
-    }
-
-    fn dispatch(&mut self, call: &Callout<'_>) -> HostResult<CallId> {
-        started(self.side.envoy.http_callout(&CalloutRequest {
-            cluster: call.cluster,
-            headers: call.headers,
-            body: call.body.unwrap_or_default(),
-            timeout_ms: timeout_ms(call),
-        }))
-    }
-}
+use crate::config::NativeConfig;
+use crate::config_host::{level, now_nanos, started, timeout_ms};
+use crate::envoy::{self, CalloutRequest, Stream};
 
 /// One request's host: the stream's headers, bodies and callouts (its worker thread, during a
 /// hook).

@@ -11,7 +11,8 @@
 //! * [`envoy`]: safe wrappers over the callbacks (headers, bodies, callouts, local replies,
 //!   metrics, the configuration scheduler, logging); every `unsafe` block of the crate outside
 //!   [`hooks`] lives there.
-//! * [`host`]: the filter's host seam ([`kvroute_filter::seam`]) over those wrappers.
+//! * [`host`], [`config_host`]: the filter's host seam ([`kvroute_filter::seam`]) over those wrappers,
+//!   for a request and for the shared plugin.
 //! * [`config`]: one filter configuration: the shared [`kvroute_filter::plugin::Plugin`] (one
 //!   tokenizer and one segment cache per process), stat ids, queued detached callouts.
 //! * [`main_thread`]: the configuration scheduler and the ticker that drives tokenizer fetches.
@@ -26,6 +27,7 @@
 pub mod abi;
 pub mod abi_check;
 pub mod config;
+pub mod config_host;
 pub mod envoy;
 pub mod filter;
 pub mod hooks;

@@ -47,7 +47,7 @@ impl MainThread {
             .spawn(move || ticker.run_ticker(tick));
         match spawned {
             Ok(handle) => *lock(&this.ticker) = Some(handle),
-            Err(e) => crate::host::log_error(&format!(
+            Err(e) => crate::envoy::log_error(&format!(
                 "kvroute: cannot start the tick thread ({e}); tokenizer fetches are tried once"
             )),
         }

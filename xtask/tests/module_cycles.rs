@@ -23,6 +23,8 @@ struct Module {
     refs: Vec<(ModPath, Vec<String>, usize)>,
     /// Names bound by `use` (public or not): (module, name) -> the path as written.
     bindings: BTreeMap<(ModPath, String), Vec<String>>,
+    /// `#[macro_export]` macros defined here (Rust places them at the crate root).
+    exported_macros: BTreeSet<String>,
 }
 
 /// `#[cfg(test)]` on an item.
@@ -121,6 +123,15 @@ impl<'ast> Visit<'ast> for Collector<'_> {
         }
     }
 
+    fn visit_item_macro(&mut self, m: &'ast syn::ItemMacro) {
+        if let Some(name) = &m.ident {
+            if m.attrs.iter().any(|a| a.path().is_ident("macro_export")) {
+                self.module.exported_macros.insert(name.to_string());
+            }
+        }
+        syn::visit::visit_item_macro(self, m);
+    }
+
     fn visit_path(&mut self, p: &'ast syn::Path) {
         if p.segments.len() > 1 && p.leading_colon.is_none() {
             let line = p.segments[0].ident.span().start().line;
@@ -174,6 +185,7 @@ fn load(root: &Path) -> BTreeMap<ModPath, Module> {
             inline: BTreeSet::from([path.clone()]),
             refs: Vec::new(),
             bindings: BTreeMap::new(),
+            exported_macros: BTreeSet::new(),
         };
         Collector {
             module: &mut module,
@@ -230,6 +242,12 @@ fn absolute(mods: &BTreeMap<ModPath, Module>, at: &ModPath, path: &[String]) -> 
 /// leads out of the crate, e.g. a `use` of another crate's module).
 fn resolve(mods: &BTreeMap<ModPath, Module>, path: Vec<String>, depth: usize) -> Option<ModPath> {
     let (file_mod, rest) = owner(mods, &path)?;
+    // `crate::m!` names a `#[macro_export]` macro: it lives in the file that defines it.
+    if let (true, Some(name)) = (file_mod.is_empty(), rest.first()) {
+        if let Some((k, _)) = mods.iter().find(|(_, m)| m.exported_macros.contains(name)) {
+            return Some(k.clone());
+        }
+    }
     if depth < 8 {
         if let Some(name) = rest.first() {
             let module_path = path[..path.len() - rest.len()].to_vec();

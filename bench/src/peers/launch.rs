@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
 use super::install::Installed;
-use super::{Launch, PeerEnv, PromptForm, ReplicaInfo, RunningPeer};
+use super::spec::{Launch, PeerEnv, PromptForm, ReplicaInfo, RunningPeer};
 use crate::http;
 use crate::stack::render;
 use crate::supervisor::{self, PortPool, Supervisor};

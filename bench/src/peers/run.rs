@@ -10,7 +10,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 
-use super::{PeerEnv, PeerPolicy, PromptForm, ReplicaInfo, RouterCost, TextVocab};
+use super::catalogue::PeerPolicy;
+use super::spec::{PeerEnv, PromptForm, ReplicaInfo};
+use crate::router_usage::RouterCost;
+use crate::text_vocab::TextVocab;
 use crate::replay::{self, ClientForm, Progress, ReplayConfig};
 use crate::replica_counters::ReplicaCounters;
 use crate::stack::Stack;
