@@ -12,6 +12,9 @@
 use serde::{Deserialize, Serialize};
 
 use crate::hashing::ExtraKeyStyle;
+/// Part of this contract (in `/v1/models/{model}/agreement`), defined beside the code that
+/// computes it.
+pub use crate::request::TokenizerDigest;
 use crate::scoring::{CostTerms, Load, ReplicaRates};
 
 /// Version of this contract. Raise it with any change an older peer would misread.
@@ -377,38 +380,6 @@ impl TokenizerBundle {
             bpe_tables,
             ..Self::default()
         })
-    }
-}
-
-/// What one side loaded for a model, as short fingerprints (the first 16 hex digits of SHA-256):
-/// the filter and the indexer each compute it from the tokenizer they built
-/// (`ModelTokenizer::digest`), so equal digests mean both render and tokenise alike.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TokenizerDigest {
-    /// `tokenizer.json` (vocabulary, normaliser, pre-tokeniser, added tokens).
-    pub tokenizer: String,
-    /// The chat template(s) in use and the special tokens templates see.
-    pub template: String,
-    /// The rendering options (trusted request templates, content format, default template
-    /// arguments, tools with `tool_choice: none`).
-    pub options: String,
-}
-
-impl TokenizerDigest {
-    /// The parts that differ between two digests (`tokenizer`, `template`, `options`).
-    pub fn differences(&self, other: &Self) -> Vec<&'static str> {
-        let mut parts = Vec::new();
-        if self.tokenizer != other.tokenizer {
-            parts.push("tokenizer");
-        }
-        if self.template != other.template {
-            parts.push("template");
-        }
-        if self.options != other.options {
-            parts.push("options");
-        }
-        parts
     }
 }
 

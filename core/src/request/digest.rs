@@ -8,7 +8,7 @@ use tokenizers::Tokenizer;
 
 use super::chat_template::ChatTemplates;
 use super::TokenizerOptions;
-use crate::api::TokenizerDigest;
+use serde::{Deserialize, Serialize};
 
 /// The first 16 hex digits of SHA-256 over `parts`, each prefixed with its length.
 fn fingerprint(parts: &[&[u8]]) -> String {
@@ -76,5 +76,37 @@ pub(crate) fn digest(
         tokenizer: tokenizer_fingerprint(tokenizer),
         template: fingerprint(&template_parts),
         options: fingerprint(&[options.as_bytes()]),
+    }
+}
+
+/// What one side loaded for a model, as short fingerprints (the first 16 hex digits of SHA-256):
+/// the filter and the indexer each compute it from the tokenizer they built
+/// (`ModelTokenizer::digest`), so equal digests mean both render and tokenise alike.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizerDigest {
+    /// `tokenizer.json` (vocabulary, normaliser, pre-tokeniser, added tokens).
+    pub tokenizer: String,
+    /// The chat template(s) in use and the special tokens templates see.
+    pub template: String,
+    /// The rendering options (trusted request templates, content format, default template
+    /// arguments, tools with `tool_choice: none`).
+    pub options: String,
+}
+
+impl TokenizerDigest {
+    /// The parts that differ between two digests (`tokenizer`, `template`, `options`).
+    pub fn differences(&self, other: &Self) -> Vec<&'static str> {
+        let mut parts = Vec::new();
+        if self.tokenizer != other.tokenizer {
+            parts.push("tokenizer");
+        }
+        if self.template != other.template {
+            parts.push("template");
+        }
+        if self.options != other.options {
+            parts.push("options");
+        }
+        parts
     }
 }

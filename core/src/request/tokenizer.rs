@@ -91,7 +91,7 @@ pub struct ModelTokenizer {
     cache: Mutex<SegmentCache>,
     opts: TokenizerOptions,
     model_max_length: Option<usize>,
-    digest: crate::api::TokenizerDigest,
+    digest: super::digest::TokenizerDigest,
 }
 
 impl std::fmt::Debug for ModelTokenizer {
@@ -214,8 +214,8 @@ impl ModelTokenizer {
         })
     }
 
-    /// Fingerprints of what this tokenizer was built from (see [`crate::api::TokenizerDigest`]).
-    pub fn digest(&self) -> &crate::api::TokenizerDigest {
+    /// Fingerprints of what this tokenizer was built from (see [`super::digest::TokenizerDigest`]).
+    pub fn digest(&self) -> &super::digest::TokenizerDigest {
         &self.digest
     }
 

@@ -113,3 +113,10 @@ impl ScoringConfig {
         Ok(())
     }
 }
+
+/// The configured priors ([`ScoringConfig::prior_rates`] of the default configuration).
+impl Default for ReplicaRates {
+    fn default() -> Self {
+        super::ScoringConfig::default().prior_rates()
+    }
+}

@@ -183,12 +183,6 @@ pub struct ReplicaRates {
     pub kv_capacity_blocks: u32,
 }
 
-impl Default for ReplicaRates {
-    fn default() -> Self {
-        super::ScoringConfig::default().prior_rates()
-    }
-}
-
 /// One replica the request could go to.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Candidate {

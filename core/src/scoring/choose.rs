@@ -1,0 +1,158 @@
+//! The decision: every eligible candidate predicted, the cheapest chosen, near-ties broken by
+//! power-of-two random choices ([`choose`]); why ([`DecisionReason`]).
+
+use serde::{Deserialize, Serialize};
+
+use super::config::ScoringConfig;
+use super::inputs::{Candidate, MatchedBlocks, RequestShape};
+use super::predict::{predict, CostTerms};
+use crate::rng::SplitMix64;
+
+
+/// Why a replica was chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecisionReason {
+    /// The chosen replica holds the longest prefix and was predicted fastest.
+    PrefixHit,
+    /// No eligible replica holds any prefix of the request: chosen by predicted wait alone.
+    Load,
+    /// A replica holding a longer prefix was predicted slower (queue, KV pressure, harm).
+    LoadOverPrefix,
+    /// Round-robin policy.
+    RoundRobin,
+    /// Uniform random policy.
+    Random,
+}
+
+impl DecisionReason {
+    /// The stable snake_case name used in responses and metrics labels.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            DecisionReason::PrefixHit => "prefix_hit",
+            DecisionReason::Load => "load",
+            DecisionReason::LoadOverPrefix => "load_over_prefix",
+            DecisionReason::RoundRobin => "round_robin",
+            DecisionReason::Random => "random",
+        }
+    }
+
+    /// Every reason, for metrics that list each.
+    pub const ALL: [DecisionReason; 5] = [
+        DecisionReason::PrefixHit,
+        DecisionReason::Load,
+        DecisionReason::LoadOverPrefix,
+        DecisionReason::RoundRobin,
+        DecisionReason::Random,
+    ];
+}
+
+impl core::fmt::Display for DecisionReason {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One eligible candidate's prediction.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Scored {
+    /// The candidate's `replica`.
+    pub replica: u32,
+    /// Its terms.
+    pub terms: CostTerms,
+}
+
+/// The choice and everything that explains it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Decision {
+    /// The chosen candidate's `replica`.
+    pub replica: u32,
+    /// Why it was chosen.
+    pub reason: DecisionReason,
+    /// Its matched blocks.
+    pub matched: MatchedBlocks,
+    /// Its terms (zero for the policies that do not predict).
+    pub terms: CostTerms,
+    /// Second-cheapest candidate and its cost in seconds, if any.
+    pub runner_up: Option<(u32, f64)>,
+    /// How many candidates were tied at the best cost (1 = no tie).
+    pub tied: u32,
+    /// How many candidates were eligible (healthy).
+    pub eligible: u32,
+    /// Every eligible candidate's prediction, in input order (empty for round robin and random).
+    pub candidates: Vec<Scored>,
+}
+
+/// Picks the replica for `req` among `cands`. Returns `None` when no candidate is healthy.
+///
+/// Deterministic for a given `rng_seed`; pass a per-request seed so ties spread across replicas.
+pub fn choose(
+    cfg: &ScoringConfig,
+    req: &RequestShape,
+    cands: &[Candidate],
+    rng_seed: u64,
+) -> Option<Decision> {
+    let eligible: Vec<&Candidate> = cands.iter().filter(|c| c.healthy).collect();
+    if eligible.is_empty() {
+        return None;
+    }
+    let scored: Vec<Scored> = eligible
+        .iter()
+        .map(|c| Scored {
+            replica: c.replica,
+            terms: predict(cfg, req, c),
+        })
+        .collect();
+    let best = scored
+        .iter()
+        .map(|s| s.terms.cost_s)
+        .fold(f64::INFINITY, f64::min);
+    let tied: Vec<usize> = (0..scored.len())
+        .filter(|&i| scored[i].terms.cost_s <= best + cfg.tie_tolerance_s)
+        .collect();
+    let pick = match tied.len() {
+        0 => return None,
+        1 => tied[0],
+        len => {
+            // Power of two choices among the tied: two distinct draws, the less busy wins.
+            let mut rng = SplitMix64::new(rng_seed);
+            let ia = rng.below(len);
+            let mut ib = rng.below(len - 1);
+            if ib >= ia {
+                ib += 1;
+            }
+            let (a, b) = (tied[ia], tied[ib]);
+            if eligible[b].load.in_flight < eligible[a].load.in_flight {
+                b
+            } else {
+                a
+            }
+        }
+    };
+
+    let hit = |s: &Scored| s.terms.gpu_hit_tokens + s.terms.offload_hit_tokens;
+    let longest = scored.iter().map(hit).max().unwrap_or(0);
+    let chosen = scored[pick];
+    let reason = if longest == 0 {
+        DecisionReason::Load
+    } else if hit(&chosen) >= longest {
+        DecisionReason::PrefixHit
+    } else {
+        DecisionReason::LoadOverPrefix
+    };
+    let runner_up = (0..scored.len())
+        .filter(|&i| i != pick)
+        .min_by(|&a, &b| scored[a].terms.cost_s.total_cmp(&scored[b].terms.cost_s))
+        .map(|i| (scored[i].replica, scored[i].terms.cost_s));
+
+    Some(Decision {
+        replica: chosen.replica,
+        reason,
+        matched: eligible[pick].matched,
+        terms: chosen.terms,
+        runner_up,
+        tied: tied.len() as u32,
+        eligible: eligible.len() as u32,
+        candidates: scored,
+    })
+}
