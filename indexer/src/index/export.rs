@@ -5,7 +5,9 @@
 use serde::{Deserialize, Serialize};
 
 use super::slab::{media_of, slot_of, FLAG_ALIASED};
-use super::{ApplyOutcome, IndexConfig, IndexError, KvIndex, ReplicaId};
+use super::kv_index::{
+    ApplyOutcome, IndexConfig, IndexError, KvIndex, ReplicaId, MEDIA_CPU, MEDIA_GPU, MEDIA_STORAGE,
+};
 
 /// The snapshot format version this build writes and reads (2: flat arrays; 1 had one record
 /// with two lists per block, which made the copy under the index lock slow).
@@ -148,7 +150,7 @@ impl KvIndex {
                     return Err(IndexError::SnapshotCorrupt);
                 };
                 let media = (h & 0xff) as u8;
-                for bit in [super::MEDIA_GPU, super::MEDIA_CPU, super::MEDIA_STORAGE] {
+                for bit in [MEDIA_GPU, MEDIA_CPU, MEDIA_STORAGE] {
                     if media & bit != 0 {
                         ix.store_one(slot, key, engine_hash, bit, &mut out);
                     }

@@ -11,7 +11,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
-use super::IdBuildHasher;
+use super::hasher::IdBuildHasher;
 
 #[derive(Debug, Default)]
 pub(crate) struct PredictedStore {

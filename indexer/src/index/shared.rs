@@ -21,7 +21,8 @@ use std::sync::{Mutex, MutexGuard};
 use kvroute_core::events::KvEvent;
 use kvroute_core::router_key::RouterKey;
 
-use super::{IndexConfig, IndexError, IndexSnapshot, IndexStats, KvIndex, ReplicaId, ReplicaMatch};
+use super::export::IndexSnapshot;
+use super::kv_index::{IndexConfig, IndexError, IndexStats, KvIndex, ReplicaId, ReplicaMatch};
 
 /// What applying one batch of events did.
 #[derive(Debug, Default)]
