@@ -15,9 +15,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
 
-pub use crate::router_usage::{RouterCost, Usage};
-pub use catalogue::{peer_policies, select, PeerPolicy};
-pub use install::Product;
+pub use catalogue::{select, PeerPolicy};
 pub use spec::PeerEnv;
 use kvroute_testkit::peer_install as install;
 
@@ -153,6 +151,9 @@ pub use report::PeerFacts;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::router_usage::{RouterCost, Usage};
+    use catalogue::peer_policies;
+    use install::Product;
 
     #[test]
     fn every_product_has_a_line_and_names_are_unique() {

@@ -22,6 +22,7 @@ mod digest;
 mod error;
 mod model_files;
 mod openai;
+mod options;
 mod prompt;
 mod segment_cache;
 mod segmenter;
@@ -36,7 +37,8 @@ pub use prompt::{
     MAX_PROMPT_BYTES_PER_TOKEN, MAX_SANE_MODEL_MAX_LENGTH,
 };
 pub use segment_cache::SegmentCacheStats;
-pub use tokenizer::{ModelTokenizer, TokenizerOptions};
+pub use options::TokenizerOptions;
+pub use tokenizer::ModelTokenizer;
 
 #[cfg(test)]
 mod tests {
