@@ -151,7 +151,7 @@ pub fn bound(uncached: &[u64], model: &SimLatency) -> Option<IdealBound> {
 #[cfg(test)]
 mod tests {
     use super::super::policies::ceiling_hits;
-    use super::super::workloads::{BenchRequest, Segment, Workload};
+    use super::super::workloads::{workload_of, Segment};
     use super::*;
 
     const HELP: &str = "Options:
@@ -227,23 +227,7 @@ mod tests {
         let a = Segment::new("a", 0, 48);
         let b = Segment::new("b", 0, 32);
         let c = Segment::new("c", 0, 160);
-        let requests = [vec![a], vec![a, b], vec![c]]
-            .into_iter()
-            .enumerate()
-            .map(|(i, segments)| BenchRequest {
-                at_ms: i as f64,
-                segments,
-                max_tokens: 1,
-                session: i.to_string(),
-            })
-            .collect();
-        let w = Workload {
-            name: "t".into(),
-            rate: None,
-            description: String::new(),
-            requests,
-            notes: Vec::new(),
-        };
+        let w = workload_of(vec![vec![a], vec![a, b], vec![c]]);
         let hits = ceiling_hits(&w, 16);
         assert_eq!(hits, [0, 48, 0]);
         let uncached: Vec<u64> = w

@@ -49,17 +49,6 @@ pub enum Policy {
 }
 
 impl Policy {
-    /// Every policy, in report order.
-    pub const ALL: [Policy; 7] = [
-        Policy::Kv,
-        Policy::RoundRobin,
-        Policy::LeastRequest,
-        Policy::Random,
-        Policy::Session,
-        Policy::ApproxPrefix,
-        Policy::Shadow,
-    ];
-
     /// The policies run when `--policies` names none (every routing policy; not `shadow`, a
     /// measurement of round robin).
     pub const DEFAULT: [Policy; 6] = [
@@ -70,6 +59,12 @@ impl Policy {
         Policy::Session,
         Policy::ApproxPrefix,
     ];
+
+    /// Every policy, in report order: the default ones, then `shadow`.
+    pub const ALL: [Policy; 7] = {
+        let d = Self::DEFAULT;
+        [d[0], d[1], d[2], d[3], d[4], d[5], Policy::Shadow]
+    };
 
     /// Name in tables and on the command line.
     pub fn name(self) -> &'static str {
@@ -130,24 +125,29 @@ impl Policy {
             own_groups: Vec::new(),
         };
         match (self, self.indexer_policy()) {
-            (_, Some(policy)) => {
-                stack.start_indexer(policy)?;
-                stack.start_kvroute_envoy()?;
-                Ok(router(stack.kvroute_addr()))
-            }
-            (Policy::Shadow, None) => {
-                stack.start_assess(&assess_report_path(work_dir))?;
-                stack.start_kvroute_envoy_shadow()?;
-                Ok(router(stack.kvroute_addr()))
-            }
-            (Policy::Session, None) => start_session_envoy(stack, envoy, work_dir),
-            (_, None) => {
+            (Policy::Session, _) => start_session_envoy(stack, envoy, work_dir),
+            (Policy::RoundRobin | Policy::LeastRequest, _) => {
                 let lb = match self {
                     Policy::RoundRobin => "ROUND_ROBIN",
                     _ => "LEAST_REQUEST",
                 };
                 stack.start_baseline_envoy(lb)?;
                 Ok(router(stack.baseline_addr()))
+            }
+            // Through kvroute's Envoy: the indexer routes, or (`shadow`) Envoy's round robin
+            // routes while assess watches.
+            (_, policy) => {
+                match policy {
+                    Some(policy) => {
+                        stack.start_indexer(policy)?;
+                        stack.start_kvroute_envoy()?;
+                    }
+                    None => {
+                        stack.start_assess(&assess_report_path(work_dir))?;
+                        stack.start_kvroute_envoy_shadow()?;
+                    }
+                }
+                Ok(router(stack.kvroute_addr()))
             }
         }
     }
@@ -305,27 +305,8 @@ fn chain_key(parent: u64, block: &[u32]) -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::workloads::{BenchRequest, Segment, SharedPrefix};
+    use super::super::workloads::{workload_of as workload, Segment, SharedPrefix};
     use super::*;
-
-    fn workload(requests: Vec<Vec<Segment>>) -> Workload {
-        Workload {
-            name: "t".into(),
-            rate: None,
-            description: String::new(),
-            requests: requests
-                .into_iter()
-                .enumerate()
-                .map(|(i, segments)| BenchRequest {
-                    at_ms: i as f64,
-                    segments,
-                    max_tokens: 1,
-                    session: i.to_string(),
-                })
-                .collect(),
-            notes: Vec::new(),
-        }
-    }
 
     #[test]
     fn policies_parse_and_print() {

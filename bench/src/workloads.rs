@@ -645,6 +645,27 @@ fn shuffle<T>(items: &mut [T], rng: &mut Rng) {
     }
 }
 
+/// A test workload of `requests` (one a millisecond, each its own session, one output token).
+#[cfg(test)]
+pub(crate) fn workload_of(requests: Vec<Vec<Segment>>) -> Workload {
+    Workload {
+        name: "t".into(),
+        rate: None,
+        description: String::new(),
+        requests: requests
+            .into_iter()
+            .enumerate()
+            .map(|(i, segments)| BenchRequest {
+                at_ms: i as f64,
+                segments,
+                max_tokens: 1,
+                session: i.to_string(),
+            })
+            .collect(),
+        notes: Vec::new(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
