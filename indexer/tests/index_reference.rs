@@ -929,8 +929,14 @@ fn register(ix: &mut KvIndex, re: &mut Reference, layouts: &Layouts) {
                 medium: None,
                 group,
             };
-            let _ = ix.apply(r as u32, &stored_event(&store, &re.salts, layouts));
-            let _ = re.store(&keys, layouts, &store);
+            // Under a small budget the index may refuse a new group's bookkeeping: the
+            // reference then does not learn that group either.
+            if ix
+                .apply(r as u32, &stored_event(&store, &re.salts, layouts))
+                .is_ok()
+            {
+                let _ = re.store(&keys, layouts, &store);
+            }
             let _ = ix.apply(r as u32, &removed_event(&remove, &re.salts, layouts));
             re.remove(layouts, &remove);
         }

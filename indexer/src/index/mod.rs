@@ -166,6 +166,17 @@ pub enum IndexError {
         /// Blocks in the dropped event.
         blocks: usize,
     },
+    /// A `BlockStored` from a (replica, KV cache group) the index has no slot for, when the
+    /// memory budget cannot hold the new slot's bookkeeping even after evicting everything else.
+    #[error("replica {replica}: no room in the index budget for KV cache group {group}; {blocks} blocks dropped")]
+    NoRoomForGroup {
+        /// The replica.
+        replica: ReplicaId,
+        /// The event's KV cache group.
+        group: u8,
+        /// Blocks in the dropped event.
+        blocks: usize,
+    },
     /// More replicas than a holder can name (2^24).
     #[error("too many replicas in one index (limit {limit})")]
     TooManyReplicas {
@@ -460,6 +471,10 @@ const ALIAS_NODE_ENTRY_BYTES: usize = 8 + 4 + 1 + 3;
 const NODE_ALIASES_ENTRY_BYTES: usize = 4 + 24 + 1 + 3;
 /// Heap bytes of one alias in its node's `Vec`.
 const ALIAS_HEAP_BYTES: usize = 8;
+/// Bytes per item of `slot_of` (key, slot), of `layouts` (replica, vector) and of one layout.
+const SLOT_OF_ENTRY_BYTES: usize = 16;
+const LAYOUTS_ENTRY_BYTES: usize = 32;
+const LAYOUT_ENTRY_BYTES: usize = std::mem::size_of::<Option<LearnedGroup>>();
 
 /// Bytes a map of `len` items may allocate on its next insert: nothing while it has room, else a
 /// table twice its allocated capacity `cap_hwm` (a resize holds the old and the new table at once,
@@ -469,6 +484,16 @@ fn map_growth(len: usize, capacity: usize, cap_hwm: usize, entry_bytes: usize) -
         return 0;
     }
     (cap_hwm.max(capacity) * 2).max(4) * entry_bytes
+}
+
+/// Bytes a vector of `len` items with room for `capacity` may allocate to hold `want` items: the
+/// standard library's amortised growth (twice the capacity, at least `want`, at least 4) as a
+/// whole new buffer, since the old one is held while the items move.
+fn vec_growth(len: usize, capacity: usize, want: usize, item_bytes: usize) -> usize {
+    if want <= capacity || want <= len {
+        return 0;
+    }
+    (capacity * 2).max(want).max(4) * item_bytes
 }
 
 fn table_growth(t: &HashTable<u32>) -> usize {
@@ -629,12 +654,12 @@ impl KvIndex {
             + self.node_aliases_cap * NODE_ALIASES_ENTRY_BYTES
             + self.stats.engine_hash_aliases as usize * ALIAS_HEAP_BYTES
             + self.slots.capacity() * std::mem::size_of::<Option<SlotInfo>>()
-            + self.slot_of.capacity() * 16
-            + self.layouts.capacity() * 32
+            + self.slot_of.capacity() * SLOT_OF_ENTRY_BYTES
+            + self.layouts.capacity() * LAYOUTS_ENTRY_BYTES
             + self
                 .layouts
                 .values()
-                .map(|l| l.capacity() * 12)
+                .map(|l| l.capacity() * LAYOUT_ENTRY_BYTES)
                 .sum::<usize>()
     }
 
@@ -647,6 +672,49 @@ impl KvIndex {
             .get(slot as usize)
             .and_then(|s| s.as_ref())
             .map(|s| s.replica)
+    }
+
+    /// Bytes that registering (`replica`, `group`) may allocate: its slot, its entry in the slot
+    /// map, its layout (an upper bound: see [`vec_growth`] and [`map_growth`]). Zero when the slot
+    /// exists.
+    fn registration_growth(&self, replica: ReplicaId, group: u8) -> usize {
+        if self.slot_of.contains_key(&slot_key(replica, group)) {
+            return 0;
+        }
+        let slot_bytes = std::mem::size_of::<Option<SlotInfo>>();
+        let slots = if self.free_slots.is_empty() {
+            vec_growth(
+                self.slots.len(),
+                self.slots.capacity(),
+                self.slots.len() + 1,
+                slot_bytes,
+            )
+        } else {
+            0
+        };
+        let slot_of = map_growth(
+            self.slot_of.len(),
+            self.slot_of.capacity(),
+            self.slot_of.capacity(),
+            SLOT_OF_ENTRY_BYTES,
+        );
+        let layout = match self.layouts.get(&replica) {
+            Some(l) => vec_growth(
+                l.len(),
+                l.capacity(),
+                usize::from(group) + 1,
+                LAYOUT_ENTRY_BYTES,
+            ),
+            None => {
+                map_growth(
+                    self.layouts.len(),
+                    self.layouts.capacity(),
+                    self.layouts.capacity(),
+                    LAYOUTS_ENTRY_BYTES,
+                ) + vec_growth(0, 0, usize::from(group) + 1, LAYOUT_ENTRY_BYTES)
+            }
+        };
+        slots + slot_of + layout
     }
 
     /// The dense slot of `replica`, registering it if new.
@@ -814,6 +882,17 @@ impl KvIndex {
                 return Err(IndexError::InvalidEvent { replica, source });
             }
         };
+        let mut out = ApplyOutcome::default();
+        let growth = self.registration_growth(replica, group);
+        if growth > 0 && !self.make_room(growth, None, &mut out) {
+            let blocks = st.block_hashes.len();
+            self.stats.dropped_for_budget += blocks as u64;
+            return Err(IndexError::NoRoomForGroup {
+                replica,
+                group,
+                blocks,
+            });
+        }
         let slot = self.slot(replica, group)?;
         self.learn_group(
             replica,
@@ -824,7 +903,6 @@ impl KvIndex {
             },
         );
         let bit = media_bit(st.medium.unwrap_or_default());
-        let mut out = ApplyOutcome::default();
         for (key, h) in keys.iter().zip(&st.block_hashes) {
             self.store_one(slot, key.0, h.as_u64(), bit, &mut out);
         }

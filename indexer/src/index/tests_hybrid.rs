@@ -275,3 +275,29 @@ fn gemma3_like_cost_per_block_and_the_budget_holds() {
     }
     assert!(ix.stats().evicted_for_budget > 0);
 }
+
+#[test]
+fn a_new_group_that_cannot_fit_the_budget_is_refused_and_counted() {
+    // Room for the first group's blocks and little more: the bookkeeping of a fresh
+    // (replica, group) pair must fit too, or its event is refused whole.
+    let mut probe = KvIndex::default();
+    apply(&mut probe, 0, &stored_in(0, None, 1, 0..2));
+    let max_bytes = probe.stats().bytes_estimate as usize;
+    let mut ix = KvIndex::new(IndexConfig {
+        max_bytes,
+        ..IndexConfig::default()
+    });
+    apply(&mut ix, 0, &stored_in(0, None, 1, 0..2));
+    let mut refused = 0;
+    for g in 1..8 {
+        match ix.apply(1 + g as u32, &stored_in(g, None, 1, 0..2)) {
+            Err(IndexError::NoRoomForGroup { blocks: 2, .. }) => refused += 1,
+            Err(e) => panic!("unexpected error {e}"),
+            Ok(_) => {}
+        }
+        let s = ix.stats();
+        assert!(s.bytes_estimate <= max_bytes as u64, "group {g}: {s:?}");
+    }
+    assert!(refused > 0, "the budget never bound");
+    assert_eq!(ix.stats().dropped_for_budget, 2 * refused);
+}
