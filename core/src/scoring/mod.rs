@@ -127,11 +127,8 @@ pub fn choose(
             terms: predict(cfg, req, c),
         })
         .collect();
-    let Some(best) = (0..scored.len())
-        .min_by(|&a, &b| scored[a].terms.cost_s.total_cmp(&scored[b].terms.cost_s))
-    else {
-        return None;
-    };
+    let best = (0..scored.len())
+        .min_by(|&a, &b| scored[a].terms.cost_s.total_cmp(&scored[b].terms.cost_s))?;
     // The engine moves in steps: predictions closer than one step of the best candidate's engine
     // cannot be told apart. Among them, the one that computes the fewest tokens wins (it leaves
     // the most capacity and KV to the fleet), and only then the replicas' loads break the tie.
