@@ -1023,6 +1023,7 @@ pub(crate) mod tests {
             ideal: None,
             scale_out: None,
             assess: None,
+            hit_prediction: None,
         }
     }
 

@@ -11,10 +11,11 @@
 //! is ([`ReplicaRates`], calibrated online from the engines' own metrics). The terms are in
 //! [`predict`]; `docs/scoring.md` derives them.
 //!
-//! The cheapest candidate wins. Candidates within `tie_tolerance_s` of the best are tied and the
-//! tie is broken by power-of-two random choices (two distinct tied candidates drawn with the
-//! caller's seed, the one with fewer in-flight requests wins), so a fleet of idle replicas never
-//! sends everything to replica 0. Every candidate's terms are returned in [`Decision::candidates`]
+//! The cheapest candidate wins. Candidates within one engine step of the best cannot be told apart
+//! (the engine's time moves in steps): among them the one computing the fewest tokens wins, and
+//! a remaining tie is broken by power-of-two random choices (two distinct tied candidates drawn
+//! with the caller's seed, the one with fewer in-flight requests wins), so a fleet of idle
+//! replicas never sends everything to replica 0. Every candidate's terms are returned in [`Decision::candidates`]
 //! for explanations.
 
 mod choose;
