@@ -108,7 +108,12 @@ pub fn check_goals(results: &[WorkloadResults]) -> Vec<GoalCheck> {
                 .find(|r| r.policy == Policy::Shadow.name())
             {
                 let scope = format!("{}, {}, {load}", w.name, fleet(shadow));
-                checks.extend(assess_checks::checks(&w.name, &scope, shadow, find(Policy::Kv)));
+                checks.extend(assess_checks::checks(
+                    &w.name,
+                    &scope,
+                    shadow,
+                    find(Policy::Kv),
+                ));
             }
             let Some(kv) = find(Policy::Kv) else { continue };
             let scope = format!("{}, {}, {load}", w.name, fleet(kv));

@@ -232,10 +232,7 @@ pub struct TokenizerBundle {
     /// The effective `tokenizer_config.json`, as text: the file with `chat_template.jinja`,
     /// `chat_template.json` and `special_tokens_map.json` merged in (`ModelFiles`). Text or an
     /// inline object; absent reads as `{}`.
-    #[serde(
-        default = "empty_json_object",
-        deserialize_with = "json_document"
-    )]
+    #[serde(default = "empty_json_object", deserialize_with = "json_document")]
     pub tokenizer_config_json: String,
     /// The compact form's vocabulary and merges (`?form=compact`, for a BPE model the form
     /// covers): build with `ModelTokenizer::from_compact`. Absent: `tokenizer_json` is whole.
@@ -298,7 +295,8 @@ fn json_document<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Er
             Ok(v)
         }
         fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<String, A::Error> {
-            let doc = serde_json::Map::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+            let doc =
+                serde_json::Map::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
             serde_json::to_string(&doc).map_err(serde::de::Error::custom)
         }
     }
@@ -313,11 +311,13 @@ impl TokenizerBundle {
         match serde_json::from_slice::<Self>(body) {
             Ok(b) => b.checked(),
             // Tell "not an object" and "not JSON" apart from a member error.
-            Err(e) => Err(match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
-                Err(e) => BundleError::NotJson(e.to_string()),
-                Ok(_) if !body.trim_ascii_start().starts_with(b"{") => BundleError::NotObject,
-                Ok(_) => BundleError::Members(e.to_string()),
-            }),
+            Err(e) => Err(
+                match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+                    Err(e) => BundleError::NotJson(e.to_string()),
+                    Ok(_) if !body.trim_ascii_start().starts_with(b"{") => BundleError::NotObject,
+                    Ok(_) => BundleError::Members(e.to_string()),
+                },
+            ),
         }
     }
 
@@ -500,10 +500,22 @@ mod tests {
             (&br#"{"block_size": 16}"#[..], "tokenizer_json"),
             (br#"[1]"#, "not a JSON object"),
             (b"{", "not JSON"),
-            (br#"{"tokenizer_json": "{}", "extra_key_style": "odd"}"#, "odd"),
-            (br#"{"tokenizer_json": "{}", "block_size": 0}"#, "block_size 0 is out of range"),
-            (br#"{"tokenizer_json": "{}", "block_size": 5000}"#, "block_size 5000"),
-            (br#"{"tokenizer_json": "{}", "max_model_len": 0}"#, "max_model_len 0"),
+            (
+                br#"{"tokenizer_json": "{}", "extra_key_style": "odd"}"#,
+                "odd",
+            ),
+            (
+                br#"{"tokenizer_json": "{}", "block_size": 0}"#,
+                "block_size 0 is out of range",
+            ),
+            (
+                br#"{"tokenizer_json": "{}", "block_size": 5000}"#,
+                "block_size 5000",
+            ),
+            (
+                br#"{"tokenizer_json": "{}", "max_model_len": 0}"#,
+                "max_model_len 0",
+            ),
         ] {
             let e = TokenizerBundle::parse(body).expect_err(want).to_string();
             assert!(e.contains(want), "{e} (want {want})");

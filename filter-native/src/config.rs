@@ -11,9 +11,9 @@ use kvroute_filter::plugin::{Plugin, PluginError, TICK};
 use kvroute_filter::seam::{CallId, CallReply, Callout};
 use serde_json::Value;
 
-use crate::envoy::{CalloutRequest, CalloutStart, ConfigHandle};
 use crate::config_host::{ConfigHost, ConfigSide};
 use crate::envoy::log_error;
+use crate::envoy::{CalloutRequest, CalloutStart, ConfigHandle};
 use crate::main_thread::{MainThread, EVENT_FLUSH, EVENT_TICK};
 
 /// Most detached callouts (completion reports) waiting for the main thread; more are refused (and

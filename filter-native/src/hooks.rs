@@ -19,9 +19,9 @@ use kvroute_filter::seam::CallReply;
 use crate::abi::{self, CEnum, ConfigEnvoyPtr, EnvoyBuffer, EnvoyHttpHeader, FilterEnvoyPtr};
 use crate::abi_check;
 use crate::config::NativeConfig;
+use crate::envoy::log_error;
 use crate::envoy::{self, CalloutResponse, ConfigHandle, Stream};
 use crate::filter::StreamFilter;
-use crate::envoy::log_error;
 
 /// Largest route answer read from a stream's callout (bytes).
 const MAX_ROUTE_ANSWER: usize = 1 << 20;

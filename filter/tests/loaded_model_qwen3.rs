@@ -1,10 +1,10 @@
 //! The filter's bridge to the shared core with the real Qwen3 tokenizer (natively: the same code
 //! the .wasm runs): configuration precedence, LoRA and cache_salt plumbing, batch prompts.
 
+use kvroute_core::api::TokenizerBundle;
 use kvroute_core::request::{Endpoint, ModelFiles, ModelTokenizer, TokenizerOptions};
 use kvroute_filter::config::FilterConfig;
 use kvroute_filter::loaded_model::LoadedModel;
-use kvroute_core::api::TokenizerBundle;
 use serde_json::json;
 
 fn bundle(block_size: Option<u32>) -> TokenizerBundle {

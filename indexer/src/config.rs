@@ -794,7 +794,6 @@ pub fn expand_ranks(list: &[String], dp: u32) -> Vec<String> {
         .collect()
 }
 
-
 /// `[inflight]`: how long a routed request counts as in flight without a completion.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]

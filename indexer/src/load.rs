@@ -44,7 +44,6 @@ pub const RELEASE_REFRESH: Duration = Duration::from_millis(100);
 /// Longest accepted `callout_id`.
 pub const MAX_CALLOUT_ID_BYTES: usize = 128;
 
-
 /// Events per second, an exponentially decayed count over `tau_s` (default 10 s).
 #[derive(Debug, Clone)]
 pub struct RateMeter {

@@ -194,4 +194,3 @@ pub struct RemoteRecord<'a> {
     /// The request's session, if any.
     pub session: Option<&'a str>,
 }
-

@@ -8,7 +8,6 @@
 //!   routed request are remembered for the replica it went to (TTL, bounded size), and later
 //!   requests are scored as if those blocks were cached there.
 
-
 use std::sync::atomic::Ordering;
 
 use kvroute_core::router_key::RouterKey;

@@ -9,7 +9,6 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
 
-
 #[derive(Debug, Clone)]
 pub struct Request {
     pub method: String,

@@ -39,7 +39,11 @@ fn is_test(attrs: &[syn::Attribute]) -> bool {
 
 /// Expands a use tree into its paths (a glob stays the path of its module) and the names they
 /// bind (`None` for globs).
-fn expand(tree: &syn::UseTree, prefix: &mut Vec<String>, out: &mut Vec<(Vec<String>, Option<String>)>) {
+fn expand(
+    tree: &syn::UseTree,
+    prefix: &mut Vec<String>,
+    out: &mut Vec<(Vec<String>, Option<String>)>,
+) {
     match tree {
         syn::UseTree::Path(p) => {
             prefix.push(p.ident.to_string());
@@ -159,9 +163,13 @@ fn load(root: &Path) -> BTreeMap<ModPath, Module> {
     let mut out = BTreeMap::new();
     let mut todo = vec![(Vec::<String>::new(), root.to_path_buf())];
     while let Some((path, file)) = todo.pop() {
-        let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        let text =
+            std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
         let ast = syn::parse_file(&text).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
-        let name = file.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+        let name = file
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or_default();
         let dir = if path.is_empty() || name == "mod" {
             file.parent().unwrap().to_path_buf()
         } else {
@@ -209,7 +217,11 @@ fn owner<'a>(mods: &BTreeMap<ModPath, Module>, p: &'a [String]) -> Option<(ModPa
 
 /// The absolute form of `path` written in module `at`, or `None` when it does not start inside
 /// the crate.
-fn absolute(mods: &BTreeMap<ModPath, Module>, at: &ModPath, path: &[String]) -> Option<Vec<String>> {
+fn absolute(
+    mods: &BTreeMap<ModPath, Module>,
+    at: &ModPath,
+    path: &[String],
+) -> Option<Vec<String>> {
     let first = path.first()?;
     let mut base = at.clone();
     let mut rest = path;
@@ -251,7 +263,10 @@ fn resolve(mods: &BTreeMap<ModPath, Module>, path: Vec<String>, depth: usize) ->
     if depth < 8 {
         if let Some(name) = rest.first() {
             let module_path = path[..path.len() - rest.len()].to_vec();
-            if let Some(target) = mods[&file_mod].bindings.get(&(module_path.clone(), name.clone())) {
+            if let Some(target) = mods[&file_mod]
+                .bindings
+                .get(&(module_path.clone(), name.clone()))
+            {
                 let mut abs = absolute(mods, &module_path, target)?;
                 abs.extend(rest[1..].iter().cloned());
                 return resolve(mods, abs, depth + 1);
@@ -337,23 +352,38 @@ fn report(root: &Path) -> Vec<String> {
     let mut why: BTreeMap<(ModPath, ModPath), Vec<String>> = BTreeMap::new();
     for (from, m) in &mods {
         for (at, path, line) in &m.refs {
-            let Some(abs) = absolute(&mods, at, path) else { continue };
-            let Some(to) = resolve(&mods, abs, 0) else { continue };
+            let Some(abs) = absolute(&mods, at, path) else {
+                continue;
+            };
+            let Some(to) = resolve(&mods, abs, 0) else {
+                continue;
+            };
             if &to != from {
                 edges.entry(from.clone()).or_default().insert(to.clone());
                 let file = m.file.strip_prefix(workspace()).unwrap_or(&m.file);
-                why.entry((from.clone(), to))
-                    .or_default()
-                    .push(format!("{}:{line} {}", file.display(), path.join("::")));
+                why.entry((from.clone(), to)).or_default().push(format!(
+                    "{}:{line} {}",
+                    file.display(),
+                    path.join("::")
+                ));
             }
         }
     }
     let mut out = Vec::new();
     for scc in cycles(&edges) {
         let names: Vec<String> = scc.iter().map(name).collect();
-        out.push(format!("{}: cycle {{{}}}", root.display(), names.join(", ")));
+        out.push(format!(
+            "{}: cycle {{{}}}",
+            root.display(),
+            names.join(", ")
+        ));
         for a in &scc {
-            for b in edges.get(a).into_iter().flatten().filter(|b| scc.contains(b)) {
+            for b in edges
+                .get(a)
+                .into_iter()
+                .flatten()
+                .filter(|b| scc.contains(b))
+            {
                 let refs = &why[&(a.clone(), b.clone())];
                 out.push(format!("  {} -> {}: {}", name(a), name(b), refs.join("; ")));
             }
@@ -366,7 +396,16 @@ fn report(root: &Path) -> Vec<String> {
 fn no_module_imports_in_a_circle() {
     let ws = workspace();
     let mut roots = Vec::new();
-    for krate in ["core", "sim", "indexer", "filter", "filter-native", "xtask", "testkit", "bench"] {
+    for krate in [
+        "core",
+        "sim",
+        "indexer",
+        "filter",
+        "filter-native",
+        "xtask",
+        "testkit",
+        "bench",
+    ] {
         for root in ["src/lib.rs", "src/main.rs"] {
             let p = ws.join(krate).join(root);
             if p.exists() {
@@ -403,7 +442,10 @@ fn the_checker_sees_a_circle() {
     write("b.rs", "pub struct B(crate::C);\n");
     write("c.rs", "pub struct C;\nfn f() { let _ = crate::a::A; }\n");
     let found = report(&src.join("lib.rs"));
-    assert!(found.first().is_some_and(|l| l.contains("cycle {a, b, c}")), "{found:?}");
+    assert!(
+        found.first().is_some_and(|l| l.contains("cycle {a, b, c}")),
+        "{found:?}"
+    );
     // A module of another crate bound at the root is no edge to the root.
     write("c.rs", "pub struct C;\nimpl crate::fmt::Debug for C {}\n");
     assert_eq!(report(&src.join("lib.rs")), Vec::<String>::new());

@@ -16,8 +16,8 @@ use anyhow::{Context, Result};
 use serde_json::{json, Value};
 
 pub use catalogue::{select, PeerPolicy};
-pub use spec::PeerEnv;
 use kvroute_testkit::peer_install as install;
+pub use spec::PeerEnv;
 
 use crate::stack::Stack;
 

@@ -12,13 +12,13 @@ use anyhow::{bail, Result};
 
 use super::catalogue::PeerPolicy;
 use super::spec::{PeerEnv, PromptForm, ReplicaInfo};
-use crate::router_usage::RouterCost;
-use crate::text_vocab::TextVocab;
 use crate::replay::{self, ClientForm, Progress, ReplayConfig};
 use crate::replica_counters::ReplicaCounters;
+use crate::router_usage::RouterCost;
 use crate::stack::Stack;
 use crate::summary::{RunContext, RunSummary};
 use crate::supervisor;
+use crate::text_vocab::TextVocab;
 use crate::workloads::Workload;
 
 /// Replay settings shared with the benchmark's own policies.

@@ -32,12 +32,12 @@ pub use bpe_tables::{compact_tokenizer_json, BpeTables, CompactTokenizerJson};
 pub use digest::TokenizerDigest;
 pub use error::RequestError;
 pub use model_files::{ModelFileSet, ModelFiles, MODEL_FILE_NAMES};
+pub use options::TokenizerOptions;
 pub use prompt::{
-    parse_body, request_extras, ChatContentFormat, Endpoint, PromptTokens, DEFAULT_MAX_PROMPT_TOKENS,
-    MAX_PROMPT_BYTES_PER_TOKEN, MAX_SANE_MODEL_MAX_LENGTH,
+    parse_body, request_extras, ChatContentFormat, Endpoint, PromptTokens,
+    DEFAULT_MAX_PROMPT_TOKENS, MAX_PROMPT_BYTES_PER_TOKEN, MAX_SANE_MODEL_MAX_LENGTH,
 };
 pub use segment_cache::SegmentCacheStats;
-pub use options::TokenizerOptions;
 pub use tokenizer::ModelTokenizer;
 
 #[cfg(test)]

@@ -7,10 +7,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use serde_json::{Map, Value};
 use tokenizers::{Encoding, Token, Tokenizer};
 
-use super::options::TokenizerOptions;
 use super::bpe_tables::{build_tokenizer, is_compact, BpeTables};
 use super::chat_template::ChatTemplates;
 use super::openai::{self, CompletionPrompt};
+use super::options::TokenizerOptions;
 use super::segment_cache::{SegmentCache, SegmentCacheStats, SegmentKey};
 use super::segmenter::{Piece, Segmenter};
 use super::{

@@ -8,7 +8,6 @@ use super::inputs::{Candidate, MatchedBlocks, RequestShape};
 use super::predict::{predict, CostTerms};
 use crate::rng::SplitMix64;
 
-
 /// Why a replica was chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

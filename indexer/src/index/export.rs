@@ -4,11 +4,11 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::slab::{media_of, slot_of, FLAG_ALIASED};
 use super::kv_index::{
     ApplyOutcome, IndexConfig, IndexError, KvIndex, LearnedGroup, ReplicaId, MEDIA_CPU, MEDIA_GPU,
     MEDIA_STORAGE,
 };
+use super::slab::{media_of, slot_of, FLAG_ALIASED};
 
 /// The snapshot format version this build writes and reads (3: KV cache groups in holders and
 /// the replicas' group layouts; 2: flat arrays; 1 had one record with two lists per block, which

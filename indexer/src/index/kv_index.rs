@@ -236,7 +236,6 @@ pub struct IndexStats {
     pub predicted_evicted: u64,
 }
 
-
 #[derive(Debug, Clone, Copy)]
 pub(super) struct SlotInfo {
     pub(super) replica: ReplicaId,
@@ -801,7 +800,14 @@ impl KvIndex {
     }
 
     /// Records that `slot` holds `key` (engine hash `eh`) on medium `bit`.
-    pub(super) fn store_one(&mut self, slot: u32, key: u64, eh: u64, bit: u8, out: &mut ApplyOutcome) {
+    pub(super) fn store_one(
+        &mut self,
+        slot: u32,
+        key: u64,
+        eh: u64,
+        bit: u8,
+        out: &mut ApplyOutcome,
+    ) {
         let idx = match self.find_key(key) {
             Some(i) => {
                 self.note_engine_hash(i, eh, out);

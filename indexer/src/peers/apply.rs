@@ -10,9 +10,9 @@ use kvroute_core::router_key::RouterKey;
 
 use super::PeerLink;
 use crate::load::{NewDecision, MAX_PREFILL_ESTIMATE};
+use crate::lookup::RemoteRecord;
 use crate::membership::lock;
 use crate::policies::route_policy;
-use crate::lookup::RemoteRecord;
 use crate::state::AppState;
 
 /// Applies one message received on the peers channel (undecodable, foreign-version, own and

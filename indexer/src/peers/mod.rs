@@ -23,4 +23,3 @@ pub use apply::apply_message;
 pub use config::PeersSection;
 pub use handle::{render_metrics, PeerLink, PeerStats};
 pub use link::spawn;
-
