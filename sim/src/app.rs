@@ -134,6 +134,7 @@ pub async fn run(cli: Cli) -> Result<(), AppError> {
                     num_gpu_blocks: cli.num_gpu_blocks,
                     block_size: cli.block_size,
                     kv_cache_groups: kv_cache_groups.clone(),
+                    max_model_len,
                 },
                 latency: cli.latency_model(),
                 speed: speed.clone(),

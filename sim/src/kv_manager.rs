@@ -43,6 +43,9 @@ pub struct KvCacheManager {
     block_size: usize,
     groups: Vec<GroupKind>,
     reqs: HashMap<SeqId, Vec<GroupBlocks>>,
+    /// vLLM's `max_in_flight_tokens` and `max_model_len`: size a sliding-window group's admission
+    /// cap. `None`: uncapped (vLLM's fallback when `max_in_flight_tokens` is unset).
+    admission_window: Option<(usize, usize)>,
 }
 
 fn cdiv(a: usize, b: usize) -> usize {
@@ -83,7 +86,30 @@ impl KvCacheManager {
             block_size: block_size.max(1),
             groups,
             reqs: HashMap::new(),
+            admission_window: None,
         })
+    }
+
+    /// Caps a sliding-window group's share of the full-sequence admission check as vLLM does
+    /// (`SlidingWindowSpec.max_admission_blocks_per_request`): blocks for `window - 1 +
+    /// max_in_flight_tokens` tokens (at most `max_model_len`), plus one. vLLM's
+    /// `max_in_flight_tokens` is `max_num_batched_tokens` x concurrent batches (2 with its
+    /// default async scheduling).
+    pub fn with_admission_cap(mut self, max_in_flight_tokens: usize, max_model_len: usize) -> Self {
+        self.admission_window = Some((max_in_flight_tokens, max_model_len));
+        self
+    }
+
+    /// The most blocks group `g` reserves for one request at admission (`None`: uncapped).
+    fn admission_cap(&self, g: usize) -> Option<usize> {
+        let (in_flight, max_model_len) = self.admission_window?;
+        match self.groups.get(g)? {
+            GroupKind::FullAttention => None,
+            GroupKind::SlidingWindow { window } => {
+                let tokens = ((*window as usize).saturating_sub(1) + in_flight).min(max_model_len);
+                Some(cdiv(tokens, self.block_size) + 1)
+            }
+        }
     }
 
     /// The pool (read-only).
@@ -297,7 +323,9 @@ impl KvCacheManager {
         if full_sequence_must_fit {
             let need: usize = (0..n)
                 .map(|g| {
-                    cdiv(seq.num_tokens(), bs).saturating_sub(held(self, g) + hit_of(hit, g).len())
+                    let required = cdiv(seq.num_tokens(), bs);
+                    let required = self.admission_cap(g).map_or(required, |c| required.min(c));
+                    required.saturating_sub(held(self, g) + hit_of(hit, g).len())
                 })
                 .sum();
             if need + evictable > self.pool.num_free() {

@@ -13,6 +13,8 @@ Input (stdin, one JSON document)::
     {"sequences": [{"layout": L, "ops": [OP, ...]}, ...]}
 
     L  = {"num_blocks": 64, "block_size": 16, "hash_block_size": 16, "hash_algo": "sha256",
+          "max_in_flight_tokens": 256,  # optional (vLLM: max_num_batched_tokens x concurrent
+                                        # batches; sizes a sliding group's admission cap)
           "groups": [{"kind": "full_attention"} | {"kind": "sliding_window", "window": 128}, ...]}
     OP = {"op": "add", "id": "r1", "prompt": [tokens], "chunk": 64, "token": 7}
              get_computed_blocks, then allocate_slots(full_sequence_must_fit=True) for the hit
@@ -34,7 +36,8 @@ Output (stdout): one JSON line per sequence, ``{"results": [R, ...]}``, one R pe
 allocation (or reset) succeeded; ``events_hex`` the msgpack of
 ``KVEventBatch(ts=0.0, events=take_events(), data_parallel_rank=0)`` with vLLM's own structs and
 encoder (empty string when no event); ``events`` the same as JSON (for diagnostics); ``blocks`` the
-request's block table per group after the op (``null`` when it holds none). Exit 3 when the
+request's block table per group after the op (``null`` when it holds none). A step or free of a
+request vLLM does not hold (the other side admitted it, vLLM did not) gives ``"unknown": true``. Exit 3 when the
 extracted modules are missing ("run `cargo xtask setup`"), 2 on bad input.
 """
 
@@ -143,6 +146,7 @@ def make_manager(layout: dict) -> tuple[KVCacheManager, object]:
     manager = KVCacheManager(
         config,
         max_model_len=int(layout.get("max_model_len", 1 << 20)),
+        max_in_flight_tokens=layout.get("max_in_flight_tokens"),
         scheduler_block_size=bs,
         hash_block_size=hbs,
         enable_caching=True,
@@ -202,24 +206,28 @@ def run_sequence(seq: dict) -> list[dict]:
                 res["blocks"] = block_table(manager, rid)
         elif kind == "step":
             req = requests.get(rid)
-            if req is None:
-                raise BadInput(f"step of unknown request {rid}")
-            n = min(int(op["chunk"]), req.num_tokens - req.num_computed_tokens)
-            ok = manager.allocate_slots(req, n) is not None
-            res["ok"] = ok
-            if ok:
-                req.num_computed_tokens += n
-                if req.num_computed_tokens == req.num_tokens:
-                    req.append_output_token(int(op["token"]))
-                res["blocks"] = block_table(manager, rid)
+            if req is None:  # the other side admitted it, vLLM did not: reported, not fatal
+                res["unknown"] = True
+                n = 0
             else:
-                manager.free(req)
-                del requests[rid]
+                n = min(int(op["chunk"]), req.num_tokens - req.num_computed_tokens)
+            if req is not None:
+                ok = manager.allocate_slots(req, n) is not None
+                res["ok"] = ok
+                if ok:
+                    req.num_computed_tokens += n
+                    if req.num_computed_tokens == req.num_tokens:
+                        req.append_output_token(int(op["token"]))
+                    res["blocks"] = block_table(manager, rid)
+                else:
+                    manager.free(req)
+                    del requests[rid]
         elif kind == "free":
             req = requests.pop(rid, None)
             if req is None:
-                raise BadInput(f"free of unknown request {rid}")
-            manager.free(req)
+                res["unknown"] = True
+            else:
+                manager.free(req)
         elif kind == "reset":
             res["ok"] = manager.reset_prefix_cache()
         else:
