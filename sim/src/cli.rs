@@ -112,6 +112,11 @@ pub struct Cli {
     /// `sliding_window`).
     #[arg(long = "sliding-window")]
     pub sliding_window: Option<u32>,
+    /// vLLM's `--prefix-match-unit` (`hash_block_size`): requests are hashed every N tokens and a
+    /// block is keyed by the hash of its last N tokens. With several KV cache groups it must
+    /// divide `--block-size`; with one group it must equal it (vLLM refuses anything else).
+    #[arg(long = "prefix-match-unit")]
+    pub prefix_match_unit: Option<usize>,
     /// Reported by GET /version (it tells routers which event layout to expect).
     #[arg(long = "vllm-version", default_value = "0.33.0")]
     pub vllm_version: String,
@@ -336,6 +341,23 @@ impl Cli {
     /// The KV cache groups of `--kv-cache-layout` and `--sliding-window`.
     pub fn kv_cache_groups(&self) -> Result<Vec<GroupKind>, CliError> {
         parse_kv_cache_layout(&self.kv_cache_layout, self.sliding_window)
+    }
+
+    /// vLLM's `resolve_kv_cache_block_sizes` for one block size: the hash block size.
+    pub fn hash_block_size(&self, num_groups: usize) -> Result<usize, CliError> {
+        let bs = self.block_size;
+        match self.prefix_match_unit {
+            None => Ok(bs),
+            Some(u) if u == bs => Ok(bs),
+            Some(u) if num_groups <= 1 => Err(CliError::Invalid(format!(
+                "--prefix-match-unit {u}: with a single KV cache group, prefix-cache hits land on \
+                 the block size ({bs}); unset it or set it to {bs}"
+            ))),
+            Some(u) if u == 0 || bs % u != 0 => Err(CliError::Invalid(format!(
+                "--prefix-match-unit {u} must divide --block-size {bs}"
+            ))),
+            Some(u) => Ok(u),
+        }
     }
 
     /// The cost model from the flags.

@@ -36,6 +36,9 @@ pub struct SchedulerConfig {
     pub kv_cache_groups: Vec<GroupKind>,
     /// `--max-model-len` (bounds a sliding-window group's admission cap).
     pub max_model_len: usize,
+    /// Tokens per request block hash (`--prefix-match-unit`; the block size by default). The
+    /// engine hashes its sequences at this granularity.
+    pub hash_block_size: usize,
 }
 
 /// vLLM's `max_concurrent_batches` with its default async scheduling (one pipeline stage): its
@@ -132,7 +135,8 @@ impl Scheduler {
             .with_admission_cap(
                 CONCURRENT_BATCHES * cfg.max_num_batched_tokens,
                 cfg.max_model_len,
-            ),
+            )
+            .with_hash_block_size(cfg.hash_block_size)?,
             cfg,
             waiting: VecDeque::new(),
             running: Vec::new(),

@@ -45,6 +45,8 @@ pub struct AppState {
     pub loras: HashMap<String, LoraModule>,
     /// Tokens per block.
     pub block_size: usize,
+    /// Tokens per request block hash (`--prefix-match-unit`).
+    pub hash_block_size: usize,
     /// Longest prompt + output.
     pub max_model_len: usize,
     /// Chat default for max tokens.
@@ -224,7 +226,7 @@ impl AppState {
         let extras = request_extras(&prep.body, &|name: &str| {
             loras.get(name).map(|l| l.path.clone())
         });
-        let chain = RequestChainHasher::new(self.hasher.clone(), extras, self.block_size);
+        let chain = RequestChainHasher::new(self.hasher.clone(), extras, self.hash_block_size);
         let meta = chain.event_meta(
             prep.lora.as_ref().map(|l| l.id),
             prep.params.session_id.clone(),

@@ -8,8 +8,9 @@
 //! group, same sha256 hashes) and the same block tables (so the same blocks were evicted).
 //!
 //! Layouts: one full-attention group; Gemma-3-like 5 sliding-window groups : 1 full; gpt-oss-like
-//! 1:1 with a 128-token window. `KVROUTE_KV_DIFF_SEQUENCES` (default 20 per layout) and
-//! `KVROUTE_KV_DIFF_SEED` (default 1) run longer or other checks.
+//! 1:1 with a 128-token window, hashed per block and with `hash_block_size` 4 < block size 16. `KVROUTE_KV_DIFF_SEQUENCES` (default 20 per layout) and
+//! `KVROUTE_KV_DIFF_SEED` (default 1) run longer or other checks; `KVROUTE_KV_DIFF_DUMP=<file>`
+//! writes the driver's input there (to replay a difference with the driver alone).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -36,6 +37,8 @@ struct Layout {
     name: &'static str,
     num_blocks: usize,
     groups: Vec<GroupKind>,
+    /// Tokens per request block hash (vLLM's `hash_block_size`, `--prefix-match-unit`).
+    hash_block_size: usize,
     /// Longest prompt generated (tokens).
     max_prompt: usize,
     /// vLLM's `max_in_flight_tokens` (2 x `max_num_batched_tokens` with async scheduling): the
@@ -50,6 +53,7 @@ fn layouts() -> Vec<Layout> {
             name: "full",
             num_blocks: 48,
             groups: vec![GroupKind::FullAttention],
+            hash_block_size: BLOCK_SIZE,
             max_prompt: 320,
             max_in_flight: 128,
         },
@@ -59,6 +63,7 @@ fn layouts() -> Vec<Layout> {
             name: "gemma3-like",
             num_blocks: 240,
             groups: vec![sw(80), sw(80), sw(80), sw(80), sw(80), GroupKind::FullAttention],
+            hash_block_size: BLOCK_SIZE,
             max_prompt: 320,
             max_in_flight: 64,
         },
@@ -66,6 +71,17 @@ fn layouts() -> Vec<Layout> {
             name: "gpt-oss-like",
             num_blocks: 96,
             groups: vec![sw(128), GroupKind::FullAttention],
+            hash_block_size: BLOCK_SIZE,
+            max_prompt: 480,
+            max_in_flight: 128,
+        },
+        Layout {
+            // `--prefix-match-unit 4` (vLLM accepts it with several groups only): hashed every 4
+            // tokens, blocks keyed by their last 4-token hash.
+            name: "gpt-oss-like, hash_block_size 4",
+            num_blocks: 96,
+            groups: vec![sw(128), GroupKind::FullAttention],
+            hash_block_size: 4,
             max_prompt: 480,
             max_in_flight: 128,
         },
@@ -93,7 +109,7 @@ fn layout_json(l: &Layout) -> Value {
         })
         .collect();
     json!({"num_blocks": l.num_blocks, "block_size": BLOCK_SIZE,
-           "hash_block_size": BLOCK_SIZE, "hash_algo": "sha256", "max_in_flight_tokens": l.max_in_flight,
+           "hash_block_size": l.hash_block_size, "hash_algo": "sha256", "max_in_flight_tokens": l.max_in_flight,
            "groups": groups})
 }
 
@@ -117,7 +133,9 @@ impl SimSide {
     fn new(l: &Layout, hasher: Arc<BlockHasher>) -> Self {
         let kv = KvCacheManager::with_groups(l.num_blocks, BLOCK_SIZE, l.groups.clone(), true)
             .expect("pool")
-            .with_admission_cap(l.max_in_flight, MAX_MODEL_LEN);
+            .with_admission_cap(l.max_in_flight, MAX_MODEL_LEN)
+            .with_hash_block_size(l.hash_block_size)
+            .expect("hash block size");
         SimSide {
             kv,
             hasher,
@@ -157,11 +175,9 @@ impl SimSide {
             "add" => {
                 let id = id.expect("add id");
                 let prompt: Vec<u32> = serde_json::from_value(op["prompt"].clone()).expect("prompt");
-                let chain = RequestChainHasher::new(
-                    self.hasher.clone(),
-                    RequestExtras::default(),
-                    BLOCK_SIZE,
-                );
+                let hbs = self.kv.hash_block_size();
+                let chain =
+                    RequestChainHasher::new(self.hasher.clone(), RequestExtras::default(), hbs);
                 let meta = Arc::new(chain.event_meta(None, None));
                 let mut seq = Sequence::new(
                     SequenceSpec {
@@ -173,7 +189,7 @@ impl SimSide {
                         source: TokenSource::new(0, 1),
                         arrival_s: 0.0,
                     },
-                    BLOCK_SIZE,
+                    hbs,
                     Arc::new(chain),
                 );
                 let h = self.kv.get_computed_blocks(&seq);
@@ -357,6 +373,9 @@ fn simulator_kv_manager_matches_vllms_own() {
         }
     }
     let input = serde_json::to_vec(&json!({ "sequences": sequences })).expect("json");
+    if let Ok(path) = std::env::var("KVROUTE_KV_DIFF_DUMP") {
+        std::fs::write(&path, &input).expect("write KVROUTE_KV_DIFF_DUMP");
+    }
     let script = workspace().join("tests/vllm_reference/kv_manager_driver.py");
     let mut child = Command::new(python())
         .arg(&script)
@@ -376,7 +395,7 @@ fn simulator_kv_manager_matches_vllms_own() {
     assert_eq!(lines.len(), expected.len(), "one line per sequence; stderr: {stderr}");
 
     let mut ops_checked = 0;
-    let (mut hits, mut evicting_ops, mut failed_allocs) = (0, 0, 0);
+    let (mut hits, mut evicting_ops, mut failed_allocs, mut partial_stores) = (0, 0, 0, 0);
     for (seq_index, ((layout, s, sim), line)) in expected.iter().zip(&lines).enumerate() {
         let doc: Value = serde_json::from_str(line).expect("driver json");
         let results = doc["results"].as_array().expect("results");
@@ -406,19 +425,21 @@ fn simulator_kv_manager_matches_vllms_own() {
             ops_checked += 1;
             hits += usize::from(mine.hit.is_some_and(|h| h > 0));
             failed_allocs += usize::from(mine.ok == Some(false));
-            evicting_ops += usize::from(
-                r["events"]
-                    .as_array()
-                    .is_some_and(|e| e.iter().any(|e| e["type"] == "BlockRemoved")),
-            );
+            let events = r["events"].as_array().map(Vec::as_slice).unwrap_or_default();
+            evicting_ops += usize::from(events.iter().any(|e| e["type"] == "BlockRemoved"));
+            partial_stores += events
+                .iter()
+                .filter(|e| e["type"] == "BlockStored" && e["block_size"] != json!(BLOCK_SIZE))
+                .count();
         }
     }
     // The sequences must exercise what they claim to: hits, evictions, refused allocations.
     assert!(hits > n, "only {hits} prefix hits in {ops_checked} ops");
     assert!(evicting_ops > n, "only {evicting_ops} evicting ops in {ops_checked} ops");
     assert!(failed_allocs > 0, "no allocation was refused in {ops_checked} ops");
+    assert!(partial_stores > 0, "no partial-block BlockStored in {ops_checked} ops");
     eprintln!(
         "{ops_checked} ops identical to vLLM's ({hits} hits, {evicting_ops} evicting, \
-         {failed_allocs} refused allocations)"
+         {failed_allocs} refused allocations, {partial_stores} partial-block stores)"
     );
 }
