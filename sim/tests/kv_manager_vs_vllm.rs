@@ -3,7 +3,8 @@
 //! prefix lookup, compute chunks and decode steps, free, preempt under pressure, reset the prefix
 //! cache) run through `tests/vllm_reference/kv_manager_driver.py` (vLLM's manager, coordinators,
 //! single-type managers and block pool, verbatim from the release wheel; one process for all
-//! sequences) and through [`KvCacheManager`]; every op must give the same hit length, the same
+//! sequences) and through [`KvCacheManager`] (some requests with a `cache_salt`, some with
+//! `kv_cache_report_mode: full`); every op must give the same hit length, the same
 //! allocation outcome, byte-identical KV events (vLLM's msgspec encoder vs `encode_batch`, per
 //! group, same sha256 hashes) and the same block tables (so the same blocks were evicted).
 //!
@@ -176,8 +177,11 @@ impl SimSide {
                 let id = id.expect("add id");
                 let prompt: Vec<u32> = serde_json::from_value(op["prompt"].clone()).expect("prompt");
                 let hbs = self.kv.hash_block_size();
-                let chain =
-                    RequestChainHasher::new(self.hasher.clone(), RequestExtras::default(), hbs);
+                let extras = RequestExtras {
+                    cache_salt: op["cache_salt"].as_str().map(str::to_owned),
+                    ..RequestExtras::default()
+                };
+                let chain = RequestChainHasher::new(self.hasher.clone(), extras, hbs);
                 let meta = Arc::new(chain.event_meta(None, None));
                 let mut seq = Sequence::new(
                     SequenceSpec {
@@ -185,7 +189,7 @@ impl SimSide {
                         prompt,
                         max_tokens: 1 << 20,
                         meta,
-                        report_full: false,
+                        report_full: op["report_full"].as_bool().unwrap_or(false),
                         source: TokenSource::new(0, 1),
                         arrival_s: 0.0,
                     },
@@ -306,8 +310,16 @@ fn generate(l: &Layout, seed: u64, hasher: &Arc<BlockHasher>) -> (Vec<Value>, Ve
                 json!({"op": "reset"})
             } else {
                 next_id += 1;
-                json!({"op": "add", "id": format!("r{next_id}"), "prompt": prompts.prompt(&mut rng),
-                       "chunk": chunk, "token": token})
+                let mut op = json!({"op": "add", "id": format!("r{next_id}"),
+                                    "prompt": prompts.prompt(&mut rng), "chunk": chunk,
+                                    "token": token});
+                if rng.below(5) == 0 {
+                    op["cache_salt"] = json!(["tenant-a", "tenant-b"][rng.below(2)]);
+                }
+                if rng.below(4) == 0 {
+                    op["report_full"] = json!(true);
+                }
+                op
             }
         } else {
             let id = format!("r{}", live[rng.below(live.len())]);

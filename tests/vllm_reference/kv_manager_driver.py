@@ -16,8 +16,9 @@ Input (stdin, one JSON document)::
           "max_in_flight_tokens": 256,  # optional (vLLM: max_num_batched_tokens x concurrent
                                         # batches; sizes a sliding group's admission cap)
           "groups": [{"kind": "full_attention"} | {"kind": "sliding_window", "window": 128}, ...]}
-    OP = {"op": "add", "id": "r1", "prompt": [tokens], "chunk": 64, "token": 7}
-             get_computed_blocks, then allocate_slots(full_sequence_must_fit=True) for the hit
+    OP = {"op": "add", "id": "r1", "prompt": [tokens], "chunk": 64, "token": 7,
+          "cache_salt": "tenant-a", "report_full": true}     (the last two optional)
+             get_computed_blocks (`report_full`: the request's kv_cache_report_mode is "full"), then allocate_slots(full_sequence_must_fit=True) for the hit
              plus min(chunk, rest) tokens (the scheduler admitting a waiting request); not admitted
              when it does not fit. When the prompt is done, `token` is appended (the sampled one).
        | {"op": "step", "id": "r1", "chunk": 64, "token": 7}
@@ -91,7 +92,9 @@ class BadInput(Exception):
 class DriverRequest:
     """The attributes of vLLM's ``Request`` that the KV cache manager and the hasher read."""
 
-    def __init__(self, request_id: str, prompt: list[int], block_hasher) -> None:
+    def __init__(
+        self, request_id: str, prompt: list[int], block_hasher, cache_salt=None, report_full=False
+    ) -> None:
         self.request_id = request_id
         self.all_token_ids = list(prompt)
         self.num_prompt_tokens = len(prompt)
@@ -102,7 +105,8 @@ class DriverRequest:
         self.block_hashes: list[bytes] = []
         self.lora_request = None
         self.mm_features: list = []
-        self.cache_salt = None
+        self.cache_salt = cache_salt
+        self.kv_cache_report_mode = "full" if report_full else "incremental"
         self.prompt_embeds = None
         self.session_id = None
         self.skip_reading_prefix_cache = False
@@ -190,7 +194,9 @@ def run_sequence(seq: dict) -> list[dict]:
         if kind == "add":
             if rid in requests:
                 raise BadInput(f"request {rid} added twice")
-            req = DriverRequest(rid, op["prompt"], hasher)
+            req = DriverRequest(
+                rid, op["prompt"], hasher, op.get("cache_salt"), bool(op.get("report_full"))
+            )
             blocks, hit, _ = manager.get_computed_blocks(req)
             n = min(int(op["chunk"]), req.num_tokens - hit)
             ok = manager.allocate_slots(
