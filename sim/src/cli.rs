@@ -474,4 +474,21 @@ mod tests {
         assert_eq!(l[1].id, 2);
         assert!(parse_lora_modules(&["nopath".into()]).is_err());
     }
+
+    #[test]
+    fn prefix_match_unit_as_vllm_resolves_it() {
+        use clap::Parser;
+        let cli = |extra: &[&str]| {
+            let mut args = vec!["kvroute-sim", "--model-dir", "/m", "--block-size", "16"];
+            args.extend_from_slice(extra);
+            Cli::try_parse_from(args).unwrap()
+        };
+        assert_eq!(cli(&[]).hash_block_size(1).unwrap(), 16);
+        assert_eq!(cli(&["--prefix-match-unit", "16"]).hash_block_size(1).unwrap(), 16);
+        assert_eq!(cli(&["--prefix-match-unit", "4"]).hash_block_size(2).unwrap(), 4);
+        let one_group = cli(&["--prefix-match-unit", "4"]).hash_block_size(1).unwrap_err();
+        assert!(one_group.to_string().contains("single KV cache group"), "{one_group}");
+        assert!(cli(&["--prefix-match-unit", "5"]).hash_block_size(2).is_err());
+        assert!(cli(&["--prefix-match-unit", "0"]).hash_block_size(2).is_err());
+    }
 }

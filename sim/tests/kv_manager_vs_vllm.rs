@@ -26,7 +26,7 @@ use kvroute_sim::events::to_kv_events;
 use kvroute_sim::hashing::RequestChainHasher;
 use kvroute_sim::kv_manager::KvCacheManager;
 use kvroute_sim::sequence::{SeqId, Sequence, SequenceSpec, TokenSource};
-use kvroute_testkit::paths::{python, workspace};
+use kvroute_testkit::paths::{python, workspace, Layout as Paths};
 use serde_json::{json, Value};
 
 const OPS_PER_SEQUENCE: usize = 50;
@@ -392,6 +392,7 @@ fn simulator_kv_manager_matches_vllms_own() {
     let mut child = Command::new(python())
         .arg(&script)
         .env_remove("PYTHONHASHSEED")
+        .env("KVROUTE_CACHE", Paths::for_tests().cache_dir)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
