@@ -26,6 +26,10 @@ below, or nothing is written. Layout, one importable tree per release::
     legacy/<version>/READY      version, wheel file name, sha256; present once it is complete
 
 ``--no-legacy`` skips them. Their directories go to stderr (stdout stays the ``pkg`` line).
+
+vLLM's KV cache manager (``kv_manager_driver.py``) is extracted from the same wheel into
+``kvmgr/`` (its modules verbatim, stand-ins for what needs torch or the engine; ``kvmgr/READY``
+records the wheel and a digest of the stand-ins).
 """
 
 from __future__ import annotations
