@@ -79,6 +79,9 @@ pub struct RunSummary {
     pub scale_out: Option<super::scaleout::ScaleOut>,
     /// What `kvroute-indexer assess` reported over the run (the `shadow` line only).
     pub assess: Option<super::assess::AssessFigures>,
+    /// The gateways of a line run behind more than one (`--gateways`); absent for one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gateways: Option<super::gateways::GatewayFacts>,
 }
 
 /// Inputs of [`RunSummary::new`] besides the outcomes.
@@ -187,6 +190,7 @@ impl RunSummary {
             ideal: None,
             scale_out: None,
             assess: None,
+            gateways: None,
         }
     }
 
