@@ -1176,6 +1176,48 @@ mod tests {
     }
 
     #[test]
+    fn peers_table_names_the_redis_and_keeps_the_password_out_of_the_file() {
+        let peers = super::PeerRedis {
+            addr: "127.0.0.1:6380".into(),
+            password: "secret-pw".into(),
+            channel: "kvroute:bench".into(),
+        };
+        let toml = peers.toml().expect("toml");
+        assert_eq!(
+            toml,
+            "\n[peers]\nredis = \"127.0.0.1:6380\"\npassword_env = \"KVROUTE_PEERS_PASSWORD\"\nchannel = \"kvroute:bench\"\n"
+        );
+        assert!(!toml.contains("secret-pw"));
+    }
+
+    #[test]
+    fn gateways_after_the_first_get_their_own_ports_and_names() {
+        let mut pool = crate::ports::PortPool::default();
+        let mut ports = super::Ports::allocate(2, &mut pool).expect("ports");
+        let first = ports.gateway(0).expect("first gateway");
+        assert_eq!(
+            (first.indexer, first.listen, first.admin),
+            (ports.indexer, ports.kvroute.0, ports.kvroute.1)
+        );
+        assert!(ports.gateway(1).is_none());
+        ports.more_gateways.push(super::GatewayPorts {
+            indexer: pool.take().expect("port"),
+            listen: pool.take().expect("port"),
+            admin: pool.take().expect("port"),
+        });
+        let second = ports.gateway(1).expect("second gateway");
+        assert_ne!(second, first);
+        assert_eq!(
+            super::gateway_process_names(0),
+            ("indexer".to_string(), "envoy-kvroute".to_string())
+        );
+        assert_eq!(
+            super::gateway_process_names(2),
+            ("indexer-g2".to_string(), "envoy-kvroute-g2".to_string())
+        );
+    }
+
+    #[test]
     fn baseline_template_renders_completely() {
         let out = render(
             super::BASELINE_TEMPLATE,
