@@ -330,7 +330,13 @@ impl Stack {
     /// [`Stack::start_kvroute_envoy`] do.
     pub fn start_gateway(&mut self, k: usize, policy: &str) -> Result<()> {
         self.start_gateway_indexer(k, policy)?;
-        self.start_gateway_envoy(k, false)
+        self.start_gateway_envoy(k)
+    }
+
+    /// Starts gateway `k`'s kvroute Envoy (its indexer runs or comes next) and waits until the
+    /// filter has loaded the tokenizer.
+    pub fn start_gateway_envoy(&mut self, k: usize) -> Result<()> {
+        self.start_envoy_of_gateway(k, false)
     }
 
     /// `host:port` of every replica's HTTP server.
@@ -481,7 +487,9 @@ impl Stack {
         Ok(())
     }
 
-    fn start_gateway_indexer(&mut self, k: usize, policy: &str) -> Result<()> {
+    /// Starts gateway `k`'s indexer with `policy` and waits for its `/readyz` (and its peers'
+    /// Redis, when the gateways share).
+    pub fn start_gateway_indexer(&mut self, k: usize, policy: &str) -> Result<()> {
         let ports = self.gateway_ports(k)?;
         let (name, _) = gateway_process_names(k);
         let config = self.work_dir.join(format!("{name}.toml"));
@@ -661,15 +669,25 @@ impl Stack {
 
     fn start_kvroute_envoy_in(&mut self, shadow: bool) -> Result<()> {
         if shadow {
-            return self.start_gateway_envoy(0, true);
+            return self.start_envoy_of_gateway(0, true);
+        }
+        // Every gateway's Envoy first, then their tokenizer loads (which take the time) together.
+        for k in 0..self.gateways {
+            self.spawn_envoy_of_gateway(k, false)?;
         }
         for k in 0..self.gateways {
-            self.start_gateway_envoy(k, false)?;
+            self.wait_tokenizers_of_gateway(k)?;
         }
         Ok(())
     }
 
-    fn start_gateway_envoy(&mut self, k: usize, shadow: bool) -> Result<()> {
+    fn start_envoy_of_gateway(&mut self, k: usize, shadow: bool) -> Result<()> {
+        self.spawn_envoy_of_gateway(k, shadow)?;
+        self.wait_tokenizers_of_gateway(k)
+    }
+
+    /// Renders gateway `k`'s kvroute Envoy configuration, starts it and waits for its `/ready`.
+    fn spawn_envoy_of_gateway(&mut self, k: usize, shadow: bool) -> Result<()> {
         let ports = self.gateway_ports(k)?;
         let (_, name) = gateway_process_names(k);
         let template = fs::read_to_string(&self.envoy_template)
@@ -694,7 +712,12 @@ impl Stack {
         if shadow {
             yaml = with_round_robin_fallback(&yaml)?;
         }
-        self.start_envoy(&name, &yaml, ports.admin)?;
+        self.start_envoy(&name, &yaml, ports.admin)
+    }
+
+    fn wait_tokenizers_of_gateway(&mut self, k: usize) -> Result<()> {
+        let ports = self.gateway_ports(k)?;
+        let (_, name) = gateway_process_names(k);
         self.wait_tokenizers_loaded(&name, ports.admin, Duration::from_secs(90))
     }
 
