@@ -385,8 +385,8 @@ fn run_tallying(command: &mut Command, overall: &mut Tally) -> Result<()> {
 mod tests {
     use super::{Tally, E2E_BOTH_BUILDS};
 
-    /// The e2e suites that run once, against the Wasm build: `e2e_native` pins the native build
-    /// itself; `e2e_two_layers` checks the layer above kvroute (LiteLLM), whose behaviour does not
+    /// The e2e suites that run once (against the Wasm build unless they pin one): `e2e_native`
+    /// pins the native build itself; `e2e_two_layers` checks the layer above kvroute (LiteLLM), whose behaviour does not
     /// depend on the filter's build, and takes minutes to start; `e2e_gateways` kills and restarts
     /// whole gateways (Envoy and indexer processes), which no filter build changes, and pins the
     /// native build (it loads the tokenizer in a second).
