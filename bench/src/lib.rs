@@ -313,7 +313,11 @@ impl Plan {
             }
         }
         if opts.fleet.gateways.is_empty()
-            || opts.fleet.gateways.iter().any(|&n| n == 0 || n > MAX_GATEWAYS)
+            || opts
+                .fleet
+                .gateways
+                .iter()
+                .any(|&n| n == 0 || n > MAX_GATEWAYS)
         {
             bail!("--gateways must be between 1 and {MAX_GATEWAYS}");
         }
@@ -1336,7 +1340,11 @@ mod tests {
         assert_eq!(one.fleet.gateways, [1]);
         assert_eq!(one.fleet.peer_sharing, [PeerSharing::On]);
         let quick = Plan::from(&one).expect("plan");
-        assert_eq!(quick.lines(&one).len(), quick.policies.len(), "N = 1: as before");
+        assert_eq!(
+            quick.lines(&one).len(),
+            quick.policies.len(),
+            "N = 1: as before"
+        );
         let args = [
             "--policies",
             "kv,round-robin",

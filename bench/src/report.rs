@@ -1157,7 +1157,11 @@ pub(crate) mod tests {
         let met: Vec<Option<bool>> = checks.iter().map(|c| c.met).collect();
         // -0.5 points and +8 %: met; -2 points: missed; unshared: shown, not judged.
         assert_eq!(met, [Some(true), Some(false), None]);
-        assert!(checks[2].measured.contains("-18.0 points"), "{}", checks[2].measured);
+        assert!(
+            checks[2].measured.contains("-18.0 points"),
+            "{}",
+            checks[2].measured
+        );
         assert!(checks[2].measured.contains("+200.0 %"));
     }
 

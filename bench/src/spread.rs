@@ -94,7 +94,9 @@ mod tests {
     }
 
     fn addrs(n: usize) -> Vec<String> {
-        (0..n).map(|i| format!("127.0.0.1:{}", 10_000 + i)).collect()
+        (0..n)
+            .map(|i| format!("127.0.0.1:{}", 10_000 + i))
+            .collect()
     }
 
     #[test]

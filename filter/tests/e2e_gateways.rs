@@ -176,7 +176,8 @@ fn a_killed_gateway_loses_no_retried_request_and_comes_back_warm() {
             })
         })
         .collect();
-    let count = |f: &dyn Fn(&Sent) -> bool| sent.lock().map_or(0, |s| s.iter().filter(|x| f(x)).count());
+    let count =
+        |f: &dyn Fn(&Sent) -> bool| sent.lock().map_or(0, |s| s.iter().filter(|x| f(x)).count());
     let wait_for_requests = |what: &str, f: &dyn Fn(&Sent) -> bool, n: usize| {
         let start = Instant::now();
         while count(f) < n {
@@ -200,7 +201,9 @@ fn a_killed_gateway_loses_no_retried_request_and_comes_back_warm() {
 
     // Gateway 1 comes back: its indexer first (the index), then its Envoy (routing).
     let restart = Instant::now();
-    stack.start_gateway_indexer(1, "kv").expect("restart indexer");
+    stack
+        .start_gateway_indexer(1, "kv")
+        .expect("restart indexer");
     let indexer_ready = restart.elapsed();
     let indexer = stack.indexer_addr(1).expect("gateway 1's indexer");
     let want = PREFIX_BLOCKS as u64;
