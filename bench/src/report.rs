@@ -1075,6 +1075,7 @@ pub(crate) mod tests {
             scale_out: None,
             assess: None,
             gateways: None,
+            hit_prediction: None,
         }
     }
 

@@ -82,6 +82,10 @@ pub struct RunSummary {
     /// The gateways of a line run behind more than one (`--gateways`); absent for one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gateways: Option<super::gateways::GatewayFacts>,
+    /// The indexer's hit predictions against the engines' `cached_tokens` (lines routed by the
+    /// indexer).
+    #[serde(default)]
+    pub hit_prediction: Option<super::prediction::HitPrediction>,
 }
 
 /// Inputs of [`RunSummary::new`] besides the outcomes.
@@ -191,6 +195,7 @@ impl RunSummary {
             scale_out: None,
             assess: None,
             gateways: None,
+            hit_prediction: None,
         }
     }
 

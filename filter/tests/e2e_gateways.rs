@@ -126,6 +126,7 @@ fn a_killed_gateway_loses_no_retried_request_and_comes_back_warm() {
         envoy_concurrency: 1,
         sim_args: Vec::new(),
         scoring: Vec::new(),
+        index: Vec::new(),
     };
     let dir = scratch("gateways");
     let mut stack = Stack::new(&layout, cfg, bins, dir.clone(), true).expect("stack");
@@ -205,7 +206,7 @@ fn a_killed_gateway_loses_no_retried_request_and_comes_back_warm() {
         .start_gateway_indexer(1, "kv")
         .expect("restart indexer");
     let indexer_ready = restart.elapsed();
-    let indexer = stack.indexer_addr(1).expect("gateway 1's indexer");
+    let indexer = stack.gateway_indexer_addr(1).expect("gateway 1's indexer");
     let want = PREFIX_BLOCKS as u64;
     let warm = loop {
         let cold: Vec<usize> = (0..GROUPS)
