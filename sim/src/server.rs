@@ -20,7 +20,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::stream::{self, Stream, StreamExt};
 use kvroute_core::hashing::BlockHasher;
-use kvroute_core::request::{parse_body, request_extras, Endpoint, ModelTokenizer, RequestError};
+use kvroute_core::request::{
+    parse_body, request_extras, Endpoint, ModelTokenizer, PromptTokens, RequestError,
+};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -180,6 +182,12 @@ impl AppState {
                 )),
                 other => request_error(other),
             })?;
+        if matches!(tokens, PromptTokens::Partial(_)) {
+            // A text-only model, as vLLM answers for one.
+            return Err(ApiError::bad_request(format!(
+                "{model} is not a multimodal model: images, audio and video are not supported"
+            )));
+        }
         let prompts: Vec<Vec<u32>> = tokens.prompts().into_iter().map(<[u32]>::to_vec).collect();
         for p in &prompts {
             if p.is_empty() {

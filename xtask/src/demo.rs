@@ -108,6 +108,7 @@ pub fn run(layout: &Layout, opts: &DemoOptions) -> Result<()> {
         envoy_concurrency: 2,
         sim_args: Vec::new(),
         scoring: Vec::new(),
+        index: Vec::new(),
     };
     let mut stack = Stack::new(
         layout,
@@ -492,6 +493,7 @@ mod tests {
             indexer: 3,
             kvroute: (4, 5),
             baseline: (6, 7),
+            more_gateways: Vec::new(),
         };
         let script = super::stop_script(&[(999_999, "replica-r0".into())], &ports);
         let out = Command::new("sh")
