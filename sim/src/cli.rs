@@ -353,7 +353,7 @@ impl Cli {
                 "--prefix-match-unit {u}: with a single KV cache group, prefix-cache hits land on \
                  the block size ({bs}); unset it or set it to {bs}"
             ))),
-            Some(u) if u == 0 || bs % u != 0 => Err(CliError::Invalid(format!(
+            Some(u) if u == 0 || !bs.is_multiple_of(u) => Err(CliError::Invalid(format!(
                 "--prefix-match-unit {u} must divide --block-size {bs}"
             ))),
             Some(u) => Ok(u),
@@ -484,11 +484,30 @@ mod tests {
             Cli::try_parse_from(args).unwrap()
         };
         assert_eq!(cli(&[]).hash_block_size(1).unwrap(), 16);
-        assert_eq!(cli(&["--prefix-match-unit", "16"]).hash_block_size(1).unwrap(), 16);
-        assert_eq!(cli(&["--prefix-match-unit", "4"]).hash_block_size(2).unwrap(), 4);
-        let one_group = cli(&["--prefix-match-unit", "4"]).hash_block_size(1).unwrap_err();
-        assert!(one_group.to_string().contains("single KV cache group"), "{one_group}");
-        assert!(cli(&["--prefix-match-unit", "5"]).hash_block_size(2).is_err());
-        assert!(cli(&["--prefix-match-unit", "0"]).hash_block_size(2).is_err());
+        assert_eq!(
+            cli(&["--prefix-match-unit", "16"])
+                .hash_block_size(1)
+                .unwrap(),
+            16
+        );
+        assert_eq!(
+            cli(&["--prefix-match-unit", "4"])
+                .hash_block_size(2)
+                .unwrap(),
+            4
+        );
+        let one_group = cli(&["--prefix-match-unit", "4"])
+            .hash_block_size(1)
+            .unwrap_err();
+        assert!(
+            one_group.to_string().contains("single KV cache group"),
+            "{one_group}"
+        );
+        assert!(cli(&["--prefix-match-unit", "5"])
+            .hash_block_size(2)
+            .is_err());
+        assert!(cli(&["--prefix-match-unit", "0"])
+            .hash_block_size(2)
+            .is_err());
     }
 }

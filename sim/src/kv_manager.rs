@@ -107,7 +107,7 @@ impl KvCacheManager {
     /// Requests are hashed every `hash_block_size` tokens (vLLM's `hash_block_size`); it must
     /// divide the block size.
     pub fn with_hash_block_size(mut self, hash_block_size: usize) -> Result<Self, PoolError> {
-        if hash_block_size == 0 || self.block_size % hash_block_size != 0 {
+        if hash_block_size == 0 || !self.block_size.is_multiple_of(hash_block_size) {
             return Err(PoolError::HashBlockSize {
                 hash_block_size,
                 block_size: self.block_size,
@@ -128,12 +128,7 @@ impl KvCacheManager {
         if k <= 1 {
             return Cow::Borrowed(&seq.block_hashes);
         }
-        Cow::Owned(
-            seq.block_hashes
-                .chunks_exact(k)
-                .map(|c| c[k - 1])
-                .collect(),
-        )
+        Cow::Owned(seq.block_hashes.chunks_exact(k).map(|c| c[k - 1]).collect())
     }
 
     /// Caps a sliding-window group's share of the full-sequence admission check as vLLM does
@@ -481,7 +476,7 @@ impl KvCacheManager {
         let (bs, hbs) = (self.block_size, self.hash_block_size);
         let limit = seq.num_prompt_tokens.saturating_sub(1);
         let boundary = (limit / hbs).min(seq.block_hashes.len()) * hbs;
-        if boundary == 0 || boundary > num_tokens || boundary % bs == 0 {
+        if boundary == 0 || boundary > num_tokens || boundary.is_multiple_of(bs) {
             return;
         }
         let Some(tables) = self.reqs.get(&seq.id) else {

@@ -63,7 +63,14 @@ fn layouts() -> Vec<Layout> {
             // window scaled down to 80 so that prompts of a few hundred tokens leave it.
             name: "gemma3-like",
             num_blocks: 240,
-            groups: vec![sw(80), sw(80), sw(80), sw(80), sw(80), GroupKind::FullAttention],
+            groups: vec![
+                sw(80),
+                sw(80),
+                sw(80),
+                sw(80),
+                sw(80),
+                GroupKind::FullAttention,
+            ],
             hash_block_size: BLOCK_SIZE,
             max_prompt: 320,
             max_in_flight: 64,
@@ -170,12 +177,15 @@ impl SimSide {
 
     /// Runs one op (the driver's semantics, see kv_manager_driver.py).
     fn apply(&mut self, op: &Value) -> Outcome {
-        let id = op["id"].as_str().map(|s| s[1..].parse::<SeqId>().expect("id"));
+        let id = op["id"]
+            .as_str()
+            .map(|s| s[1..].parse::<SeqId>().expect("id"));
         let (mut hit, mut ok) = (None, None);
         match op["op"].as_str().expect("op") {
             "add" => {
                 let id = id.expect("add id");
-                let prompt: Vec<u32> = serde_json::from_value(op["prompt"].clone()).expect("prompt");
+                let prompt: Vec<u32> =
+                    serde_json::from_value(op["prompt"].clone()).expect("prompt");
                 let hbs = self.kv.hash_block_size();
                 let extras = RequestExtras {
                     cache_salt: op["cache_salt"].as_str().map(str::to_owned),
@@ -401,11 +411,25 @@ fn simulator_kv_manager_matches_vllms_own() {
     let mut stdin = child.stdin.take().expect("stdin");
     let writer = std::thread::spawn(move || stdin.write_all(&input));
     let out = child.wait_with_output().expect("vLLM driver output");
-    writer.join().expect("writer").expect("write the driver's input");
+    writer
+        .join()
+        .expect("writer")
+        .expect("write the driver's input");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "kv_manager_driver.py failed ({}): {stderr}", out.status);
-    let lines: Vec<&str> = std::str::from_utf8(&out.stdout).expect("utf8").lines().collect();
-    assert_eq!(lines.len(), expected.len(), "one line per sequence; stderr: {stderr}");
+    assert!(
+        out.status.success(),
+        "kv_manager_driver.py failed ({}): {stderr}",
+        out.status
+    );
+    let lines: Vec<&str> = std::str::from_utf8(&out.stdout)
+        .expect("utf8")
+        .lines()
+        .collect();
+    assert_eq!(
+        lines.len(),
+        expected.len(),
+        "one line per sequence; stderr: {stderr}"
+    );
 
     let mut ops_checked = 0;
     let (mut hits, mut evicting_ops, mut failed_allocs, mut partial_stores) = (0, 0, 0, 0);
@@ -438,7 +462,10 @@ fn simulator_kv_manager_matches_vllms_own() {
             ops_checked += 1;
             hits += usize::from(mine.hit.is_some_and(|h| h > 0));
             failed_allocs += usize::from(mine.ok == Some(false));
-            let events = r["events"].as_array().map(Vec::as_slice).unwrap_or_default();
+            let events = r["events"]
+                .as_array()
+                .map(Vec::as_slice)
+                .unwrap_or_default();
             evicting_ops += usize::from(events.iter().any(|e| e["type"] == "BlockRemoved"));
             partial_stores += events
                 .iter()
@@ -448,9 +475,18 @@ fn simulator_kv_manager_matches_vllms_own() {
     }
     // The sequences must exercise what they claim to: hits, evictions, refused allocations.
     assert!(hits > n, "only {hits} prefix hits in {ops_checked} ops");
-    assert!(evicting_ops > n, "only {evicting_ops} evicting ops in {ops_checked} ops");
-    assert!(failed_allocs > 0, "no allocation was refused in {ops_checked} ops");
-    assert!(partial_stores > 0, "no partial-block BlockStored in {ops_checked} ops");
+    assert!(
+        evicting_ops > n,
+        "only {evicting_ops} evicting ops in {ops_checked} ops"
+    );
+    assert!(
+        failed_allocs > 0,
+        "no allocation was refused in {ops_checked} ops"
+    );
+    assert!(
+        partial_stores > 0,
+        "no partial-block BlockStored in {ops_checked} ops"
+    );
     eprintln!(
         "{ops_checked} ops identical to vLLM's ({hits} hits, {evicting_ops} evicting, \
          {failed_allocs} refused allocations, {partial_stores} partial-block stores)"
