@@ -871,11 +871,14 @@ impl Stack {
     }
 }
 
-/// The kvroute filter's counters from the admin `/stats` of the Envoy whose admin listens on
-/// `admin` (names without `wasmcustom.` or the native build's `dynamicmodulescustom.`).
-fn filter_counters_at(admin: u16) -> Result<BTreeMap<String, u64>> {
-    let admin = format!("127.0.0.1:{admin}");
-    let (status, text) = http::get(&admin, "/stats?filter=kvroute", Duration::from_secs(5))?;
+/// Envoy's counters and gauges whose names contain `filter` (`/stats?filter=`), from the admin
+/// at `admin` (`host:port`), by name.
+pub fn envoy_stats(admin: &str, filter: &str) -> Result<Vec<(String, u64)>> {
+    let (status, text) = http::get(
+        admin,
+        &format!("/stats?filter={filter}"),
+        Duration::from_secs(5),
+    )?;
     if status != 200 {
         bail!("Envoy admin /stats answered HTTP {status}");
     }
@@ -883,12 +886,23 @@ fn filter_counters_at(admin: u16) -> Result<BTreeMap<String, u64>> {
         .lines()
         .filter_map(|line| {
             let (name, value) = line.split_once(':')?;
-            let name = name.trim();
+            Some((name.trim().to_string(), value.trim().parse::<u64>().ok()?))
+        })
+        .collect())
+}
+
+/// The kvroute filter's counters from the admin `/stats` of the Envoy whose admin listens on
+/// `admin` (names without `wasmcustom.` or the native build's `dynamicmodulescustom.`).
+fn filter_counters_at(admin: u16) -> Result<BTreeMap<String, u64>> {
+    Ok(envoy_stats(&format!("127.0.0.1:{admin}"), "kvroute")?
+        .into_iter()
+        .map(|(name, value)| {
             let name = name
                 .strip_prefix("wasmcustom.")
                 .or_else(|| name.strip_prefix("dynamicmodulescustom."))
+                .map(str::to_string)
                 .unwrap_or(name);
-            Some((name.to_string(), value.trim().parse::<u64>().ok()?))
+            (name, value)
         })
         .collect())
 }
