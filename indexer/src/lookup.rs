@@ -24,11 +24,17 @@ pub struct RequestKeys {
     pub keys: Vec<RouterKey>,
     /// Prompt length in tokens.
     pub num_tokens: usize,
+    /// The keys cover only the prompt's leading tokens (`RouteRequest::partial`).
+    pub partial: bool,
 }
 
 impl RequestKeys {
-    /// Keys that could be hits (the last token is always recomputed).
+    /// Keys that could be hits (the last token is always recomputed; a partial prompt's last
+    /// token is further on, so all of its full blocks could be).
     pub fn usable(&self) -> &[RouterKey] {
+        if self.partial {
+            return &self.keys;
+        }
         let n = usable_hit_blocks(self.num_tokens, self.block_size as usize).min(self.keys.len());
         &self.keys[..n]
     }

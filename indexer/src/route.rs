@@ -79,6 +79,7 @@ pub fn request_router_keys(
                 block_size: bs,
                 keys,
                 num_tokens: tokens.len(),
+                partial: req.partial,
             })
         }
         (None, Some(keys)) => {
@@ -101,6 +102,7 @@ pub fn request_router_keys(
                 block_size: bs,
                 keys: keys.iter().map(|k| RouterKey(*k)).collect(),
                 num_tokens,
+                partial: req.partial,
             })
         }
         (Some(_), Some(_)) => Err(RouteError::BadRequest(
@@ -333,6 +335,7 @@ fn record(
         output_tokens: u64::from(lookup.shape.output_tokens),
         output_blocks: lookup.shape.output_tokens.div_ceil(bs.max(1)),
         predicted_ttft_s: decision.terms.ttft_s,
+        partial: lookup.keys.partial,
         callout: req.callout_id.clone(),
     });
     let decision_id = routed.id.to_string();
@@ -365,6 +368,12 @@ fn record(
         ));
     }
     state.metrics.routed.fetch_add(1, Ordering::Relaxed);
+    if lookup.keys.partial {
+        state
+            .metrics
+            .partial_predictions
+            .fetch_add(1, Ordering::Relaxed);
+    }
     state.metrics.count_decision(&reason);
     let t = &decision.terms;
     let load = cands

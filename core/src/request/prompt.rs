@@ -22,6 +22,7 @@ pub const DEFAULT_MAX_PROMPT_TOKENS: usize = 131_072;
 /// when a model sets none.
 pub const MAX_SANE_MODEL_MAX_LENGTH: usize = 16 << 20;
 
+
 /// The OpenAI endpoints kvroute understands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Endpoint {
@@ -59,13 +60,17 @@ pub enum PromptTokens {
     Single(Vec<u32>),
     /// A completion whose `prompt` is a list of prompts: vLLM runs one request per entry.
     Batch(Vec<Vec<u32>>),
+    /// The leading tokens of a chat with images, audio or video: the prompt up to its first
+    /// media placeholder (less its last token, which the placeholder's text could merge with).
+    /// What follows depends on the media and is not predicted.
+    Partial(Vec<u32>),
 }
 
 impl PromptTokens {
     /// Every prompt's ids, in order.
     pub fn prompts(&self) -> Vec<&[u32]> {
         match self {
-            Self::Single(ids) => vec![ids.as_slice()],
+            Self::Single(ids) | Self::Partial(ids) => vec![ids.as_slice()],
             Self::Batch(all) => all.iter().map(Vec::as_slice).collect(),
         }
     }
@@ -84,6 +89,7 @@ pub enum ChatContentFormat {
     #[serde(rename = "openai")]
     OpenAi,
 }
+
 
 /// Parses a request body, mapping malformed JSON to [`RequestError::NotJson`].
 pub fn parse_body(bytes: &[u8]) -> Result<serde_json::Value, RequestError> {
