@@ -34,8 +34,8 @@ pub use error::RequestError;
 pub use model_files::{ModelFileSet, ModelFiles, MODEL_FILE_NAMES};
 pub use options::TokenizerOptions;
 pub use prompt::{
-    parse_body, request_extras, ChatContentFormat, Endpoint, PromptTokens, DEFAULT_MAX_PROMPT_TOKENS,
-    MAX_PROMPT_BYTES_PER_TOKEN, MAX_SANE_MODEL_MAX_LENGTH,
+    parse_body, request_extras, ChatContentFormat, Endpoint, PromptTokens,
+    DEFAULT_MAX_PROMPT_TOKENS, MAX_PROMPT_BYTES_PER_TOKEN, MAX_SANE_MODEL_MAX_LENGTH,
 };
 pub use segment_cache::SegmentCacheStats;
 pub use tokenizer::ModelTokenizer;

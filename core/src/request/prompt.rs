@@ -22,7 +22,6 @@ pub const DEFAULT_MAX_PROMPT_TOKENS: usize = 131_072;
 /// when a model sets none.
 pub const MAX_SANE_MODEL_MAX_LENGTH: usize = 16 << 20;
 
-
 /// The OpenAI endpoints kvroute understands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Endpoint {
@@ -89,7 +88,6 @@ pub enum ChatContentFormat {
     #[serde(rename = "openai")]
     OpenAi,
 }
-
 
 /// Parses a request body, mapping malformed JSON to [`RequestError::NotJson`].
 pub fn parse_body(bytes: &[u8]) -> Result<serde_json::Value, RequestError> {
