@@ -21,6 +21,7 @@ mod chat_template;
 mod digest;
 mod model_files;
 mod openai;
+mod piece_encoder;
 mod segment_cache;
 mod segmenter;
 mod tokenizer;

@@ -173,7 +173,7 @@ fn added_token_matcher(tokenizer_json: &Value) -> Option<DoubleArrayAhoCorasick<
 }
 
 /// Whether the pipeline is one for which line cuts are proven exact (see the module docs).
-fn line_cuts_are_exact(tokenizer_json: &Value) -> bool {
+pub(crate) fn line_cuts_are_exact(tokenizer_json: &Value) -> bool {
     let normalizer_ok = match tokenizer_json.get("normalizer") {
         None | Some(Value::Null) => true,
         Some(n) => n.get("type").and_then(Value::as_str) == Some("NFC"),
