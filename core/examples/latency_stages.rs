@@ -4,7 +4,8 @@
 //! pre-tokenisation, BPE and router keys; and the warm path (earlier turns in the segment cache,
 //! a new last turn). A measurement, not a test: it prints the minimum and median over rounds.
 //!
-//! `cargo run --release -p kvroute-core --example latency_stages [rounds]`
+//! `cargo run --release -p kvroute-core --example latency_stages [rounds] [warm]` (`warm`: only
+//! the warm path, e.g. under `perf record`).
 //!
 //! Needs the Qwen3 tokenizer (`cargo xtask setup`; `KVROUTE_MODEL_DIR` overrides).
 
@@ -45,18 +46,24 @@ fn tokens_of(result: PromptTokens) -> Vec<u32> {
 }
 
 /// One cold request's stages, ms, in the order of [`STAGES`].
-const STAGES: [&str; 8] = [
+const STAGES: [&str; 9] = [
     "json parse",
     "chat template",
-    "added tokens + normaliser",
-    "pre-tokenisation",
-    "BPE",
-    "tokenizer alone (encode_fast)",
+    "tokenizers crate: added tokens + normaliser",
+    "tokenizers crate: pre-tokenisation",
+    "tokenizers crate: BPE",
+    "tokenizers crate: whole (encode_fast)",
+    "kvroute: segments, piece encoder",
     "router keys",
     "whole cold path (parse..keys)",
 ];
 
-fn cold_stages(tk: &ModelTokenizer, raw_tk: &Tokenizer, bytes: &[u8]) -> ([f64; 8], usize) {
+fn cold_stages(
+    tk: &ModelTokenizer,
+    nocache: &ModelTokenizer,
+    raw_tk: &Tokenizer,
+    bytes: &[u8],
+) -> ([f64; 9], usize) {
     let (parse, body) = timed(|| parse_body(bytes).expect("JSON"));
     let (render, text) = timed(|| tk.render_chat(&body).expect("render"));
     let (split, mut pretok) = timed(|| {
@@ -77,6 +84,8 @@ fn cold_stages(tk: &ModelTokenizer, raw_tk: &Tokenizer, bytes: &[u8]) -> ([f64; 
         .expect("encoding");
     let (whole_tokenizer, enc) = timed(|| raw_tk.encode_fast(text.as_str(), false).expect("encode"));
     assert_eq!(staged.get_ids(), enc.get_ids(), "staged tokenisation differs");
+    let (segmented, ids) = timed(|| nocache.encode_text(&text, false).expect("encode"));
+    assert_eq!(ids, enc.get_ids(), "the piece encoder differs");
 
     let extras = request_extras(&body, &|_| None);
     let (keys, _) = timed(|| {
@@ -110,6 +119,7 @@ fn cold_stages(tk: &ModelTokenizer, raw_tk: &Tokenizer, bytes: &[u8]) -> ([f64; 
             pre,
             bpe,
             whole_tokenizer,
+            segmented,
             keys,
             whole,
         ],
@@ -119,7 +129,13 @@ fn cold_stages(tk: &ModelTokenizer, raw_tk: &Tokenizer, bytes: &[u8]) -> ([f64; 
 
 /// One warm request (earlier turns cached): the whole path, the new turn's text tokenised alone,
 /// and the same request again with every segment cached.
-fn warm_stages(tk: &ModelTokenizer, seed: u64, tokens: usize, last: u64) -> [f64; 4] {
+fn warm_stages(
+    tk: &ModelTokenizer,
+    nocache: &ModelTokenizer,
+    seed: u64,
+    tokens: usize,
+    last: u64,
+) -> [f64; 5] {
     let bytes = chat_conversation(seed, tokens, last).to_string().into_bytes();
     let path = |bytes: &[u8]| {
         let body = parse_body(bytes).expect("JSON");
@@ -143,9 +159,10 @@ fn warm_stages(tk: &ModelTokenizer, seed: u64, tokens: usize, last: u64) -> [f64
         .and_then(|m| m["content"].as_str())
         .expect("a last turn")
         .to_owned();
-    let (new_turn, _) = timed(|| tk.encode_text_uncached(&last_turn, false).expect("encode"));
+    let (new_turn, _) = timed(|| nocache.encode_text(&last_turn, false).expect("encode"));
     let (parse, _) = timed(|| black_box(parse_body(&bytes).expect("JSON")));
-    [warm, new_turn, all_cached, parse]
+    let (render, _) = timed(|| black_box(tk.render_chat(&body).expect("render")));
+    [warm, new_turn, all_cached, parse, render]
 }
 
 fn main() {
@@ -156,6 +173,15 @@ fn main() {
     let files = ModelFiles::from_dir(model_dir())
         .expect("Qwen3 tokenizer not found: run `cargo xtask setup` or set KVROUTE_MODEL_DIR");
     let tk = ModelTokenizer::from_files(&files, TokenizerOptions::default()).expect("tokenizer");
+    let nocache = ModelTokenizer::from_files(
+        &files,
+        TokenizerOptions {
+            segment_cache_max_bytes: 0,
+            segment_cache_max_entries: 0,
+            ..TokenizerOptions::default()
+        },
+    )
+    .expect("tokenizer");
     let raw_tk = Tokenizer::from_bytes(&files.tokenizer_json).expect("tokenizer.json");
     println!(
         "load average: {}",
@@ -164,15 +190,16 @@ fn main() {
             .trim()
     );
     println!("{rounds} rounds; ms, min / median\n");
+    let warm_only = std::env::args().nth(2).as_deref() == Some("warm");
 
-    for tokens in [8000usize, 32000] {
+    for tokens in [8000usize, 32000].into_iter().filter(|_| !warm_only) {
         let mut samples: Vec<Vec<f64>> = vec![Vec::new(); STAGES.len()];
         let mut n_tokens = 0;
         for round in 0..rounds as u64 {
             // New text every round: nothing in the segment cache nor in the BPE's word cache
             // beyond what the filler's small vocabulary puts there.
             let body = chat_conversation(tokens as u64 * 100 + round, tokens, 800_000 + round);
-            let (stages, n) = cold_stages(&tk, &raw_tk, body.to_string().as_bytes());
+            let (stages, n) = cold_stages(&tk, &nocache, &raw_tk, body.to_string().as_bytes());
             n_tokens = n;
             for (s, v) in samples.iter_mut().zip(stages) {
                 s.push(v);
@@ -181,7 +208,7 @@ fn main() {
         println!("cold ~{}k chat ({n_tokens} tokens)", tokens / 1000);
         for (name, s) in STAGES.iter().zip(samples) {
             let (min, med) = min_median(s);
-            println!("  {name:<32} {min:>8.3} / {med:>8.3}");
+            println!("  {name:<44} {min:>8.3} / {med:>8.3}");
         }
     }
 
@@ -197,10 +224,11 @@ fn main() {
             "new last turn tokenised alone",
             "same request, all cached",
             "json parse alone",
+            "chat template alone",
         ];
         let mut samples: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
         for round in 0..rounds.max(3) as u64 * 3 {
-            let stages = warm_stages(&tk, seed, tokens, 900_001 + round);
+            let stages = warm_stages(&tk, &nocache, seed, tokens, 900_001 + round);
             for (s, v) in samples.iter_mut().zip(stages) {
                 s.push(v);
             }
@@ -211,7 +239,7 @@ fn main() {
         );
         for (name, s) in names.iter().zip(samples) {
             let (min, med) = min_median(s);
-            println!("  {name:<32} {min:>8.3} / {med:>8.3}");
+            println!("  {name:<44} {min:>8.3} / {med:>8.3}");
         }
     }
 }

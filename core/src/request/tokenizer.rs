@@ -361,7 +361,7 @@ impl ModelTokenizer {
             ChatContentFormat::Auto => openai::detect_content_format(source),
             other => other,
         };
-        let mut messages = openai::normalise_messages(&req.messages, format, source)?;
+        let mut messages = openai::normalise_messages(req.messages, format, source)?;
         if messages.is_empty() {
             return Err(RequestError::InvalidField {
                 field: "messages".into(),
