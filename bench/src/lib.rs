@@ -16,6 +16,7 @@ mod fleet;
 mod ideal;
 mod peers;
 mod policies;
+mod prediction;
 mod replay;
 mod replica_counters;
 mod report;
@@ -148,6 +149,14 @@ pub struct BenchOptions {
     /// e.g. `--scoring credit_decay=0.02`); the report's command line shows it.
     #[arg(long, value_parser = parse_scoring_setting)]
     pub scoring: Vec<String>,
+    /// An index setting for the indexer, `key=value` as in its `[index]` table (repeatable;
+    /// e.g. `--index kv_cache_group=0` to index group 0 only).
+    #[arg(long, value_parser = parse_index_setting)]
+    pub index: Vec<String>,
+    /// The replicas' KV cache groups (`kvroute-sim --kv-cache-layout`: `full`, `gemma3`,
+    /// `gpt-oss`, or a list such as `sliding_window:512,full_attention`).
+    #[arg(long, default_value = "full")]
+    pub kv_cache_layout: String,
     /// Where the report goes (its generated section is replaced).
     #[arg(long, default_value = "docs/benchmarks.md")]
     pub out: PathBuf,
@@ -482,8 +491,14 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
                 time_scale: opts.time_scale,
                 hash_algo: "sha256_cbor".to_string(),
                 envoy_concurrency: 2,
-                sim_args: vec!["--max-model-len".into(), opts.max_model_len.to_string()],
+                sim_args: vec![
+                    "--max-model-len".into(),
+                    opts.max_model_len.to_string(),
+                    "--kv-cache-layout".into(),
+                    opts.kv_cache_layout.clone(),
+                ],
                 scoring: opts.scoring.clone(),
+                index: opts.index.clone(),
             };
             let work_dir = out_dir.join(format!("{replicas}x{gpu_blocks}"));
             let mut stack = Stack::new(
@@ -778,6 +793,22 @@ fn run_policy(
     }
     stack.check_alive()?;
     let after = scrape(joined_s.is_some())?;
+    let hit_prediction = if policy.uses_indexer() && policy != Policy::Shadow {
+        let p = prediction::HitPrediction::scrape(&stack.indexer_addr())?;
+        if let Some(share) = p.exact_share() {
+            println!(
+                "    {:<14} hit predictions exact {:.1} % of {} (under {}, over {})",
+                policy.name(),
+                share * 100.0,
+                p.compared(),
+                p.under,
+                p.over
+            );
+        }
+        Some(p)
+    } else {
+        None
+    };
     let assessed = if policy == Policy::Shadow {
         // SIGINT ends assess's window; it scrapes once more and writes its report.
         stack.finish_assess()?;
@@ -797,6 +828,7 @@ fn run_policy(
     let deltas: Vec<ReplicaCounters> = after.iter().zip(&before).map(|(a, b)| a.since(b)).collect();
     let mut summary = RunSummary::new(ctx, &outcomes, wall, &deltas);
     // Nothing sampled (no process found) is reported as unknown, not as free.
+    summary.hit_prediction = hit_prediction;
     summary.router_cost = (usage_after.processes > 0)
         .then(|| router_usage::RouterCost::between(&usage_before, &usage_after, total));
     if !opts.fleet.replica_speeds.is_empty() {
@@ -1097,15 +1129,24 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
     (y, m, d)
 }
 
-/// `key=value` -> a TOML line `key = value` (the value must be a number or a boolean).
 fn parse_scoring_setting(s: &str) -> std::result::Result<String, String> {
+    parse_setting(s, "scoring")
+}
+
+fn parse_index_setting(s: &str) -> std::result::Result<String, String> {
+    parse_setting(s, "index")
+}
+
+/// `key=value` -> a TOML line `key = value` of the `[table]` table (the value must be a number
+/// or a boolean).
+fn parse_setting(s: &str, table: &str) -> std::result::Result<String, String> {
     let (key, value) = s
         .split_once('=')
         .ok_or_else(|| format!("{s:?}: expected key=value"))?;
     let key = key.trim();
     let value = value.trim();
     if key.is_empty() || !key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-        return Err(format!("{key:?} is not a [scoring] key"));
+        return Err(format!("{key:?} is not a [{table}] key"));
     }
     if value.parse::<f64>().is_err() && value != "true" && value != "false" {
         return Err(format!("{value:?}: expected a number or true/false"));

@@ -1035,6 +1035,7 @@ pub(crate) mod tests {
             ideal: None,
             scale_out: None,
             assess: None,
+            hit_prediction: None,
         }
     }
 

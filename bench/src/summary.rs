@@ -79,6 +79,10 @@ pub struct RunSummary {
     pub scale_out: Option<super::scaleout::ScaleOut>,
     /// What `kvroute-indexer assess` reported over the run (the `shadow` line only).
     pub assess: Option<super::assess::AssessFigures>,
+    /// The indexer's hit predictions against the engines' `cached_tokens` (lines routed by the
+    /// indexer).
+    #[serde(default)]
+    pub hit_prediction: Option<super::prediction::HitPrediction>,
 }
 
 /// Inputs of [`RunSummary::new`] besides the outcomes.
@@ -187,6 +191,7 @@ impl RunSummary {
             ideal: None,
             scale_out: None,
             assess: None,
+            hit_prediction: None,
         }
     }
 

@@ -18,6 +18,7 @@ pub mod api;
 pub mod calibration;
 pub mod events;
 pub mod hashing;
+pub mod hybrid;
 #[cfg(feature = "peers")]
 pub mod peers;
 pub mod prometheus;

@@ -128,6 +128,11 @@ pub struct IndexSection {
     /// Lifetime of predicted entries written at decision time, in ms (default 2000).
     #[serde(default = "default_predicted_ttl_ms")]
     pub predicted_ttl_ms: u64,
+    /// Index only this KV cache group, read as full attention (what kvroute did before hybrid
+    /// models were supported). Unset (default): every group, looked up with vLLM's hybrid hit
+    /// rule.
+    #[serde(default)]
+    pub kv_cache_group: Option<i64>,
 }
 
 impl Default for IndexSection {
@@ -135,6 +140,7 @@ impl Default for IndexSection {
         Self {
             max_bytes: default_max_bytes(),
             predicted_ttl_ms: default_predicted_ttl_ms(),
+            kv_cache_group: None,
         }
     }
 }

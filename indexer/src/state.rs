@@ -236,6 +236,7 @@ impl AppState {
         }
         let index = SharedIndex::new(IndexConfig {
             max_bytes: config.index.max_bytes as usize,
+            group_idx: config.index.kv_cache_group,
             ..Default::default()
         });
         let policy_state = PolicyState::new(&config.policies);

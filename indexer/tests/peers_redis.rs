@@ -143,11 +143,6 @@ async fn predicted(c: &reqwest::Client, g: &Gateway, tokens: &[u32], replica: &s
         .unwrap_or(0)
 }
 
-// Ignored, not passing: on main after the merges of 2026-12-03 the sibling routed through the
-// other gateway sees the shared prefix (the predicted-blocks check passes) but the cost model
-// scores waiting for the prefix being built and recomputing it on an idle replica within one
-// block's prefill of each other, and picks the idle one. Open in issue 15's note.
-#[ignore = "near-tie in the cost model on an idle fleet; see the comment above"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sibling_burst_split_across_two_gateways_lands_on_one_replica() {
     let redis = RedisServer::start("peers-burst").expect("redis-server");

@@ -78,6 +78,8 @@ struct SimSpec {
     connect_out: bool,
     /// More command-line arguments.
     args: Vec<&'static str>,
+    /// `--num-gpu-blocks-override`.
+    blocks: u32,
 }
 
 impl SimSpec {
@@ -90,6 +92,7 @@ impl SimSpec {
             dp,
             connect_out: false,
             args: Vec::new(),
+            blocks: 2048,
         }
     }
 
@@ -112,7 +115,7 @@ impl SimSpec {
                 .arg("--model-dir")
                 .arg(model_dir())
                 .args(["--block-size", &BS.to_string()])
-                .args(["--num-gpu-blocks-override", "2048"])
+                .args(["--num-gpu-blocks-override", &self.blocks.to_string()])
                 .args(["--prefix-caching-hash-algo", "sha256"])
                 .args(["--data-parallel-size", &self.dp.to_string()])
                 .args(["--kv-events-config", &events])
@@ -748,6 +751,77 @@ async fn assess_finds_prefill_computed_twice_and_judges_the_traffic() {
     // One replica: nothing to route, whatever the traffic.
     let model = assess_while(&dir.0, "single", &[&a], 1, || async {}).await;
     assert_eq!(model["verdict"]["kind"], "nothing_to_route", "{model}");
+}
+
+/// An indexer following `sim`, in its own directory; `extra` is more of its TOML (top level).
+fn indexer_for(sim: &SimSpec, name: &str, extra: &str) -> (TempDir, Proc, String) {
+    let dir = TempDir::new(name);
+    let cfg = format!(
+        "scrape_interval_ms = 100\n{extra}\n\
+         [events]\nmax_backoff_ms = 200\n\
+         [[models]]\nname = \"{MODEL}\"\nmodel_dir = \"{}\"\n\
+         [models.hash]\nalgo = \"sha256\"\nengine_version = \"0.33.0\"\n\
+         [[models.replicas]]\nname = \"{}\"\nhttp = \"{}\"\ntopic = \"kv-events\"\n",
+        model_dir().display(),
+        sim.name,
+        sim.addr(),
+    );
+    let cfg_path = dir.0.join("indexer.toml");
+    std::fs::write(&cfg_path, cfg).unwrap();
+    let (idx, base) = start_indexer(&cfg_path, &dir.0, &[]);
+    (dir, idx, base)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_hybrid_sim_the_index_predicts_the_engines_hit_and_group_zero_alone_does_not() {
+    // gpt-oss's layout (group 0 sliding window, group 1 full attention) with a 32-token window
+    // (2 blocks of 16 before the hit point) and a pool of exactly what one 200-token request
+    // needs in both groups (26 blocks + the null block), so evictions are deterministic.
+    let bin = sim_binary();
+    let dir = TempDir::new("sim-e2e-hybrid");
+    let mut spec = SimSpec::new("sim-hybrid", 1);
+    spec.args = vec!["--kv-cache-layout", "gpt-oss", "--sliding-window", "32"];
+    spec.blocks = 27;
+    let _sim = spec.start(&bin, &dir.0, "first");
+    let (_d1, idx, base) = indexer_for(&spec, "sim-e2e-hybrid-ix", "");
+    let (_d2, idx0, base0) =
+        indexer_for(&spec, "sim-e2e-hybrid-ix0", "[index]\nkv_cache_group = 0\n");
+    let c = client();
+    for (i, b) in [(&idx, &base), (&idx0, &base0)] {
+        wait_debug(&c, b, i, "connection", Duration::from_secs(30), |d| {
+            all_connected(d, spec.name, 1)
+        })
+        .await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    // A: 200 tokens, 2 output tokens. The decode step frees sliding blocks 0-9 (they left the
+    // window), ahead of everything else in the free queue.
+    let p = prompt(11, 200);
+    complete(&c, &spec, &p, 2).await;
+    wait_blocks(&c, &base, &p, spec.name, 12).await;
+    // F: 96 unrelated tokens take 6 blocks per group from the queue's head: the two unhashed
+    // tail blocks of A, then A's sliding blocks 9..0, which are evicted (BlockRemoved, group 0).
+    complete(&c, &spec, &prompt(12, 96), 1).await;
+    // The first 100 tokens of A: a 6-block hit needs sliding blocks 4 and 5, now gone, so the
+    // hybrid rule gives nothing; seeing that proves the index applied the evictions.
+    wait_blocks(&c, &base, &p[..100], spec.name, 0).await;
+    // The full prompt: full attention holds blocks 0-11 and the window before block 12 (blocks
+    // 10, 11) is still cached: 12 blocks. Group 0 alone (read as full attention) misses block 0.
+    wait_blocks(&c, &base0, &p, spec.name, 0).await;
+    let predicted = gpu_blocks(&c, &base, &p, spec.name).await;
+    assert_eq!(predicted, 12);
+    let r = route(&c, &base, &p).await;
+    assert_eq!(r["matched_tokens"]["gpu"], 12 * BS, "{r}");
+    // What the engine gives.
+    let hit = cached(&complete(&c, &spec, &p, 1).await);
+    assert_eq!(
+        hit,
+        predicted * BS,
+        "engine hit vs the hybrid index's prediction"
+    );
+    // Group-0-only indexing predicted 0 blocks (waited for above): wrong by 192 tokens.
+    assert_eq!(hit, 192);
 }
 
 /// A chat request whose system prompt starts with `stamp` (a per-request timestamp, or the same

@@ -42,9 +42,10 @@ fn bench(c: &mut Criterion) {
         max_num_batched_tokens: 8192,
         num_gpu_blocks: 4096,
         block_size: BS,
+        kv_cache_groups: vec![kvroute_core::hybrid::GroupKind::FullAttention],
     };
     // Count the scheduled tokens of one run to express the cost per token.
-    let mut s = Scheduler::new(cfg, true).unwrap();
+    let mut s = Scheduler::new(cfg.clone(), true).unwrap();
     let mut tokens = 0u64;
     for q in workload() {
         s.add(q);
@@ -61,7 +62,7 @@ fn bench(c: &mut Criterion) {
         b.iter_batched(
             workload,
             |seqs| {
-                let mut s = Scheduler::new(cfg, true).unwrap();
+                let mut s = Scheduler::new(cfg.clone(), true).unwrap();
                 for q in seqs {
                     s.add(q);
                 }

@@ -97,7 +97,10 @@ pub async fn run(cli: Cli) -> Result<(), AppError> {
         CliError::Invalid(format!("--wire-format: unknown {:?}", cli.wire_format))
     })?;
     let events_cfg = cli.events_config()?;
-    let usable_tokens = (cli.num_gpu_blocks - 1) * cli.block_size;
+    let kv_cache_groups = cli.kv_cache_groups()?;
+    // Every group takes blocks for every token (sliding groups free theirs only as the window
+    // moves on), so a prompt fits when all groups' blocks do.
+    let usable_tokens = (cli.num_gpu_blocks - 1) / kv_cache_groups.len().max(1) * cli.block_size;
     let max_model_len = cli.max_model_len.min(usable_tokens);
 
     let clock = SimClock::new(cli.time_scale);
@@ -130,6 +133,7 @@ pub async fn run(cli: Cli) -> Result<(), AppError> {
                     max_num_batched_tokens: cli.max_num_batched_tokens,
                     num_gpu_blocks: cli.num_gpu_blocks,
                     block_size: cli.block_size,
+                    kv_cache_groups: kv_cache_groups.clone(),
                 },
                 latency: cli.latency_model(),
                 speed: speed.clone(),

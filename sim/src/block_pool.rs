@@ -2,6 +2,10 @@
 //! blocks, a hash -> block map of cached full blocks, reference counts, and a free queue in
 //! eviction order that keeps freed blocks' hashes until they are reused.
 //!
+//! Hybrid models: the pool is shared by every KV cache group (as vLLM's coordinator shares one
+//! `BlockPool`); a block is cached under (hash, group), vLLM's `BlockHashWithGroupId`, and its
+//! events carry the group.
+//!
 //! Invariants, as in vLLM:
 //! * block 0 is the null block, taken at start and never handed out (usable = N - 1);
 //! * a block with `ref_cnt > 0` is pinned: it is never in the free queue, never evicted;
@@ -18,6 +22,9 @@ use crate::sequence::{BlockHash, SeqMeta};
 
 /// Index of a block in the pool.
 pub type BlockId = u32;
+
+/// A KV cache group id.
+pub type GroupId = u8;
 
 /// Errors from the pool.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -52,9 +59,11 @@ pub enum PoolEvent {
         token_ids: Vec<u32>,
         /// Tokens per block.
         block_size: usize,
+        /// The KV cache group.
+        group: GroupId,
     },
-    /// A cached block was evicted.
-    Removed(BlockHash),
+    /// A cached block of a KV cache group was evicted.
+    Removed(BlockHash, GroupId),
     /// The prefix cache was reset.
     Cleared,
 }
@@ -62,7 +71,7 @@ pub enum PoolEvent {
 #[derive(Debug, Clone, Default)]
 struct Block {
     ref_cnt: u32,
-    hash: Option<BlockHash>,
+    hash: Option<(BlockHash, GroupId)>,
 }
 
 /// One hash maps to one block, or (rarely) to several, kept in insertion order.
@@ -77,7 +86,7 @@ enum Cached {
 pub struct BlockPool {
     blocks: Vec<Block>,
     free: FreeQueue,
-    cached: HashMap<BlockHash, Cached>,
+    cached: HashMap<(BlockHash, GroupId), Cached>,
     events: Vec<PoolEvent>,
     emit_events: bool,
 }
@@ -128,8 +137,8 @@ impl BlockPool {
         self.blocks.get(id as usize).map_or(0, |b| b.ref_cnt)
     }
 
-    /// The hash a block is cached under, if any.
-    pub fn block_hash(&self, id: BlockId) -> Option<BlockHash> {
+    /// The hash (and group) a block is cached under, if any.
+    pub fn block_hash(&self, id: BlockId) -> Option<(BlockHash, GroupId)> {
         self.blocks.get(id as usize).and_then(|b| b.hash)
     }
 
@@ -138,24 +147,21 @@ impl BlockPool {
         self.free.to_vec()
     }
 
-    /// Any block cached under `hash` (the earliest inserted).
-    pub fn get_cached_block(&self, hash: &BlockHash) -> Option<BlockId> {
-        match self.cached.get(hash)? {
+    /// Any block of `group` cached under `hash` (the earliest inserted).
+    pub fn get_cached_block(&self, hash: &BlockHash, group: GroupId) -> Option<BlockId> {
+        match self.cached.get(&(*hash, group))? {
             Cached::One(id) => Some(*id),
             Cached::Many(ids) => ids.first().copied(),
         }
     }
 
-    /// The longest run of cached blocks from the start of `hashes`, at most `max_blocks` long.
-    pub fn longest_hit(&self, hashes: &[BlockHash], max_blocks: usize) -> Vec<BlockId> {
-        let mut out = Vec::new();
-        for h in hashes.iter().take(max_blocks) {
-            match self.get_cached_block(h) {
-                Some(id) => out.push(id),
-                None => break,
-            }
-        }
-        out
+    /// vLLM's `get_cached_block(hash, group_ids)`: one cached block per group, or `None` when
+    /// any group misses.
+    pub fn get_cached_blocks(&self, hash: &BlockHash, groups: &[GroupId]) -> Option<Vec<BlockId>> {
+        groups
+            .iter()
+            .map(|&g| self.get_cached_block(hash, g))
+            .collect()
     }
 
     /// Takes `n` blocks from the head of the free queue, evicting their hashes (one
@@ -180,12 +186,12 @@ impl BlockPool {
     }
 
     fn evict_hash(&mut self, id: BlockId) {
-        let Some(hash) = self.blocks[id as usize].hash.take() else {
+        let Some(key) = self.blocks[id as usize].hash.take() else {
             return;
         };
-        let removed = match self.cached.get_mut(&hash) {
+        let removed = match self.cached.get_mut(&key) {
             Some(Cached::One(b)) if *b == id => {
-                self.cached.remove(&hash);
+                self.cached.remove(&key);
                 true
             }
             Some(Cached::Many(ids)) => {
@@ -194,14 +200,14 @@ impl BlockPool {
                 let removed = ids.len() != before;
                 if ids.len() == 1 {
                     let only = ids[0];
-                    self.cached.insert(hash, Cached::One(only));
+                    self.cached.insert(key, Cached::One(only));
                 }
                 removed
             }
             _ => false,
         };
         if removed && self.emit_events {
-            self.events.push(PoolEvent::Removed(hash));
+            self.events.push(PoolEvent::Removed(key.0, key.1));
         }
     }
 
@@ -250,6 +256,7 @@ impl BlockPool {
             num_cached,
             num_full,
             block_size,
+            group,
         } = run;
         if num_cached >= num_full || num_full > blocks.len() || num_full > hashes.len() {
             return;
@@ -259,7 +266,7 @@ impl BlockPool {
             if id == NULL_BLOCK {
                 continue;
             }
-            let h = hashes[i];
+            let h = (hashes[i], group);
             let blk = &mut self.blocks[id as usize];
             if blk.hash == Some(h) {
                 continue;
@@ -289,6 +296,7 @@ impl BlockPool {
                 first_block: num_cached,
                 token_ids: tokens[num_cached * block_size..num_full * block_size].to_vec(),
                 block_size,
+                group,
             });
         }
     }
@@ -302,6 +310,7 @@ impl BlockPool {
         hashes: &[BlockHash],
         num_hit: usize,
         block_size: usize,
+        group: GroupId,
     ) {
         if !self.emit_events || num_hit == 0 || num_hit > hashes.len() {
             return;
@@ -313,6 +322,7 @@ impl BlockPool {
             first_block: 0,
             token_ids: tokens[..num_hit * block_size].to_vec(),
             block_size,
+            group,
         });
     }
 
@@ -355,4 +365,6 @@ pub struct CacheRun<'a> {
     pub num_full: usize,
     /// Tokens per block.
     pub block_size: usize,
+    /// The KV cache group of `blocks`.
+    pub group: GroupId,
 }

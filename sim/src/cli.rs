@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
+use kvroute_core::hybrid::GroupKind;
 use serde::{Deserialize, Serialize};
 
 use crate::latency::LatencyModel;
@@ -100,6 +101,17 @@ pub struct Cli {
     /// Largest accepted request body, bytes.
     #[arg(long = "max-body-bytes", default_value_t = 16 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// KV cache groups, as vLLM derives them from the model: `full` (one full-attention group,
+    /// default), `gemma3` (groups 0-4 sliding window 1024, group 5 full attention: Gemma 3's 5:1
+    /// layers), `gpt-oss` (group 0 sliding window 128, group 1 full attention), or a list such as
+    /// `sliding_window:512,full_attention`. Events carry each group's `group_idx`,
+    /// `kv_cache_spec_kind` and `kv_cache_spec_sliding_window`.
+    #[arg(long = "kv-cache-layout", default_value = "full")]
+    pub kv_cache_layout: String,
+    /// Overrides the window (tokens) of the layout's sliding-window groups (the model config's
+    /// `sliding_window`).
+    #[arg(long = "sliding-window")]
+    pub sliding_window: Option<u32>,
     /// Reported by GET /version (it tells routers which event layout to expect).
     #[arg(long = "vllm-version", default_value = "0.33.0")]
     pub vllm_version: String,
@@ -267,7 +279,65 @@ pub fn parse_lora_modules(values: &[String]) -> Result<Vec<LoraModule>, CliError
     Ok(out)
 }
 
+/// The KV cache groups of `--kv-cache-layout` (see the flag), with `--sliding-window` applied.
+pub fn parse_kv_cache_layout(
+    layout: &str,
+    sliding_window: Option<u32>,
+) -> Result<Vec<GroupKind>, CliError> {
+    let sw = |w: u32| GroupKind::SlidingWindow {
+        window: sliding_window.unwrap_or(w),
+    };
+    let groups = match layout.trim() {
+        "full" => vec![GroupKind::FullAttention],
+        "gemma3" => {
+            let mut g = vec![sw(1024); 5];
+            g.push(GroupKind::FullAttention);
+            g
+        }
+        "gpt-oss" => vec![sw(128), GroupKind::FullAttention],
+        list => list
+            .split(',')
+            .map(|item| {
+                let item = item.trim();
+                let (kind, window) = match item.split_once(':') {
+                    Some((k, w)) => (
+                        k,
+                        Some(w.parse::<i64>().map_err(|_| {
+                            CliError::Invalid(format!("--kv-cache-layout: bad window in {item:?}"))
+                        })?),
+                    ),
+                    None => (item, None),
+                };
+                match GroupKind::from_event(Some(kind), window) {
+                    Ok(GroupKind::SlidingWindow { window }) => Ok(sw(window)),
+                    Ok(k) => Ok(k),
+                    Err(e) => Err(CliError::Invalid(format!(
+                        "--kv-cache-layout: {item:?}: {e} (use full, gemma3, gpt-oss or a list \
+                         of full_attention / sliding_window:N)"
+                    ))),
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+    };
+    if groups.len() > 32 {
+        return Err(CliError::Invalid(
+            "--kv-cache-layout: at most 32 KV cache groups".into(),
+        ));
+    }
+    if sliding_window == Some(0) {
+        return Err(CliError::Invalid(
+            "--sliding-window must be positive".into(),
+        ));
+    }
+    Ok(groups)
+}
+
 impl Cli {
+    /// The KV cache groups of `--kv-cache-layout` and `--sliding-window`.
+    pub fn kv_cache_groups(&self) -> Result<Vec<GroupKind>, CliError> {
+        parse_kv_cache_layout(&self.kv_cache_layout, self.sliding_window)
+    }
+
     /// The cost model from the flags.
     pub fn latency_model(&self) -> LatencyModel {
         LatencyModel {

@@ -180,7 +180,7 @@ pub fn spawn(
     cfg: EngineConfig,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(EngineHandle, tokio::task::JoinHandle<()>), crate::block_pool::PoolError> {
-    let sched = Scheduler::new(cfg.scheduler, cfg.events.is_some())?;
+    let sched = Scheduler::new(cfg.scheduler.clone(), cfg.events.is_some())?;
     let (tx, rx) = mpsc::unbounded_channel();
     let handle = EngineHandle {
         tx,
@@ -413,7 +413,7 @@ impl Loop {
         let Some(sink) = &self.cfg.events else {
             return;
         };
-        let events = to_kv_events(&pool_events);
+        let events = to_kv_events(&pool_events, self.sched.kv().groups());
         if events.is_empty() {
             return;
         }

@@ -20,6 +20,7 @@ use kvroute_core::events::frames;
 use kvroute_core::events::{
     encode_batch, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium, WireBlockHash, WireLayout,
 };
+use kvroute_core::hybrid::GroupKind;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
@@ -27,9 +28,10 @@ use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 use crate::block_pool::PoolEvent;
 use crate::cli::KvEventsConfig;
 
-/// Converts pool events to vLLM's event model (integer hashes, GPU medium, group 0,
-/// `full_attention`), as `KVCacheManager.take_events` annotates them.
-pub fn to_kv_events(events: &[PoolEvent]) -> Vec<KvEvent> {
+/// Converts pool events to vLLM's event model (integer hashes, GPU medium, the event's group;
+/// `BlockStored` annotated with the group's `kv_cache_spec_kind` and
+/// `kv_cache_spec_sliding_window` from `groups`, as `KVCacheManager.take_events` does).
+pub fn to_kv_events(events: &[PoolEvent], groups: &[GroupKind]) -> Vec<KvEvent> {
     events
         .iter()
         .map(|e| match e {
@@ -40,6 +42,7 @@ pub fn to_kv_events(events: &[PoolEvent]) -> Vec<KvEvent> {
                 first_block,
                 token_ids,
                 block_size,
+                group,
             } => KvEvent::BlockStored(BlockStored {
                 block_hashes: hashes
                     .iter()
@@ -60,16 +63,20 @@ pub fn to_kv_events(events: &[PoolEvent]) -> Vec<KvEvent> {
                             .collect(),
                     )
                 },
-                group_idx: Some(0),
-                kv_cache_spec_kind: Some("full_attention".into()),
-                kv_cache_spec_sliding_window: None,
+                group_idx: Some(i64::from(*group)),
+                kv_cache_spec_kind: groups
+                    .get(usize::from(*group))
+                    .map(|k| k.event_fields().0.to_string()),
+                kv_cache_spec_sliding_window: groups
+                    .get(usize::from(*group))
+                    .and_then(|k| k.event_fields().1),
                 session_id: meta.session_id.clone(),
                 ..BlockStored::default()
             }),
-            PoolEvent::Removed(h) => KvEvent::BlockRemoved(BlockRemoved {
+            PoolEvent::Removed(h, group) => KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: vec![WireBlockHash::Int(h.wire_u64())],
                 medium: Some(Medium::Gpu),
-                group_idx: Some(0),
+                group_idx: Some(i64::from(*group)),
                 ..BlockRemoved::default()
             }),
             PoolEvent::Cleared => KvEvent::AllBlocksCleared,

@@ -1,15 +1,26 @@
-//! vLLM's `KVCacheManager` for one full-attention group (kv_cache_manager.py +
-//! single_type_kv_cache_manager.py): per-request block tables, prefix-hit lookup capped at
-//! `num_tokens - 1`, slot allocation with the full-prompt admission check, caching of newly
-//! full blocks, and freeing in reverse order so a request's tail blocks are evicted first.
+//! vLLM's `KVCacheManager` with its coordinator (kv_cache_manager.py, kv_cache_coordinator.py,
+//! single_type_kv_cache_manager.py): per-request block tables per KV cache group, prefix-hit
+//! lookup capped at `num_tokens - 1`, slot allocation with the full-prompt admission check,
+//! caching of newly full blocks, and freeing in reverse order so a request's tail blocks are
+//! evicted first.
+//!
+//! KV cache groups (hybrid models) share one block pool, as in vLLM. A full-attention group keeps
+//! every block of a request; a sliding-window group frees the blocks that left the window before
+//! each allocation (`SlidingWindowManager.remove_skipped_blocks`: tokens before
+//! `num_computed_tokens - window + 1`), replacing them with the null block. The hit of several
+//! groups follows `HybridKVCacheCoordinator.find_longest_cache_hit`: spec groups (groups of equal
+//! spec) full attention first, each lowering the candidate length, repeated until it is stable.
+//! All groups share one block size (vLLM's uniform-page layouts of Gemma 3 and gpt-oss).
 
 use std::collections::HashMap;
 
-use crate::block_pool::{BlockId, BlockPool, CacheRun, PoolError, PoolEvent};
-use crate::sequence::{SeqId, Sequence};
+use kvroute_core::hybrid::{contiguous_blocks_for_hit, GroupKind};
 
-#[derive(Debug, Default)]
-struct ReqBlocks {
+use crate::block_pool::{BlockId, BlockPool, CacheRun, GroupId, PoolError, PoolEvent, NULL_BLOCK};
+use crate::sequence::{BlockHash, SeqId, Sequence};
+
+#[derive(Debug, Default, Clone)]
+struct GroupBlocks {
     blocks: Vec<BlockId>,
     num_cached: usize,
 }
@@ -17,8 +28,10 @@ struct ReqBlocks {
 /// A prefix-cache lookup result.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Hit {
-    /// The hit blocks, in order.
+    /// The hit blocks of group 0, in order (the null block where a sliding window skipped one).
     pub blocks: Vec<BlockId>,
+    /// The hit blocks of every group (`per_group[0] == blocks`).
+    pub per_group: Vec<Vec<BlockId>>,
     /// Hit length in tokens.
     pub num_tokens: usize,
 }
@@ -28,19 +41,47 @@ pub struct Hit {
 pub struct KvCacheManager {
     pool: BlockPool,
     block_size: usize,
-    reqs: HashMap<SeqId, ReqBlocks>,
+    groups: Vec<GroupKind>,
+    reqs: HashMap<SeqId, Vec<GroupBlocks>>,
 }
 
 fn cdiv(a: usize, b: usize) -> usize {
     a.div_ceil(b)
 }
 
+/// The hit blocks of group `g` (none without a hit).
+fn hit_of(hit: Option<&Hit>, g: usize) -> &[BlockId] {
+    hit.and_then(|h| h.per_group.get(g))
+        .map_or(&[], |b| b.as_slice())
+}
+
 impl KvCacheManager {
-    /// A manager over `num_blocks` blocks of `block_size` tokens.
+    /// A manager over `num_blocks` blocks of `block_size` tokens, one full-attention group.
     pub fn new(num_blocks: usize, block_size: usize, emit_events: bool) -> Result<Self, PoolError> {
+        Self::with_groups(
+            num_blocks,
+            block_size,
+            vec![GroupKind::FullAttention],
+            emit_events,
+        )
+    }
+
+    /// A manager whose KV cache groups are `groups` (group id = position), sharing one pool.
+    pub fn with_groups(
+        num_blocks: usize,
+        block_size: usize,
+        groups: Vec<GroupKind>,
+        emit_events: bool,
+    ) -> Result<Self, PoolError> {
+        let groups = if groups.is_empty() {
+            vec![GroupKind::FullAttention]
+        } else {
+            groups
+        };
         Ok(KvCacheManager {
             pool: BlockPool::new(num_blocks, emit_events)?,
             block_size: block_size.max(1),
+            groups,
             reqs: HashMap::new(),
         })
     }
@@ -55,38 +96,184 @@ impl KvCacheManager {
         self.block_size
     }
 
+    /// The KV cache groups.
+    pub fn groups(&self) -> &[GroupKind] {
+        &self.groups
+    }
+
     /// KV cache usage fraction.
     pub fn usage(&self) -> f64 {
         self.pool.usage()
     }
 
-    /// The blocks a request holds.
+    /// The blocks a request holds in group 0.
     pub fn blocks_of(&self, id: SeqId) -> &[BlockId] {
-        self.reqs.get(&id).map_or(&[], |r| r.blocks.as_slice())
+        self.group_blocks_of(id, 0)
+    }
+
+    /// The blocks a request holds in `group` (the null block where a window freed one).
+    pub fn group_blocks_of(&self, id: SeqId, group: usize) -> &[BlockId] {
+        self.reqs
+            .get(&id)
+            .and_then(|g| g.get(group))
+            .map_or(&[], |r| r.blocks.as_slice())
     }
 
     /// The longest cached prefix, capped at `(num_tokens - 1) // block_size` blocks. Emits the
-    /// `kv_cache_report_mode: full` re-announcement when the sequence asks for it.
+    /// `kv_cache_report_mode: full` re-announcement (per group) when the sequence asks for it.
     pub fn get_computed_blocks(&mut self, seq: &Sequence) -> Hit {
-        let max_blocks = seq.num_tokens().saturating_sub(1) / self.block_size;
-        let blocks = self.pool.longest_hit(&seq.block_hashes, max_blocks);
-        let num_tokens = blocks.len() * self.block_size;
+        let max_tokens = seq.num_tokens().saturating_sub(1);
+        let (per_group, num_tokens) = self.find_longest_cache_hit(&seq.block_hashes, max_tokens);
         if num_tokens > 0 && seq.report_full {
-            self.pool.emit_cached_block_events(
-                &seq.meta,
-                &seq.tokens,
-                &seq.block_hashes,
-                blocks.len(),
-                self.block_size,
-            );
+            for (g, blocks) in per_group.iter().enumerate() {
+                if !blocks.is_empty() {
+                    self.pool.emit_cached_block_events(
+                        &seq.meta,
+                        &seq.tokens,
+                        &seq.block_hashes,
+                        blocks.len(),
+                        self.block_size,
+                        g as GroupId,
+                    );
+                }
+            }
         }
-        Hit { blocks, num_tokens }
+        Hit {
+            blocks: per_group.first().cloned().unwrap_or_default(),
+            per_group,
+            num_tokens,
+        }
+    }
+
+    /// `KVCacheCoordinator.find_longest_cache_hit`: the hit blocks of every group and the hit
+    /// length in tokens, at most `max_tokens`.
+    fn find_longest_cache_hit(
+        &self,
+        hashes: &[BlockHash],
+        max_tokens: usize,
+    ) -> (Vec<Vec<BlockId>>, usize) {
+        let bs = self.block_size;
+        let n = self.groups.len();
+        // Spec groups: groups of equal spec, full attention first (a stable sort, as vLLM's).
+        let mut spec_groups: Vec<(GroupKind, Vec<GroupId>)> = Vec::new();
+        for (g, kind) in self.groups.iter().enumerate() {
+            match spec_groups.iter_mut().find(|(k, _)| k == kind) {
+                Some((_, ids)) => ids.push(g as GroupId),
+                None => spec_groups.push((*kind, vec![g as GroupId])),
+            }
+        }
+        spec_groups.sort_by_key(|(k, _)| *k != GroupKind::FullAttention);
+        if n == 1 {
+            let ids = &spec_groups[0].1;
+            let (blocks, len) = self.find_for_spec(spec_groups[0].0, ids, hashes, max_tokens);
+            return (blocks, len * bs);
+        }
+        let simple = spec_groups.len() == 2 && spec_groups[0].0 == GroupKind::FullAttention;
+        let mut hit_blocks: Vec<Option<Vec<BlockId>>> = vec![None; n];
+        let mut full_len: Option<usize> = None;
+        let mut hit_length = max_tokens;
+        loop {
+            let mut curr = hit_length;
+            for (kind, ids) in &spec_groups {
+                if *kind == GroupKind::FullAttention {
+                    if let Some(len) = full_len {
+                        curr = curr.min(len * bs);
+                        continue;
+                    }
+                }
+                let (blocks, len) = self.find_for_spec(*kind, ids, hashes, curr);
+                curr = len * bs;
+                if *kind == GroupKind::FullAttention {
+                    full_len = Some(len);
+                }
+                for (g, b) in ids.iter().zip(blocks) {
+                    hit_blocks[usize::from(*g)] = Some(b);
+                }
+            }
+            if curr >= hit_length {
+                break;
+            }
+            hit_length = curr;
+            if simple {
+                break;
+            }
+        }
+        // Truncate the full-attention groups to the final length.
+        let num_blocks = cdiv(hit_length, bs);
+        let per_group = hit_blocks
+            .into_iter()
+            .enumerate()
+            .map(|(g, b)| {
+                let mut b = b.unwrap_or_default();
+                if self.groups[g] == GroupKind::FullAttention {
+                    b.truncate(num_blocks);
+                }
+                b
+            })
+            .collect();
+        (per_group, hit_length)
+    }
+
+    /// One spec group's `find_longest_cache_hit`: per group id its hit blocks, and the hit length
+    /// in blocks.
+    fn find_for_spec(
+        &self,
+        kind: GroupKind,
+        ids: &[GroupId],
+        hashes: &[BlockHash],
+        max_tokens: usize,
+    ) -> (Vec<Vec<BlockId>>, usize) {
+        let bs = self.block_size;
+        let max_blocks = (max_tokens / bs).min(hashes.len());
+        let mut out: Vec<Vec<BlockId>> = vec![Vec::new(); ids.len()];
+        match kind {
+            GroupKind::FullAttention => {
+                for h in &hashes[..max_blocks] {
+                    let Some(found) = self.pool.get_cached_blocks(h, ids) else {
+                        break;
+                    };
+                    for (o, b) in out.iter_mut().zip(found) {
+                        o.push(b);
+                    }
+                }
+            }
+            GroupKind::SlidingWindow { window } => {
+                // SlidingWindowManager: scan right to left for `contiguous` cached blocks.
+                let contiguous = contiguous_blocks_for_hit(window, bs as u32);
+                for o in out.iter_mut() {
+                    *o = vec![NULL_BLOCK; max_blocks];
+                }
+                let mut run = 0usize;
+                let mut found_at = None;
+                for i in (0..max_blocks).rev() {
+                    match self.pool.get_cached_blocks(&hashes[i], ids) {
+                        Some(found) => {
+                            for (o, b) in out.iter_mut().zip(found) {
+                                o[i] = b;
+                            }
+                            run += 1;
+                            if run >= contiguous {
+                                found_at = Some(i + run);
+                                break;
+                            }
+                        }
+                        None => run = 0,
+                    }
+                }
+                let keep = found_at.unwrap_or(run);
+                for o in out.iter_mut() {
+                    o.truncate(keep);
+                }
+            }
+        }
+        let len = out.first().map_or(0, Vec::len);
+        (out, len)
     }
 
     /// Gives `seq` slots for `num_new_tokens` more tokens, adopting `hit` first when it is being
     /// admitted. With `full_sequence_must_fit`, the whole current sequence must fit (vLLM's
-    /// `scheduler_reserve_full_isl`, on by default). Returns false and changes nothing when the
-    /// free blocks do not suffice.
+    /// `scheduler_reserve_full_isl`, on by default). Returns false and changes nothing but the
+    /// release of out-of-window blocks (as vLLM) when the free blocks do not suffice.
     pub fn allocate_slots(
         &mut self,
         seq: &Sequence,
@@ -95,70 +282,125 @@ impl KvCacheManager {
         full_sequence_must_fit: bool,
     ) -> bool {
         let bs = self.block_size;
-        let held = self.reqs.get(&seq.id).map_or(0, |r| r.blocks.len());
-        let (hit_blocks, hit_tokens): (&[BlockId], usize) =
-            hit.map_or((&[], 0), |h| (h.blocks.as_slice(), h.num_tokens));
-        let evictable = hit_blocks
-            .iter()
-            .filter(|b| self.pool.ref_cnt(**b) == 0)
-            .count();
+        let n = self.groups.len();
+        let hit_tokens = hit.map_or(0, |h| h.num_tokens);
+        let held = |s: &Self, g: usize| s.group_blocks_of(seq.id, g).len();
+        let evictable: usize = (0..n)
+            .map(|g| {
+                hit_of(hit, g)
+                    .iter()
+                    .filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0)
+                    .count()
+            })
+            .sum();
         let computed = seq.num_computed_tokens + hit_tokens;
-        let free = self.pool.num_free();
         if full_sequence_must_fit {
-            let need = cdiv(seq.num_tokens(), bs).saturating_sub(held + hit_blocks.len());
-            if need + evictable > free {
+            let need: usize = (0..n)
+                .map(|g| {
+                    cdiv(seq.num_tokens(), bs).saturating_sub(held(self, g) + hit_of(hit, g).len())
+                })
+                .sum();
+            if need + evictable > self.pool.num_free() {
                 return false;
             }
         }
+        // Free what left the sliding windows before allocating (fewer evictions).
+        self.remove_skipped_blocks(seq.id, computed);
         let need_slots = computed + num_new_tokens;
-        let new_blocks = cdiv(need_slots, bs).saturating_sub(held + hit_blocks.len());
-        if new_blocks + evictable > free {
+        let new_blocks: Vec<usize> = (0..n)
+            .map(|g| cdiv(need_slots, bs).saturating_sub(held(self, g) + hit_of(hit, g).len()))
+            .collect();
+        if new_blocks.iter().sum::<usize>() + evictable > self.pool.num_free() {
             return false;
         }
-        self.pool.touch(hit_blocks);
-        let entry = self.reqs.entry(seq.id).or_default();
-        if !hit_blocks.is_empty() {
-            entry.blocks.extend_from_slice(hit_blocks);
-            entry.num_cached = entry.blocks.len();
+        for g in 0..n {
+            self.pool.touch(hit_of(hit, g));
         }
-        match self.pool.get_new_blocks(new_blocks) {
-            Ok(blocks) => entry.blocks.extend(blocks),
-            Err(e) => {
-                // Unreachable after the check above; keep the state consistent anyway.
-                tracing::error!(error = %e, "block allocation failed after the free-space check");
-                return false;
+        let mut tables = self
+            .reqs
+            .remove(&seq.id)
+            .unwrap_or_else(|| vec![GroupBlocks::default(); n]);
+        for (g, t) in tables.iter_mut().enumerate() {
+            let hb = hit_of(hit, g);
+            if !hb.is_empty() {
+                t.blocks.extend_from_slice(hb);
+                t.num_cached = t.blocks.len();
+            }
+            match self.pool.get_new_blocks(new_blocks[g]) {
+                Ok(blocks) => t.blocks.extend(blocks),
+                Err(e) => {
+                    // Unreachable after the check above; keep the state consistent anyway.
+                    tracing::error!(error = %e, "block allocation failed after the free-space check");
+                }
             }
         }
+        self.reqs.insert(seq.id, tables);
         let to_cache = (computed + num_new_tokens).min(seq.num_tokens());
         self.cache_blocks(seq, to_cache);
         true
     }
 
+    /// `SlidingWindowManager.remove_skipped_blocks`: frees the blocks of each sliding-window
+    /// group that lie entirely before `num_computed_tokens - window + 1`, last first, stopping at
+    /// one already freed.
+    fn remove_skipped_blocks(&mut self, id: SeqId, num_computed_tokens: usize) {
+        let bs = self.block_size;
+        let Some(tables) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        for (g, kind) in self.groups.iter().enumerate() {
+            let GroupKind::SlidingWindow { window } = *kind else {
+                continue;
+            };
+            let skipped = (num_computed_tokens + 1).saturating_sub(window as usize);
+            let Some(t) = tables.get_mut(g) else {
+                continue;
+            };
+            let last = (skipped / bs).min(t.blocks.len());
+            let mut freed = Vec::new();
+            for i in (0..last).rev() {
+                if t.blocks[i] == NULL_BLOCK {
+                    break;
+                }
+                freed.push(t.blocks[i]);
+                t.blocks[i] = NULL_BLOCK;
+            }
+            if !freed.is_empty() {
+                self.pool.free_blocks(freed);
+            }
+        }
+    }
+
     fn cache_blocks(&mut self, seq: &Sequence, num_tokens: usize) {
         let bs = self.block_size;
-        let Some(entry) = self.reqs.get_mut(&seq.id) else {
+        let Some(tables) = self.reqs.get_mut(&seq.id) else {
             return;
         };
         let num_full = (num_tokens.min(seq.block_hashes.len() * bs)) / bs;
-        if entry.num_cached >= num_full {
-            return;
+        for (g, t) in tables.iter_mut().enumerate() {
+            if t.num_cached >= num_full {
+                continue;
+            }
+            self.pool.cache_full_blocks(CacheRun {
+                meta: &seq.meta,
+                tokens: &seq.tokens,
+                hashes: &seq.block_hashes,
+                blocks: &t.blocks,
+                num_cached: t.num_cached,
+                num_full,
+                block_size: bs,
+                group: g as GroupId,
+            });
+            t.num_cached = num_full;
         }
-        self.pool.cache_full_blocks(CacheRun {
-            meta: &seq.meta,
-            tokens: &seq.tokens,
-            hashes: &seq.block_hashes,
-            blocks: &entry.blocks,
-            num_cached: entry.num_cached,
-            num_full,
-            block_size: bs,
-        });
-        entry.num_cached = num_full;
     }
 
-    /// Frees a request's blocks, tail first.
+    /// Frees a request's blocks, tail first, group after group.
     pub fn free(&mut self, id: SeqId) {
-        if let Some(r) = self.reqs.remove(&id) {
-            self.pool.free_blocks(r.blocks.into_iter().rev());
+        if let Some(tables) = self.reqs.remove(&id) {
+            for t in tables {
+                self.pool.free_blocks(t.blocks.into_iter().rev());
+            }
         }
     }
 
@@ -172,3 +414,6 @@ impl KvCacheManager {
         self.pool.take_events()
     }
 }
+
+#[cfg(test)]
+mod tests;

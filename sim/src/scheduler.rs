@@ -15,12 +15,14 @@
 use std::collections::VecDeque;
 
 use crate::block_pool::{PoolError, PoolEvent};
+use kvroute_core::hybrid::GroupKind;
+
 use crate::kv_manager::{Hit, KvCacheManager};
 use crate::latency::StepShape;
 use crate::sequence::{SeqId, Sequence};
 
 /// Scheduler limits (vLLM flag names).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SchedulerConfig {
     /// `--max-num-seqs`: sequences running at once.
     pub max_num_seqs: usize,
@@ -30,6 +32,8 @@ pub struct SchedulerConfig {
     pub num_gpu_blocks: usize,
     /// `--block-size`.
     pub block_size: usize,
+    /// The KV cache groups (group id = position; `--kv-cache-layout`), sharing the blocks.
+    pub kv_cache_groups: Vec<GroupKind>,
 }
 
 /// Counters exported as metrics.
@@ -113,7 +117,12 @@ impl Scheduler {
     /// A scheduler with an empty cache.
     pub fn new(cfg: SchedulerConfig, emit_events: bool) -> Result<Self, PoolError> {
         Ok(Scheduler {
-            kv: KvCacheManager::new(cfg.num_gpu_blocks, cfg.block_size, emit_events)?,
+            kv: KvCacheManager::with_groups(
+                cfg.num_gpu_blocks,
+                cfg.block_size,
+                cfg.kv_cache_groups.clone(),
+                emit_events,
+            )?,
             cfg,
             waiting: VecDeque::new(),
             running: Vec::new(),

@@ -51,7 +51,7 @@ fn stored_hashes(ev: &[PoolEvent]) -> Vec<BlockHash> {
 fn removed(ev: &[PoolEvent]) -> Vec<BlockHash> {
     ev.iter()
         .filter_map(|e| match e {
-            PoolEvent::Removed(h) => Some(*h),
+            PoolEvent::Removed(h, _) => Some(*h),
             _ => None,
         })
         .collect()
@@ -147,8 +147,14 @@ fn lru_eviction_order_tail_blocks_first_and_events() {
         .copied()
         .filter(|b| kv.pool().block_hash(*b).is_some())
         .collect();
-    assert_eq!(kv.pool().block_hash(a_blocks[0]), Some(a.block_hashes[1]));
-    assert_eq!(kv.pool().block_hash(a_blocks[1]), Some(a.block_hashes[0]));
+    assert_eq!(
+        kv.pool().block_hash(a_blocks[0]),
+        Some((a.block_hashes[1], 0))
+    );
+    assert_eq!(
+        kv.pool().block_hash(a_blocks[1]),
+        Some((a.block_hashes[0], 0))
+    );
 
     // Queue now: [a's partial block (never hashed, prepended), the never-used block, a's block 1,
     // a's block 0]. A 16-token unrelated request takes all four: a's block 1 is evicted before
@@ -160,7 +166,7 @@ fn lru_eviction_order_tail_blocks_first_and_events() {
     assert_eq!(removed(&ev), vec![a.block_hashes[1], a.block_hashes[0]]);
     assert_eq!(stored_hashes(&ev), b.block_hashes[..4].to_vec());
     // Removals are emitted before the new blocks are stored (allocation precedes caching).
-    assert!(matches!(ev[0], PoolEvent::Removed(_)));
+    assert!(matches!(ev[0], PoolEvent::Removed(..)));
     assert!(matches!(ev.last(), Some(PoolEvent::Stored { .. })));
 }
 
@@ -185,7 +191,7 @@ fn pinned_blocks_are_never_evicted_and_requests_that_do_not_fit_wait() {
         assert!(b.block_hashes.contains(&h));
     }
     for h in &a.block_hashes {
-        assert!(kv.pool().get_cached_block(h).is_some());
+        assert!(kv.pool().get_cached_block(h, 0).is_some());
     }
 }
 

@@ -15,6 +15,7 @@ fn cfg(max_num_seqs: usize, max_batched: usize, blocks: usize) -> SchedulerConfi
         max_num_batched_tokens: max_batched,
         num_gpu_blocks: blocks,
         block_size: BS,
+        kv_cache_groups: vec![kvroute_core::hybrid::GroupKind::FullAttention],
     }
 }
 

@@ -56,6 +56,8 @@ pub struct StackConfig {
     pub sim_args: Vec<String>,
     /// Extra `key = value` lines for the indexer's `[scoring]` table (weights to try).
     pub scoring: Vec<String>,
+    /// Extra `key = value` lines for the indexer's `[index]` table.
+    pub index: Vec<String>,
 }
 
 /// The ports of one replica.
@@ -206,6 +208,11 @@ impl Stack {
             .iter()
             .map(|p| format!("127.0.0.1:{}", p.http))
             .collect()
+    }
+
+    /// `host:port` of the indexer's HTTP API.
+    pub fn indexer_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.ports.indexer)
     }
 
     /// `host:port` of the kvroute Envoy listener.
@@ -407,7 +414,7 @@ impl Stack {
              # metrics report model time.\n\
              [scoring]\nprefill_tokens_per_s = {:.1}\ndecode_step_s = {:.8}\n\
              decode_step_per_seq_s = {:.10}\nttft_objective_s = {:.6}\nitl_objective_s = {:.8}\n{}\n\
-             [calibration]\nengine_time_scale = {}\n\n\
+             [calibration]\nengine_time_scale = {}\n\n{}\
              [[models]]\nname = {}\nmodel_dir = {}\nblock_size = {}\nhash = {{ algo = {} }}\n",
             quote(&format!("127.0.0.1:{}", self.ports.indexer))?,
             SIM_PREFILL_TOKENS_PER_S * scale,
@@ -421,6 +428,11 @@ impl Stack {
                 .map(|line| format!("{line}\n"))
                 .collect::<String>(),
             scale,
+            if self.cfg.index.is_empty() {
+                String::new()
+            } else {
+                format!("[index]\n{}\n", self.cfg.index.join("\n"))
+            },
             quote(&self.cfg.model)?,
             quote(&self.cfg.model_dir.to_string_lossy())?,
             self.cfg.block_size,

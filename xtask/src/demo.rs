@@ -108,6 +108,7 @@ pub fn run(layout: &Layout, opts: &DemoOptions) -> Result<()> {
         envoy_concurrency: 2,
         sim_args: Vec::new(),
         scoring: Vec::new(),
+        index: Vec::new(),
     };
     let mut stack = Stack::new(
         layout,

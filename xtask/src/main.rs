@@ -54,7 +54,7 @@ enum Cmd {
     /// Start 4 simulated replicas, the indexer and Envoy, and compare kvroute with round robin.
     Demo(demo::DemoOptions),
     /// Benchmarks (`cargo xtask bench routing`; `--full` for the big sweep).
-    Bench(kvroute_bench::BenchOptions),
+    Bench(Box<kvroute_bench::BenchOptions>),
     /// Attacks and faults against a local stack (spoofing, huge prompts, aborted and stalled
     /// clients, indexer and replica failures), each with pass criteria and figures.
     Chaos(chaos::ChaosOptions),

@@ -45,8 +45,6 @@ pub struct ScoringConfig {
     /// Whether a stale replica's matched blocks still count as cached. Default false: the index
     /// may be out of date for it.
     pub stale_credit: bool,
-    /// Costs closer than this to the best are ties, seconds. Default 1e-6.
-    pub tie_tolerance_s: f64,
 }
 
 impl Default for ScoringConfig {
@@ -62,7 +60,6 @@ impl Default for ScoringConfig {
             itl_objective_s: 0.05,
             default_remaining_output_tokens: 256,
             stale_credit: false,
-            tie_tolerance_s: 1e-6,
         }
     }
 }
@@ -95,14 +92,12 @@ impl ScoringConfig {
                 return Err((field, format!("must be a number > 0, got {v}")));
             }
         }
-        let non_negative = [
-            ("decode_step_per_seq_s", self.decode_step_per_seq_s),
-            ("tie_tolerance_s", self.tie_tolerance_s),
-        ];
-        for (field, v) in non_negative {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err((field, format!("must be a number >= 0, got {v}")));
-            }
+        let v = self.decode_step_per_seq_s;
+        if !(v.is_finite() && v >= 0.0) {
+            return Err((
+                "decode_step_per_seq_s",
+                format!("must be a number >= 0, got {v}"),
+            ));
         }
         if self.max_num_batched_tokens == 0 {
             return Err(("max_num_batched_tokens", "must be > 0".into()));

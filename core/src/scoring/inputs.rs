@@ -183,6 +183,29 @@ pub struct ReplicaRates {
     pub kv_capacity_blocks: u32,
 }
 
+impl ReplicaRates {
+    /// Its step time, or `prior` when it has none usable.
+    pub fn step_or(&self, prior: f64) -> f64 {
+        positive(self.decode_step_s, prior)
+    }
+
+    /// Its prefill rate, or `prior` when it has none usable.
+    pub fn prefill_rate_or(&self, prior: f64) -> f64 {
+        positive(self.prefill_tokens_per_s, prior)
+    }
+}
+
+/// `v` when it is a finite number > 0, else `fallback` when that is, else 1.
+pub(super) fn positive(v: f64, fallback: f64) -> f64 {
+    if v.is_finite() && v > 0.0 {
+        v
+    } else if fallback.is_finite() && fallback > 0.0 {
+        fallback
+    } else {
+        1.0
+    }
+}
+
 impl Default for ReplicaRates {
     fn default() -> Self {
         super::ScoringConfig::default().prior_rates()

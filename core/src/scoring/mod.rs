@@ -11,10 +11,11 @@
 //! is ([`ReplicaRates`], calibrated online from the engines' own metrics). The terms are in
 //! [`predict`]; `docs/scoring.md` derives them.
 //!
-//! The cheapest candidate wins. Candidates within `tie_tolerance_s` of the best are tied and the
-//! tie is broken by power-of-two random choices (two distinct tied candidates drawn with the
-//! caller's seed, the one with fewer in-flight requests wins), so a fleet of idle replicas never
-//! sends everything to replica 0. Every candidate's terms are returned in [`Decision::candidates`]
+//! The cheapest candidate wins. Candidates within one engine step of the best cannot be told apart
+//! (the engine's time moves in steps): among them the one computing the fewest tokens wins, and
+//! a remaining tie is broken by power-of-two random choices (two distinct tied candidates drawn
+//! with the caller's seed, the one with fewer in-flight requests wins), so a fleet of idle
+//! replicas never sends everything to replica 0. Every candidate's terms are returned in [`Decision::candidates`]
 //! for explanations.
 
 mod config;
@@ -126,12 +127,20 @@ pub fn choose(
             terms: predict(cfg, req, c),
         })
         .collect();
-    let best = scored
-        .iter()
-        .map(|s| s.terms.cost_s)
-        .fold(f64::INFINITY, f64::min);
+    let best = (0..scored.len())
+        .min_by(|&a, &b| scored[a].terms.cost_s.total_cmp(&scored[b].terms.cost_s))?;
+    // The engine moves in steps: predictions closer than one step of the best candidate's engine
+    // cannot be told apart. Among them, the one that computes the fewest tokens wins (it leaves
+    // the most capacity and KV to the fleet), and only then the replicas' loads break the tie.
+    let resolution = eligible[best].rates.step_or(cfg.decode_step_s);
+    let within = |i: &usize| scored[*i].terms.cost_s <= scored[best].terms.cost_s + resolution;
+    let least_work = (0..scored.len())
+        .filter(within)
+        .map(|i| scored[i].terms.uncached_tokens)
+        .min()
+        .unwrap_or(0);
     let tied: Vec<usize> = (0..scored.len())
-        .filter(|&i| scored[i].terms.cost_s <= best + cfg.tie_tolerance_s)
+        .filter(|i| within(i) && scored[*i].terms.uncached_tokens == least_work)
         .collect();
     let pick = match tied.len() {
         0 => return None,

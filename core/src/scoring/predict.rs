@@ -28,7 +28,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::config::ScoringConfig;
-use super::inputs::{Candidate, KvRelease, ReleasePoint, RequestShape};
+use super::inputs::{positive, Candidate, KvRelease, ReleasePoint, RequestShape};
 
 /// Every term of one candidate's prediction, in seconds unless named otherwise.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
@@ -86,8 +86,8 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
     let storage_hit = take(matched.storage);
     let uncached = prompt.saturating_sub(gpu_hit + cpu_hit + storage_hit);
 
-    let rate = positive(c.rates.prefill_tokens_per_s, cfg.prefill_tokens_per_s);
-    let step = positive(c.rates.decode_step_s, cfg.decode_step_s);
+    let rate = c.rates.prefill_rate_or(cfg.prefill_tokens_per_s);
+    let step = c.rates.step_or(cfg.decode_step_s);
     let load = &c.load;
     let decoding = load.decoding();
     let chunk = u64::from(cfg.max_num_batched_tokens)
@@ -234,15 +234,5 @@ impl KvState {
         // k > 0: the margin at now is negative.
         let ((t0, m0), (t1, m1)) = (samples[k - 1], samples[k]);
         t0 + (-m0) / (m1 - m0) * (t1 - t0)
-    }
-}
-
-fn positive(v: f64, fallback: f64) -> f64 {
-    if v.is_finite() && v > 0.0 {
-        v
-    } else if fallback.is_finite() && fallback > 0.0 {
-        fallback
-    } else {
-        1.0
     }
 }

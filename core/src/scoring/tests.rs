@@ -395,6 +395,44 @@ fn a_sibling_waits_for_the_prefix_being_built_rather_than_rebuild_it_on_a_busy_f
 }
 
 #[test]
+fn on_an_idle_fleet_siblings_wait_for_the_prefix_being_built_when_rebuilding_it_saves_under_a_step()
+{
+    // The first sibling (a 400-block prefix and a 4-block tail) is pending on replica 0. The next
+    // sibling there waits for it (400 + 4 blocks ahead) and computes its own 4 blocks; on the idle
+    // replica 1 it computes all 404. The idle replica is faster by the first sibling's tail
+    // (64 tokens, ~2 ms): less than one engine step, so the two cannot be told apart and the
+    // replica computing 4 blocks, not 404, wins, for every seed.
+    let cfg = ScoringConfig::default();
+    let mut building = queued(cand(0, 0, 0), 404 * 16, 1);
+    building.matched.predicted = 400;
+    for seed in 0..32 {
+        let d = choose(&cfg, &req(404), &[cand(1, 0, 0), building], seed).expect("decision");
+        assert_eq!(d.replica, 0, "seed {seed}: {:?}", d.candidates);
+        assert_eq!(d.terms.uncached_tokens, 4 * 16);
+        assert_eq!(d.tied, 1);
+    }
+    // A tail longer than a step's worth of prefill (here 40 blocks, 21 ms at 30k tokens/s) makes
+    // waiting measurably slower on an idle fleet: the sibling is computed on the idle replica.
+    let mut building = queued(cand(0, 0, 0), 440 * 16, 1);
+    building.matched.predicted = 400;
+    let d = choose(&cfg, &req(440), &[cand(1, 0, 0), building], 1).expect("decision");
+    assert_eq!(d.replica, 1, "{:?}", d.candidates);
+}
+
+#[test]
+fn within_a_step_the_candidate_computing_less_wins_before_load_breaks_the_tie() {
+    // Replica 1 holds 2 blocks more than replica 0 and has 3 requests in flight more; their costs
+    // differ by far less than a step. The one computing less wins; only equal work goes to the
+    // power of two choices.
+    let cfg = ScoringConfig::default();
+    let cands = [cand(0, 10, 0), cand(1, 12, 3)];
+    for seed in 0..16 {
+        let d = choose(&cfg, &req(20), &cands, seed).expect("decision");
+        assert_eq!(d.replica, 1, "seed {seed}");
+    }
+}
+
+#[test]
 fn config_defaults_fill_missing_fields_and_reject_unknown() {
     let cfg: ScoringConfig =
         serde_json::from_str(r#"{"prefill_tokens_per_s": 12000}"#).expect("parse");

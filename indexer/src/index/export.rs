@@ -5,11 +5,12 @@
 use serde::{Deserialize, Serialize};
 
 use super::slab::{media_of, slot_of, FLAG_ALIASED};
-use super::{ApplyOutcome, IndexConfig, IndexError, KvIndex, ReplicaId};
+use super::{ApplyOutcome, IndexConfig, IndexError, KvIndex, LearnedGroup, ReplicaId};
 
-/// The snapshot format version this build writes and reads (2: flat arrays; 1 had one record
-/// with two lists per block, which made the copy under the index lock slow).
-pub const SNAPSHOT_VERSION: u32 = 2;
+/// The snapshot format version this build writes and reads (3: KV cache groups in holders and
+/// the replicas' group layouts; 2: flat arrays; 1 had one record with two lists per block, which
+/// made the copy under the index lock slow).
+pub const SNAPSHOT_VERSION: u32 = 3;
 
 /// The whole exact index of one model, as flat arrays (one allocation each, whatever the size):
 /// block `i` is `keys[i]` / `engine_hashes[i]` with the next `holder_counts[i]` entries of
@@ -26,8 +27,12 @@ pub struct IndexSnapshot {
     pub engine_hashes: Vec<u64>,
     /// Number of holders of each block.
     pub holder_counts: Vec<u16>,
-    /// Holders, block after block: position in `replicas` << 8 | medium bits (`MEDIA_*`).
+    /// Holders, block after block: position in `replicas` << 8 | KV cache group << 3 | medium
+    /// bits (`MEDIA_*`).
     pub holders: Vec<u32>,
+    /// Each replica's KV cache group layout as its events described it (replicas without one are
+    /// left out).
+    pub layouts: Vec<(ReplicaId, Vec<Option<LearnedGroup>>)>,
     /// Other engine hashes reported for a block (replicas hashing differently): (block, hash).
     pub aliases: Vec<(u32, u64)>,
 }
@@ -38,7 +43,8 @@ impl IndexSnapshot {
         self.keys.len()
     }
 
-    /// Every block as (key, engine hash, [(replica, medium bits)]), for tests and tools.
+    /// Every block as (key, engine hash, [(replica, medium bits)]) (one entry per replica and
+    /// group), for tests and tools.
     pub fn iter_blocks(&self) -> impl Iterator<Item = (u64, u64, Vec<(ReplicaId, u8)>)> + '_ {
         let mut at = 0usize;
         (0..self.keys.len()).map(move |i| {
@@ -51,7 +57,7 @@ impl IndexSnapshot {
                 .filter_map(|&h| {
                     self.replicas
                         .get((h >> 8) as usize)
-                        .map(|&r| (r, (h & 0xff) as u8))
+                        .map(|&r| (r, (h & 0x7) as u8))
                 })
                 .collect();
             at += n;
@@ -65,15 +71,18 @@ impl KvIndex {
     /// slab once and fills a few flat arrays; the service calls it under the index lock.
     pub fn export(&self) -> IndexSnapshot {
         let replicas: Vec<ReplicaId> = self.replicas().into_iter().map(|(r, _)| r).collect();
-        // Dense slot -> position in `replicas`.
+        // Dense slot -> position in `replicas` << 5 | group.
         let mut position = vec![u32::MAX; self.slots.len()];
         for (slot, info) in self.slots.iter().enumerate() {
             if let Some(info) = info {
                 if let Ok(p) = replicas.binary_search(&info.replica) {
-                    position[slot] = p as u32;
+                    position[slot] = (p as u32) << 5 | u32::from(info.group);
                 }
             }
         }
+        let mut layouts: Vec<(ReplicaId, Vec<Option<LearnedGroup>>)> =
+            self.layouts.iter().map(|(&r, l)| (r, l.clone())).collect();
+        layouts.sort_unstable_by_key(|(r, _)| *r);
         let blocks = self.stats.blocks as usize;
         let mut snap = IndexSnapshot {
             version: SNAPSHOT_VERSION,
@@ -82,6 +91,7 @@ impl KvIndex {
             engine_hashes: Vec::with_capacity(blocks),
             holder_counts: Vec::with_capacity(blocks),
             holders: Vec::with_capacity(self.stats.entries as usize),
+            layouts,
             aliases: Vec::new(),
         };
         for i in 0..self.slab.high() {
@@ -94,7 +104,7 @@ impl KvIndex {
             for h in n.holders() {
                 if let Some(&p) = position.get(slot_of(h) as usize) {
                     if p != u32::MAX {
-                        snap.holders.push(p << 8 | u32::from(media_of(h)));
+                        snap.holders.push(p << 3 | u32::from(media_of(h)));
                     }
                 }
             }
@@ -133,9 +143,15 @@ impl KvIndex {
             return Err(IndexError::SnapshotCorrupt);
         }
         let mut ix = KvIndex::new(cfg);
-        let mut slots = Vec::with_capacity(snap.replicas.len());
         for &r in &snap.replicas {
-            slots.push(ix.slot(r)?);
+            ix.slot(r, 0)?;
+        }
+        for (r, layout) in &snap.layouts {
+            for (g, learned) in layout.iter().enumerate() {
+                if let (Some(learned), Ok(g)) = (learned, u8::try_from(g)) {
+                    ix.learn_group(*r, g, *learned);
+                }
+            }
         }
         let mut out = ApplyOutcome::default();
         let mut at = 0usize;
@@ -144,10 +160,11 @@ impl KvIndex {
             let (key, engine_hash) = (snap.keys[b], snap.engine_hashes[b]);
             let n = usize::from(snap.holder_counts[b]);
             for &h in &snap.holders[at..at + n] {
-                let Some(&slot) = slots.get((h >> 8) as usize) else {
+                let Some(&replica) = snap.replicas.get((h >> 8) as usize) else {
                     return Err(IndexError::SnapshotCorrupt);
                 };
-                let media = (h & 0xff) as u8;
+                let slot = ix.slot(replica, ((h >> 3) & 0x1f) as u8)?;
+                let media = (h & 0x7) as u8;
                 for bit in [super::MEDIA_GPU, super::MEDIA_CPU, super::MEDIA_STORAGE] {
                     if media & bit != 0 {
                         ix.store_one(slot, key, engine_hash, bit, &mut out);

@@ -70,12 +70,16 @@ mod slab;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_hybrid;
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use hashbrown::HashTable;
 use kvroute_core::events::{BlockRemoved, BlockStored, KvEvent, Medium};
+use kvroute_core::hybrid::hit_blocks;
+pub use kvroute_core::hybrid::GroupKind;
 use kvroute_core::router_key::{event_keys, RouterKey, RouterKeyError, ROOT};
 use serde::{Deserialize, Serialize};
 
@@ -112,8 +116,9 @@ pub struct IndexConfig {
     pub max_bytes: usize,
     /// Most predicted (block, replica) entries kept at once. Default 262,144 (~10 MB).
     pub max_predicted: usize,
-    /// Only events of this KV cache group are indexed (`None` on the wire counts as group 0);
-    /// `None` here indexes every group. Default `Some(0)`.
+    /// Only events of this KV cache group are indexed (`None` on the wire counts as group 0),
+    /// each as full attention; `None` here indexes every group and looks up with vLLM's hybrid
+    /// hit rule ([`kvroute_core::hybrid`]). Default `None`.
     pub group_idx: Option<i64>,
 }
 
@@ -122,7 +127,7 @@ impl Default for IndexConfig {
         IndexConfig {
             max_bytes: 1 << 30,
             max_predicted: 1 << 18,
-            group_idx: Some(0),
+            group_idx: None,
         }
     }
 }
@@ -158,6 +163,17 @@ pub enum IndexError {
         replica: ReplicaId,
         /// The event's `lora_id`.
         lora_id: i64,
+        /// Blocks in the dropped event.
+        blocks: usize,
+    },
+    /// A `BlockStored` from a (replica, KV cache group) the index has no slot for, when the
+    /// memory budget cannot hold the new slot's bookkeeping even after evicting everything else.
+    #[error("replica {replica}: no room in the index budget for KV cache group {group}; {blocks} blocks dropped")]
+    NoRoomForGroup {
+        /// The replica.
+        replica: ReplicaId,
+        /// The event's KV cache group.
+        group: u8,
         /// Blocks in the dropped event.
         blocks: usize,
     },
@@ -333,7 +349,33 @@ pub type IdBuildHasher = BuildHasherDefault<IdHasher>;
 #[derive(Debug, Clone, Copy)]
 struct SlotInfo {
     replica: ReplicaId,
+    /// The KV cache group this slot holds blocks of (one slot per (replica, group)).
+    group: u8,
     entries: u64,
+}
+
+/// KV cache groups a holder can name (group ids `0..MAX_GROUPS`).
+pub const MAX_GROUPS: i64 = 32;
+
+/// A KV cache group as a replica's events describe it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LearnedGroup {
+    /// Its attention kind (`kv_cache_spec_kind`, `kv_cache_spec_sliding_window`).
+    pub kind: GroupKind,
+    /// Tokens per block of its events.
+    pub block_size: u32,
+}
+
+impl LearnedGroup {
+    /// Blocks before a hit point it needs (`None`: all).
+    fn rule(&self) -> Option<usize> {
+        self.kind.contiguous_blocks(self.block_size)
+    }
+}
+
+/// A slot's key: replica and KV cache group.
+fn slot_key(replica: ReplicaId, group: u8) -> u64 {
+    u64::from(replica) << 8 | u64::from(group)
 }
 
 /// Per-replica progress while walking a lookup.
@@ -365,8 +407,13 @@ pub struct KvIndex {
     /// `capacity()` itself understates while deleted slots are pending.
     alias_node_cap: usize,
     node_aliases_cap: usize,
-    slot_of: HashMap<ReplicaId, u32, IdBuildHasher>,
+    /// (replica, group) ([`slot_key`]) -> dense slot.
+    slot_of: HashMap<u64, u32, IdBuildHasher>,
     slots: Vec<Option<SlotInfo>>,
+    /// Per replica: the kind of each KV cache group it reported (index = group id), learned from
+    /// `BlockStored` events. A replica whose only group is full-attention group 0 is looked up by
+    /// the plain walk; any other layout by the hybrid rule.
+    layouts: HashMap<ReplicaId, Vec<Option<LearnedGroup>>, IdBuildHasher>,
     free_slots: Vec<u32>,
     predicted: PredictedStore,
     /// CLOCK hand.
@@ -424,6 +471,10 @@ const ALIAS_NODE_ENTRY_BYTES: usize = 8 + 4 + 1 + 3;
 const NODE_ALIASES_ENTRY_BYTES: usize = 4 + 24 + 1 + 3;
 /// Heap bytes of one alias in its node's `Vec`.
 const ALIAS_HEAP_BYTES: usize = 8;
+/// Bytes per item of `slot_of` (key, slot), of `layouts` (replica, vector) and of one layout.
+const SLOT_OF_ENTRY_BYTES: usize = 16;
+const LAYOUTS_ENTRY_BYTES: usize = 32;
+const LAYOUT_ENTRY_BYTES: usize = std::mem::size_of::<Option<LearnedGroup>>();
 
 /// Bytes a map of `len` items may allocate on its next insert: nothing while it has room, else a
 /// table twice its allocated capacity `cap_hwm` (a resize holds the old and the new table at once,
@@ -433,6 +484,16 @@ fn map_growth(len: usize, capacity: usize, cap_hwm: usize, entry_bytes: usize) -
         return 0;
     }
     (cap_hwm.max(capacity) * 2).max(4) * entry_bytes
+}
+
+/// Bytes a vector of `len` items with room for `capacity` may allocate to hold `want` items: the
+/// standard library's amortised growth (twice the capacity, at least `want`, at least 4) as a
+/// whole new buffer, since the old one is held while the items move.
+fn vec_growth(len: usize, capacity: usize, want: usize, item_bytes: usize) -> usize {
+    if want <= capacity || want <= len {
+        return 0;
+    }
+    (capacity * 2).max(want).max(4) * item_bytes
 }
 
 fn table_growth(t: &HashTable<u32>) -> usize {
@@ -464,6 +525,7 @@ impl KvIndex {
             node_aliases_cap: 0,
             slot_of: HashMap::default(),
             slots: Vec::new(),
+            layouts: HashMap::default(),
             free_slots: Vec::new(),
             predicted: PredictedStore::default(),
             hand: 0,
@@ -484,17 +546,71 @@ impl KvIndex {
         s.bytes_estimate = self.bytes() as u64;
         s.predicted_entries = self.predicted.len() as u64;
         s.predicted_bytes = self.predicted.bytes() as u64;
-        s.replicas = self.slot_of.len() as u64;
+        s.replicas = self.replica_count() as u64;
         s
     }
 
     /// Replicas known to the index with their (block) entry counts, sorted by id.
     pub fn replicas(&self) -> Vec<(ReplicaId, u64)> {
-        let mut v: Vec<(ReplicaId, u64)> = self
-            .slots
-            .iter()
-            .flatten()
-            .map(|s| (s.replica, s.entries))
+        let mut per: HashMap<ReplicaId, u64, IdBuildHasher> = HashMap::default();
+        for s in self.slots.iter().flatten() {
+            *per.entry(s.replica).or_default() += s.entries;
+        }
+        let mut v: Vec<(ReplicaId, u64)> = per.into_iter().collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Distinct replicas known to the index.
+    fn replica_count(&self) -> usize {
+        let mut ids: Vec<ReplicaId> = self.slots.iter().flatten().map(|s| s.replica).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids.len()
+    }
+
+    /// The KV cache group kinds `replica` reported (index = group id; `None`: not seen).
+    pub fn layout(&self, replica: ReplicaId) -> &[Option<LearnedGroup>] {
+        self.layouts
+            .get(&replica)
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+    }
+
+    /// Whether `replica` is looked up by the hybrid rule: any layout but a lone full-attention
+    /// group 0.
+    fn is_hybrid(&self, replica: ReplicaId) -> bool {
+        match self.layout(replica) {
+            [] => false,
+            [Some(g)] => g.kind != GroupKind::FullAttention,
+            _ => true,
+        }
+    }
+
+    /// Records that `replica`'s group `group` is of `kind`.
+    fn learn_group(&mut self, replica: ReplicaId, group: u8, learned: LearnedGroup) {
+        let layout = self.layouts.entry(replica).or_default();
+        let g = usize::from(group);
+        if layout.len() <= g {
+            layout.resize(g + 1, None);
+        }
+        layout[g] = Some(learned);
+    }
+
+    /// Who holds `key` in which KV cache group, with medium bits (`MEDIA_*`), sorted by
+    /// (replica, group). For debug endpoints and tests.
+    pub fn group_holders(&self, key: RouterKey) -> Vec<(ReplicaId, u8, u8)> {
+        let Some(i) = self.find_key(key.0) else {
+            return Vec::new();
+        };
+        let mut v: Vec<(ReplicaId, u8, u8)> = self
+            .slab
+            .get(i)
+            .holders()
+            .filter_map(|h| {
+                let info = self.slots.get(slot_of(h) as usize)?.as_ref()?;
+                Some((info.replica, info.group, media_of(h)))
+            })
             .collect();
         v.sort_unstable();
         v
@@ -512,6 +628,14 @@ impl KvIndex {
             .filter_map(|h| self.replica_of_slot(slot_of(h)).map(|r| (r, media_of(h))))
             .collect();
         v.sort_unstable();
+        // One entry per replica: the media of all its groups.
+        v.dedup_by(|b, a| {
+            let same = a.0 == b.0;
+            if same {
+                a.1 |= b.1;
+            }
+            same
+        });
         v
     }
 
@@ -530,7 +654,13 @@ impl KvIndex {
             + self.node_aliases_cap * NODE_ALIASES_ENTRY_BYTES
             + self.stats.engine_hash_aliases as usize * ALIAS_HEAP_BYTES
             + self.slots.capacity() * std::mem::size_of::<Option<SlotInfo>>()
-            + self.slot_of.capacity() * 12
+            + self.slot_of.capacity() * SLOT_OF_ENTRY_BYTES
+            + self.layouts.capacity() * LAYOUTS_ENTRY_BYTES
+            + self
+                .layouts
+                .values()
+                .map(|l| l.capacity() * LAYOUT_ENTRY_BYTES)
+                .sum::<usize>()
     }
 
     fn refresh_bytes(&mut self) {
@@ -544,9 +674,52 @@ impl KvIndex {
             .map(|s| s.replica)
     }
 
+    /// Bytes that registering (`replica`, `group`) may allocate: its slot, its entry in the slot
+    /// map, its layout (an upper bound: see [`vec_growth`] and [`map_growth`]). Zero when the slot
+    /// exists.
+    fn registration_growth(&self, replica: ReplicaId, group: u8) -> usize {
+        if self.slot_of.contains_key(&slot_key(replica, group)) {
+            return 0;
+        }
+        let slot_bytes = std::mem::size_of::<Option<SlotInfo>>();
+        let slots = if self.free_slots.is_empty() {
+            vec_growth(
+                self.slots.len(),
+                self.slots.capacity(),
+                self.slots.len() + 1,
+                slot_bytes,
+            )
+        } else {
+            0
+        };
+        let slot_of = map_growth(
+            self.slot_of.len(),
+            self.slot_of.capacity(),
+            self.slot_of.capacity(),
+            SLOT_OF_ENTRY_BYTES,
+        );
+        let layout = match self.layouts.get(&replica) {
+            Some(l) => vec_growth(
+                l.len(),
+                l.capacity(),
+                usize::from(group) + 1,
+                LAYOUT_ENTRY_BYTES,
+            ),
+            None => {
+                map_growth(
+                    self.layouts.len(),
+                    self.layouts.capacity(),
+                    self.layouts.capacity(),
+                    LAYOUTS_ENTRY_BYTES,
+                ) + vec_growth(0, 0, usize::from(group) + 1, LAYOUT_ENTRY_BYTES)
+            }
+        };
+        slots + slot_of + layout
+    }
+
     /// The dense slot of `replica`, registering it if new.
-    fn slot(&mut self, replica: ReplicaId) -> Result<u32, IndexError> {
-        if let Some(&s) = self.slot_of.get(&replica) {
+    fn slot(&mut self, replica: ReplicaId, group: u8) -> Result<u32, IndexError> {
+        if let Some(&s) = self.slot_of.get(&slot_key(replica, group)) {
             return Ok(s);
         }
         let s = match self.free_slots.pop() {
@@ -562,9 +735,10 @@ impl KvIndex {
         };
         self.slots[s as usize] = Some(SlotInfo {
             replica,
+            group,
             entries: 0,
         });
-        self.slot_of.insert(replica, s);
+        self.slot_of.insert(slot_key(replica, group), s);
         Ok(s)
     }
 
@@ -616,10 +790,15 @@ impl KvIndex {
         out
     }
 
-    fn wanted_group(&self, group: Option<i64>) -> bool {
+    /// The group id an event of `group` is indexed under, `None` when it is not indexed (another
+    /// group than the configured one, or a group id out of range).
+    fn wanted_group(&self, group: Option<i64>) -> Option<u8> {
+        let g = group.unwrap_or(0);
         match self.cfg.group_idx {
-            None => true,
-            Some(g) => group.unwrap_or(0) == g,
+            Some(want) if want != g => None,
+            // One configured group is indexed as group 0, full attention.
+            Some(_) => Some(0),
+            None => u8::try_from(g).ok().filter(|&g| i64::from(g) < MAX_GROUPS),
         }
     }
 
@@ -636,9 +815,24 @@ impl KvIndex {
         replica: ReplicaId,
         st: &BlockStored,
     ) -> Result<ApplyOutcome, IndexError> {
-        if !self.wanted_group(st.group_idx) || st.block_hashes.is_empty() {
+        let Some(group) = self.wanted_group(st.group_idx) else {
+            return self.ignored();
+        };
+        if st.block_hashes.is_empty() {
             return self.ignored();
         }
+        let kind = if self.cfg.group_idx.is_some() {
+            GroupKind::FullAttention
+        } else {
+            match GroupKind::from_event(
+                st.kv_cache_spec_kind.as_deref(),
+                st.kv_cache_spec_sliding_window,
+            ) {
+                Ok(k) => k,
+                // A group whose hit rule is not modelled (mamba, ...): not indexed.
+                Err(_) => return self.ignored(),
+            }
+        };
         if let (Some(lora_id), None, None) = (st.lora_id, &st.lora_name, &st.extra_keys) {
             self.stats.invalid_events += 1;
             return Err(IndexError::LoraIdOnly {
@@ -688,9 +882,27 @@ impl KvIndex {
                 return Err(IndexError::InvalidEvent { replica, source });
             }
         };
-        let slot = self.slot(replica)?;
-        let bit = media_bit(st.medium.unwrap_or_default());
         let mut out = ApplyOutcome::default();
+        let growth = self.registration_growth(replica, group);
+        if growth > 0 && !self.make_room(growth, None, &mut out) {
+            let blocks = st.block_hashes.len();
+            self.stats.dropped_for_budget += blocks as u64;
+            return Err(IndexError::NoRoomForGroup {
+                replica,
+                group,
+                blocks,
+            });
+        }
+        let slot = self.slot(replica, group)?;
+        self.learn_group(
+            replica,
+            group,
+            LearnedGroup {
+                kind,
+                block_size: st.block_size,
+            },
+        );
+        let bit = media_bit(st.medium.unwrap_or_default());
         for (key, h) in keys.iter().zip(&st.block_hashes) {
             self.store_one(slot, key.0, h.as_u64(), bit, &mut out);
         }
@@ -715,10 +927,24 @@ impl KvIndex {
         };
         let node = self.slab.get(idx);
         node.touch();
-        let held_elsewhere = bit == MEDIA_GPU
-            && node
+        let replica = self.replica_of_slot(slot);
+        // A replica's first GPU copy (in any of its groups) of a block another replica holds on
+        // GPU: its prefill was computed twice.
+        let held_elsewhere = bit == MEDIA_GPU && {
+            let gpu_holders = node
                 .holders()
-                .any(|h| slot_of(h) != slot && media_of(h) & MEDIA_GPU != 0);
+                .filter(|&h| slot_of(h) != slot && media_of(h) & MEDIA_GPU != 0)
+                .map(|h| self.replica_of_slot(slot_of(h)));
+            let (mut other, mut own) = (false, false);
+            for r in gpu_holders {
+                if r == replica {
+                    own = true;
+                } else {
+                    other = true;
+                }
+            }
+            other && !own
+        };
         let stored_before = out.stored;
         match node.find_slot(slot) {
             Some(pos) => {
@@ -754,9 +980,14 @@ impl KvIndex {
         if held_elsewhere && out.stored > stored_before {
             out.duplicated += 1;
         }
-        if !self.predicted.is_empty() && self.predicted.remove(key, slot) {
-            out.predicted_replaced += 1;
-            self.stats.predicted_replaced += 1;
+        // The replica's prediction (on its group-0 slot, standing for every group) is replaced
+        // by the first store of the block in any of its groups.
+        if !self.predicted.is_empty() {
+            let pred_slot = replica.and_then(|r| self.slot_of.get(&slot_key(r, 0)).copied());
+            if pred_slot.is_some_and(|p| self.predicted.remove(key, p)) {
+                out.predicted_replaced += 1;
+                self.stats.predicted_replaced += 1;
+            }
         }
     }
 
@@ -935,11 +1166,11 @@ impl KvIndex {
         replica: ReplicaId,
         rm: &BlockRemoved,
     ) -> Result<ApplyOutcome, IndexError> {
-        if !self.wanted_group(rm.group_idx) {
+        let Some(group) = self.wanted_group(rm.group_idx) else {
             return self.ignored();
-        }
+        };
         let mut out = ApplyOutcome::default();
-        let Some(&slot) = self.slot_of.get(&replica) else {
+        let Some(&slot) = self.slot_of.get(&slot_key(replica, group)) else {
             out.remove_unknown = rm.block_hashes.len() as u32;
             self.stats.remove_unknown += rm.block_hashes.len() as u64;
             return Ok(out);
@@ -992,9 +1223,28 @@ impl KvIndex {
     /// Forgets everything `replica` holds (engine restart, lost events). Returns the entries
     /// removed. Walks the whole index: O(blocks), a rare operation.
     pub fn clear_replica(&mut self, replica: ReplicaId) -> u64 {
-        let Some(&slot) = self.slot_of.get(&replica) else {
-            return 0;
-        };
+        let cleared: u64 = self
+            .slots_of(replica)
+            .into_iter()
+            .map(|slot| self.clear_slot(slot))
+            .sum();
+        self.stats.cleared += cleared;
+        self.refresh_bytes();
+        cleared
+    }
+
+    /// The slots of `replica` (one per KV cache group it reported).
+    fn slots_of(&self, replica: ReplicaId) -> Vec<u32> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.as_ref().is_some_and(|s| s.replica == replica))
+            .map(|(i, _)| i as u32)
+            .collect()
+    }
+
+    /// Removes every holding of `slot`; returns how many.
+    fn clear_slot(&mut self, slot: u32) -> u64 {
         let mut cleared = 0;
         let has = self
             .slots
@@ -1013,20 +1263,23 @@ impl KvIndex {
             }
         }
         self.predicted.remove_slot(slot);
-        self.stats.cleared += cleared;
-        self.refresh_bytes();
         cleared
     }
 
     /// Clears `replica` and forgets it (its slot is reused). Returns the entries removed.
     pub fn remove_replica(&mut self, replica: ReplicaId) -> u64 {
+        let slots = self.slots_of(replica);
         let cleared = self.clear_replica(replica);
-        if let Some(slot) = self.slot_of.remove(&replica) {
+        for slot in slots {
+            if let Some(Some(info)) = self.slots.get(slot as usize) {
+                self.slot_of.remove(&slot_key(info.replica, info.group));
+            }
             if let Some(s) = self.slots.get_mut(slot as usize) {
                 *s = None;
             }
             self.free_slots.push(slot);
         }
+        self.layouts.remove(&replica);
         cleared
     }
 
@@ -1039,6 +1292,7 @@ impl KvIndex {
         self.node_aliases.clear();
         self.slot_of.clear();
         self.slots.clear();
+        self.layouts.clear();
         self.free_slots.clear();
         self.predicted.clear();
         self.hand = 0;
@@ -1127,21 +1381,146 @@ impl KvIndex {
                 break;
             }
         }
+        let any_hybrid = self.layouts.keys().any(|&r| self.is_hybrid(r));
         let mut out: Vec<ReplicaMatch> = walk
             .iter()
             .enumerate()
             .filter(|(_, w)| w.reach > 0)
             .filter_map(|(s, w)| {
-                self.replica_of_slot(s as u32).map(|replica| ReplicaMatch {
-                    replica,
-                    gpu: w.gpu,
-                    predicted: w.predicted,
-                    cpu: w.cpu,
-                    storage: w.storage,
-                })
+                self.replica_of_slot(s as u32)
+                    .filter(|&r| !any_hybrid || !self.is_hybrid(r))
+                    .map(|replica| ReplicaMatch {
+                        replica,
+                        gpu: w.gpu,
+                        predicted: w.predicted,
+                        cpu: w.cpu,
+                        storage: w.storage,
+                    })
             })
             .collect();
+        if any_hybrid {
+            out.extend(self.lookup_hybrid(keys, now_ms));
+        }
         out.sort_unstable_by_key(|m| m.replica);
+        out
+    }
+
+    /// The lookup of replicas with a hybrid layout: per replica, the hit vLLM's
+    /// `HybridKVCacheCoordinator` computes from what each of its groups holds on GPU
+    /// ([`kvroute_core::hybrid::hit_blocks`]); blocks predicted for the replica count as held by
+    /// every group (the `predicted` tier). CPU and storage tiers are not counted for these
+    /// replicas (offloading of hybrid models is not modelled).
+    fn lookup_hybrid(&self, keys: &[RouterKey], now_ms: u64) -> Vec<ReplicaMatch> {
+        /// A hybrid replica: its groups as (slot, rule), and the slot its predictions sit on.
+        struct Hybrid {
+            replica: ReplicaId,
+            groups: Vec<(Option<usize>, Option<usize>)>,
+            pred_slot: Option<usize>,
+        }
+        let slot_index =
+            |r: ReplicaId, g: u8| self.slot_of.get(&slot_key(r, g)).map(|&s| s as usize);
+        let hybrids: Vec<Hybrid> = self
+            .layouts
+            .iter()
+            .filter(|(&r, _)| self.is_hybrid(r))
+            .map(|(&replica, layout)| Hybrid {
+                replica,
+                groups: layout
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(g, k)| {
+                        let g = u8::try_from(g).ok()?;
+                        k.map(|k| (slot_index(replica, g), k.rule()))
+                    })
+                    .collect(),
+                pred_slot: slot_index(replica, 0),
+            })
+            .collect();
+        let words = keys.len().div_ceil(64).max(1);
+        let bit = |v: &[u64], s: Option<usize>, i: usize| {
+            s.and_then(|s| v.get(s * words + i / 64))
+                .is_some_and(|w| w & (1 << (i % 64)) != 0)
+        };
+        let set = |v: &mut [u64], s: usize, i: usize| {
+            if let Some(w) = v.get_mut(s * words + i / 64) {
+                *w |= 1 << (i % 64);
+            }
+        };
+        // Per slot: GPU-held and predicted blocks of the request (bitsets).
+        let mut held = vec![0u64; self.slots.len() * words];
+        let use_predicted = !self.predicted.is_empty();
+        let mut pred = if use_predicted {
+            vec![0u64; self.slots.len() * words]
+        } else {
+            Vec::new()
+        };
+        // A full-attention group needs every block before the hit: the walk may stop once no
+        // full group's run of held-or-predicted blocks continues, unless some replica has no
+        // full group at all (its windows can be served after any gap).
+        let bounded = hybrids
+            .iter()
+            .all(|h| h.groups.iter().any(|&(_, rule)| rule.is_none()));
+        let full_groups: Vec<(Option<usize>, Option<usize>)> = hybrids
+            .iter()
+            .flat_map(|h| {
+                h.groups
+                    .iter()
+                    .filter(|&&(_, rule)| rule.is_none())
+                    .map(|&(slot, _)| (slot, h.pred_slot))
+            })
+            .collect();
+        let mut runs = vec![0usize; full_groups.len()];
+        let mut walked = keys.len();
+        for (i, key) in keys.iter().enumerate() {
+            if let Some(idx) = self.find_key(key.0) {
+                let node = self.slab.get(idx);
+                node.touch();
+                for h in node.holders() {
+                    if media_of(h) & MEDIA_GPU != 0 {
+                        set(&mut held, slot_of(h) as usize, i);
+                    }
+                }
+            }
+            if use_predicted {
+                for s in self.predicted.slots(key.0, now_ms) {
+                    set(&mut pred, s as usize, i);
+                }
+            }
+            if bounded {
+                let mut alive = false;
+                for (run, &(slot, pred_slot)) in runs.iter_mut().zip(&full_groups) {
+                    if *run == i && (bit(&held, slot, i) || bit(&pred, pred_slot, i)) {
+                        *run = i + 1;
+                        alive = true;
+                    }
+                }
+                if !alive {
+                    walked = i;
+                    break;
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for h in &hybrids {
+            let rules: Vec<Option<usize>> = h.groups.iter().map(|&(_, r)| r).collect();
+            let gpu = hit_blocks(&rules, walked, |g, i| bit(&held, h.groups[g].0, i));
+            let with_pred = if use_predicted {
+                hit_blocks(&rules, walked, |g, i| {
+                    bit(&held, h.groups[g].0, i) || bit(&pred, h.pred_slot, i)
+                })
+            } else {
+                gpu
+            };
+            if with_pred > 0 {
+                out.push(ReplicaMatch {
+                    replica: h.replica,
+                    gpu: gpu as u32,
+                    predicted: with_pred.saturating_sub(gpu) as u32,
+                    cpu: 0,
+                    storage: 0,
+                });
+            }
+        }
         out
     }
 
@@ -1156,17 +1535,34 @@ impl KvIndex {
         now_ms: u64,
         ttl_ms: u64,
     ) -> Result<usize, IndexError> {
-        let slot = self.slot(replica)?;
+        // Predictions live on the replica's group-0 slot and stand for every group.
+        let slot = self.slot(replica, 0)?;
+        // The slots of the groups the replica reported: a block is already real when every one
+        // of them holds it on GPU (a group without a slot holds nothing).
+        let group_slots: Vec<Option<u32>> = self
+            .layout(replica)
+            .iter()
+            .enumerate()
+            .filter(|(_, g)| g.is_some())
+            .map(|(g, _)| {
+                u8::try_from(g)
+                    .ok()
+                    .and_then(|g| self.slot_of.get(&slot_key(replica, g)).copied())
+            })
+            .collect();
         let mut change = PredictedChange::default();
         self.predicted
             .expire(now_ms, self.cfg.max_predicted, &mut change);
         let expires = now_ms.saturating_add(ttl_ms);
         for key in keys {
-            let real = self.find_key(key.0).is_some_and(|i| {
-                let n = self.slab.get(i);
-                n.find_slot(slot)
-                    .is_some_and(|p| media_of(n.holder(p)) & MEDIA_GPU != 0)
-            });
+            let real = !group_slots.is_empty()
+                && self.find_key(key.0).is_some_and(|i| {
+                    let n = self.slab.get(i);
+                    group_slots.iter().all(|s| {
+                        s.and_then(|s| n.find_slot(s))
+                            .is_some_and(|p| media_of(n.holder(p)) & MEDIA_GPU != 0)
+                    })
+                });
             if !real {
                 self.predicted.insert(key.0, slot, expires, &mut change);
             }

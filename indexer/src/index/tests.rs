@@ -4,21 +4,26 @@ use kvroute_core::router_key::{chain, request_keys, RouterKey, ROOT};
 
 use super::*;
 
-const BS: usize = 4;
+pub(super) const BS: usize = 4;
 
 /// Tokens of block `b` of a conversation `conv`.
-fn block_tokens(conv: u32, b: usize) -> Vec<u32> {
+pub(super) fn block_tokens(conv: u32, b: usize) -> Vec<u32> {
     (0..BS as u32)
         .map(|t| conv * 100_000 + b as u32 * 10 + t)
         .collect()
 }
 
 /// A fake engine hash for block `b` of `conv` on a replica hashing with `salt`.
-fn eh(conv: u32, b: usize, salt: u64) -> u64 {
+pub(super) fn eh(conv: u32, b: usize, salt: u64) -> u64 {
     (u64::from(conv) << 32 | b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ salt
 }
 
-fn stored(conv: u32, blocks: std::ops::Range<usize>, medium: Medium, salt: u64) -> KvEvent {
+pub(super) fn stored(
+    conv: u32,
+    blocks: std::ops::Range<usize>,
+    medium: Medium,
+    salt: u64,
+) -> KvEvent {
     let parent = if blocks.start == 0 {
         None
     } else {
@@ -37,7 +42,7 @@ fn stored(conv: u32, blocks: std::ops::Range<usize>, medium: Medium, salt: u64) 
     })
 }
 
-fn removed(conv: u32, blocks: &[usize], medium: Medium, salt: u64) -> KvEvent {
+pub(super) fn removed(conv: u32, blocks: &[usize], medium: Medium, salt: u64) -> KvEvent {
     KvEvent::BlockRemoved(BlockRemoved {
         block_hashes: blocks
             .iter()
@@ -49,7 +54,7 @@ fn removed(conv: u32, blocks: &[usize], medium: Medium, salt: u64) -> KvEvent {
 }
 
 /// Router keys of the first `n` blocks of `conv`, computed the way a request computes them.
-fn keys(conv: u32, n: usize) -> Vec<RouterKey> {
+pub(super) fn keys(conv: u32, n: usize) -> Vec<RouterKey> {
     let tokens: Vec<u32> = (0..n).flat_map(|b| block_tokens(conv, b)).collect();
     request_keys(
         &tokens,
@@ -59,7 +64,7 @@ fn keys(conv: u32, n: usize) -> Vec<RouterKey> {
     )
 }
 
-fn m(replica: u32, gpu: u32, predicted: u32, cpu: u32, storage: u32) -> ReplicaMatch {
+pub(super) fn m(replica: u32, gpu: u32, predicted: u32, cpu: u32, storage: u32) -> ReplicaMatch {
     ReplicaMatch {
         replica,
         gpu,
@@ -69,7 +74,7 @@ fn m(replica: u32, gpu: u32, predicted: u32, cpu: u32, storage: u32) -> ReplicaM
     }
 }
 
-fn apply(ix: &mut KvIndex, r: u32, ev: &KvEvent) -> ApplyOutcome {
+pub(super) fn apply(ix: &mut KvIndex, r: u32, ev: &KvEvent) -> ApplyOutcome {
     ix.apply(r, ev).expect("event applies")
 }
 
@@ -304,8 +309,11 @@ fn replicas_hashing_differently_share_router_keys() {
 }
 
 #[test]
-fn other_kv_cache_groups_are_ignored() {
-    let mut ix = KvIndex::default();
+fn other_kv_cache_groups_are_ignored_when_one_group_is_configured() {
+    let mut ix = KvIndex::new(IndexConfig {
+        group_idx: Some(0),
+        ..IndexConfig::default()
+    });
     let KvEvent::BlockStored(mut st) = stored(1, 0..2, Medium::Gpu, 0) else {
         unreachable!()
     };

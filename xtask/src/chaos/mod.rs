@@ -79,6 +79,7 @@ pub fn run(layout: &Layout, opts: &ChaosOptions) -> Result<()> {
         envoy_concurrency: 2,
         sim_args: Vec::new(),
         scoring: Vec::new(),
+        index: Vec::new(),
     };
     let model = cfg.model.clone();
     let profile = opts.prepare.profile();
