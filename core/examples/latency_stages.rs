@@ -72,18 +72,23 @@ fn cold_stages(
             .extract_and_normalize(raw_tk.get_normalizer(), &text)
     });
     let pre_tokenizer = raw_tk.get_pre_tokenizer().expect("a pre-tokenizer");
-    let (pre, ()) = timed(|| pre_tokenizer.pre_tokenize(&mut pretok).expect("pre-tokenize"));
-    let model = raw_tk.get_model();
-    let (bpe, ()) = timed(|| {
-        pretok
-            .tokenize(|n| model.tokenize(n.get()))
-            .expect("BPE")
+    let (pre, ()) = timed(|| {
+        pre_tokenizer
+            .pre_tokenize(&mut pretok)
+            .expect("pre-tokenize")
     });
+    let model = raw_tk.get_model();
+    let (bpe, ()) = timed(|| pretok.tokenize(|n| model.tokenize(n.get())).expect("BPE"));
     let staged = pretok
         .into_encoding(None, 0, OffsetType::Char)
         .expect("encoding");
-    let (whole_tokenizer, enc) = timed(|| raw_tk.encode_fast(text.as_str(), false).expect("encode"));
-    assert_eq!(staged.get_ids(), enc.get_ids(), "staged tokenisation differs");
+    let (whole_tokenizer, enc) =
+        timed(|| raw_tk.encode_fast(text.as_str(), false).expect("encode"));
+    assert_eq!(
+        staged.get_ids(),
+        enc.get_ids(),
+        "staged tokenisation differs"
+    );
     let (segmented, ids) = timed(|| nocache.encode_text(&text, false).expect("encode"));
     assert_eq!(ids, enc.get_ids(), "the piece encoder differs");
 
@@ -136,7 +141,9 @@ fn warm_stages(
     tokens: usize,
     last: u64,
 ) -> [f64; 5] {
-    let bytes = chat_conversation(seed, tokens, last).to_string().into_bytes();
+    let bytes = chat_conversation(seed, tokens, last)
+        .to_string()
+        .into_bytes();
     let path = |bytes: &[u8]| {
         let body = parse_body(bytes).expect("JSON");
         let ids = tokens_of(

@@ -40,8 +40,7 @@ pub struct ModelRuntime {
     /// The tokenizer bundle served to filters, built from `model_dir` on the first request for
     /// each form (`[whole, compact]`) and kept: at most two per model (a failed build is not
     /// kept). Files changed on disk are read again only after a restart.
-    pub tokenizer_bundles:
-        [tokio::sync::OnceCell<Arc<kvroute_core::api::TokenizerBundle>>; 2],
+    pub tokenizer_bundles: [tokio::sync::OnceCell<Arc<kvroute_core::api::TokenizerBundle>>; 2],
     /// Whether the filter and the engines agree with the indexer on this model's tokens.
     pub agreement: Mutex<crate::agreement::Agreement>,
 }

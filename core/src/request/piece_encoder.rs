@@ -57,9 +57,7 @@ impl PieceEncoder {
         debug_assert!(LINE_SAFE_SPLIT_REGEXES.contains(&pattern));
         let head = pattern.strip_suffix(LOOKAHEAD_TAIL)?;
         let split = Regex::new(&format!(r"{head}|\s+")).ok()?;
-        let normalizes = !tokenizer_json
-            .get("normalizer")
-            .is_none_or(Value::is_null);
+        let normalizes = !tokenizer_json.get("normalizer").is_none_or(Value::is_null);
         Some(Self { split, normalizes })
     }
 
@@ -115,7 +113,11 @@ impl PieceEncoder {
 /// (see the module docs).
 fn lookahead_end(text: &str, start: usize, end: usize) -> usize {
     let run = &text[start..end];
-    if end == text.len() || !run.chars().all(|c| c.is_whitespace() && c != '\r' && c != '\n') {
+    if end == text.len()
+        || !run
+            .chars()
+            .all(|c| c.is_whitespace() && c != '\r' && c != '\n')
+    {
         return end;
     }
     match run.chars().next_back() {
