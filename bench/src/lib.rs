@@ -13,6 +13,7 @@ mod assess;
 pub mod chat_traffic;
 mod filter_costs;
 mod fleet;
+mod gateways;
 mod ideal;
 mod peers;
 mod policies;
@@ -22,6 +23,7 @@ mod replica_counters;
 mod report;
 mod router_usage;
 mod scaleout;
+mod spread;
 pub mod stats;
 mod summary;
 mod text_vocab;
@@ -41,10 +43,14 @@ use clap::{Args, ValueEnum};
 use serde_json::json;
 
 use kvroute_testkit::filter_build::{self, FilterBuild};
+use kvroute_testkit::redis::RedisServer;
 use kvroute_testkit::{http, paths, stack, supervisor};
 
 use crate::paths::Layout;
-use crate::stack::{Binaries, Stack, StackConfig};
+use crate::stack::{Binaries, PeerRedis, Stack, StackConfig};
+
+use gateways::{GatewayFacts, GatewaySetup, PeerSharing};
+use spread::Targets;
 
 use policies::Policy;
 use replay::{Progress, ReplayConfig};
@@ -212,7 +218,22 @@ pub struct FleetOptions {
     /// the report shows its share of requests after joining and the hit rate before and after.
     #[arg(long)]
     pub scale_out_at: Option<f64>,
+    /// Gateways in front of the same replicas for the lines through the filter (kv, random,
+    /// approx-prefix): N Envoy + indexer pairs on loopback, each indexer following every
+    /// replica; a list runs each (`1,2,3`). With more than one, the client spreads requests over
+    /// them as a Kubernetes Service would: round robin, or by session (a hash of
+    /// `x-session-id`) when the workload has sessions. Plain-Envoy and shadow lines keep one.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub gateways: Vec<usize>,
+    /// With more than one gateway: `on` shares the indexers' decisions (`[peers]`) through one
+    /// redis-server the benchmark starts, `off` runs the same gateways without `[peers]`;
+    /// `on,off` runs both, showing the gap the sharing closes.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "on")]
+    pub peer_sharing: Vec<PeerSharing>,
 }
+
+/// Most gateways `--gateways` starts (each is an Envoy and an indexer on a 2-core machine).
+const MAX_GATEWAYS: usize = 8;
 
 /// What the benchmark asks of its driver: `cargo xtask setup` (installs the tokenizer, the venv
 /// and Envoy), run unless `--no-setup`.
@@ -300,6 +321,21 @@ impl Plan {
                 bail!("--scale-out-at needs fleets of at least 2 replicas");
             }
         }
+        if opts.fleet.gateways.is_empty()
+            || opts
+                .fleet
+                .gateways
+                .iter()
+                .any(|&n| n == 0 || n > MAX_GATEWAYS)
+        {
+            bail!("--gateways must be between 1 and {MAX_GATEWAYS}");
+        }
+        if opts.fleet.peer_sharing.is_empty() {
+            bail!("--peer-sharing needs on, off or both");
+        }
+        if opts.fleet.gateways.iter().any(|&n| n > 1) && opts.fleet.scale_out_at.is_some() {
+            bail!("--scale-out-at runs with one gateway only (drop --gateways)");
+        }
         if !(opts.fleet.trace_rate.is_finite() && opts.fleet.trace_rate > 0.0) {
             bail!("--trace-rate must be > 0");
         }
@@ -311,6 +347,20 @@ impl Plan {
             trace::load(path, "trace", trace_options(opts))?;
         }
         Ok(plan)
+    }
+}
+
+impl Plan {
+    /// Every line of a workload: each policy with each of its gateway setups.
+    fn lines(&self, opts: &BenchOptions) -> Vec<(Policy, GatewaySetup)> {
+        self.policies
+            .iter()
+            .flat_map(|&p| {
+                GatewaySetup::for_policy(p, &opts.fleet.gateways, &opts.fleet.peer_sharing)
+                    .into_iter()
+                    .map(move |s| (p, s))
+            })
+            .collect()
     }
 }
 
@@ -460,6 +510,23 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
     // replica reports.
     let mut sim_latency = ideal::SimLatency::from_sim_help(&Binaries::new(layout, "release").sim)?;
     let mut results: Vec<WorkloadResults> = Vec::new();
+    // One Redis for every line whose gateways share decisions (kept for the whole run; each
+    // line's indexers are fresh, so no message outlives its line).
+    let shares = plan.policies.iter().any(|&p| {
+        GatewaySetup::for_policy(p, &opts.fleet.gateways, &opts.fleet.peer_sharing)
+            .iter()
+            .any(|s| s.sharing)
+    });
+    let redis = if shares {
+        Some(RedisServer::start("bench")?)
+    } else {
+        None
+    };
+    let peer_redis = redis.as_ref().map(|r| PeerRedis {
+        addr: r.addr(),
+        password: r.password.clone(),
+        channel: "kvroute:bench".to_string(),
+    });
     let mut peer_bench = peers::PeerBench::new(
         peers::select(&opts.peers)?,
         layout.cache_dir.clone(),
@@ -560,16 +627,21 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
                     time_scale: opts.time_scale,
                     slo_ms: opts.slo_ms,
                 };
-                for &policy in &plan.policies {
-                    let ctx = context(policy.name());
+                for (policy, setup) in plan.lines(opts) {
+                    let ctx = context(&setup.label(policy.name()));
                     let extras = RunExtras {
                         hits: &hits,
                         uncached: &uncached,
                     };
+                    let line = Line {
+                        policy,
+                        gateways: setup,
+                        peers: peer_redis.as_ref().filter(|_| setup.sharing),
+                    };
                     let summary = match run_policy(
                         &layout.envoy_bin(),
                         &mut stack,
-                        policy,
+                        line,
                         &workload,
                         &ctx,
                         opts,
@@ -580,7 +652,7 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
                         Ok(s) => s,
                         Err(e) if supervisor::interrupted() => return Err(e),
                         Err(e) => {
-                            println!("    {policy}: FAILED: {e:#}");
+                            println!("    {}: FAILED: {e:#}", ctx.policy);
                             RunSummary::failed(&ctx, workload.requests.len(), format!("{e:#}"))
                         }
                     };
@@ -608,7 +680,7 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
         }
     }
 
-    let facts = RunFacts {
+    let mut facts = RunFacts {
         command: command_line(),
         date: utc_now(),
         machine: machine_facts(),
@@ -623,6 +695,12 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
         filter_build: opts.filter_build.to_string(),
         total_wall_s: begun.elapsed().as_secs_f64(),
     };
+    if opts.fleet.gateways.iter().any(|&n| n > 1) {
+        facts.stack.push_str(
+            "; lines named `(N gateways, shared|unshared)` ran N Envoy + indexer pairs in front of the same replicas, each indexer following every replica, the client spreading requests over them round robin (by a hash of `x-session-id` when the workload has sessions), the indexers sharing decisions through one local redis-server (`[peers]`) or not; their router CPU and memory sum every gateway's Envoy and indexer (not Redis)",
+        );
+    }
+    drop(redis);
     write_json(&out_dir.join("results.json"), &results)?;
     println!(
         "\nbench: results in {}",
@@ -680,10 +758,20 @@ struct RunExtras<'a> {
 }
 
 #[allow(clippy::too_many_arguments)]
+/// One line of the report: a policy behind its gateways.
+#[derive(Clone, Copy)]
+struct Line<'a> {
+    policy: Policy,
+    gateways: GatewaySetup,
+    /// The Redis the gateways share through (`gateways.sharing`).
+    peers: Option<&'a PeerRedis>,
+}
+
+#[allow(clippy::too_many_arguments)]
 fn run_policy(
     envoy: &Path,
     stack: &mut Stack,
-    policy: Policy,
+    line: Line<'_>,
     workload: &Workload,
     ctx: &RunContext,
     opts: &BenchOptions,
@@ -698,6 +786,7 @@ fn run_policy(
         .fleet
         .scale_out_at
         .map(|f| (replica_addrs.len() - 1, f * workload.span_s()));
+    let policy = line.policy;
     policy.stop(stack);
     stack.stop_replicas();
     let later: Vec<usize> = late.iter().map(|&(i, _)| i).collect();
@@ -705,7 +794,15 @@ fn run_policy(
     if !sim_latency.from_replica {
         sim_latency.refresh_from(&replica_addrs[0]);
     }
-    let router = policy.start(stack, envoy, work_dir)?;
+    stack.set_gateways(line.gateways.gateways, line.peers.cloned())?;
+    let started_router = policy.start(stack, envoy, work_dir);
+    // Later lines start with one gateway, as before.
+    let gateway_addrs = stack.kvroute_addrs();
+    let indexer_addrs: Vec<String> = (0..stack.gateways())
+        .filter_map(|k| stack.gateway_indexer_addr(k))
+        .collect();
+    stack.set_gateways(1, None)?;
+    let router = started_router?;
     // Prompts (event and replay sockets) and admin endpoints stay on loopback.
     stack.check_loopback_only()?;
     if let Some((index, _)) = late {
@@ -713,7 +810,11 @@ fn run_policy(
             wait_marked_down(stack, index)?;
         }
     }
-    let addr = router.addr.clone();
+    let targets = if line.gateways.gateways > 1 {
+        Targets::spread(gateway_addrs, workload)
+    } else {
+        Targets::one(router.addr.clone())
+    };
     let up = |i: usize, joined: bool| late.is_none_or(|(l, _)| l != i || joined);
     let scrape = |joined: bool| -> Result<Vec<ReplicaCounters>> {
         replica_addrs
@@ -729,8 +830,13 @@ fn run_policy(
             .collect()
     };
     let before = scrape(false)?;
+    let gateway_facts = (line.gateways.gateways > 1).then(|| GatewayFacts {
+        gateways: line.gateways.gateways,
+        sharing: line.gateways.sharing,
+        spread: targets.mode().to_string(),
+    });
     let cfg = ReplayConfig {
-        addr,
+        targets,
         model: "qwen3".to_string(),
         time_scale: opts.time_scale,
         concurrency: opts.concurrency,
@@ -759,7 +865,7 @@ fn run_policy(
                     joined_s = Some(model_s(Instant::now()));
                     println!(
                         "    {:<14} replica r{index} joined at {:.0} model s",
-                        policy.name(),
+                        ctx.policy,
                         joined_s.unwrap_or(0.0)
                     );
                 }
@@ -775,7 +881,7 @@ fn run_policy(
             if last.elapsed() >= Duration::from_secs(15) {
                 eprintln!(
                     "    {:<14} {:>5}/{total} done, {} errors, {:.0} s",
-                    policy.name(),
+                    ctx.policy,
                     progress.done.load(Ordering::Relaxed),
                     progress.errors.load(Ordering::Relaxed),
                     started.elapsed().as_secs_f64()
@@ -794,11 +900,15 @@ fn run_policy(
     stack.check_alive()?;
     let after = scrape(joined_s.is_some())?;
     let hit_prediction = if policy.uses_indexer() && policy != Policy::Shadow {
-        let p = prediction::HitPrediction::scrape(&stack.indexer_addr())?;
+        // Every gateway's indexer predicted the hits of the requests it routed.
+        let mut p = prediction::HitPrediction::default();
+        for addr in &indexer_addrs {
+            p.add(&prediction::HitPrediction::scrape(addr)?);
+        }
         if let Some(share) = p.exact_share() {
             println!(
                 "    {:<14} hit predictions exact {:.1} % of {} (under {}, over {})",
-                policy.name(),
+                ctx.policy,
                 share * 100.0,
                 p.compared(),
                 p.under,
@@ -836,6 +946,7 @@ fn run_policy(
     }
     summary.ideal = ideal::bound(extras.uncached, sim_latency);
     summary.assess = assessed;
+    summary.gateways = gateway_facts;
     if let (Some((index, _)), Some(joined)) = (late, joined_s) {
         samples.push(scaleout::Sample {
             model_s: model_s(Instant::now()),
@@ -848,14 +959,14 @@ fn run_policy(
     } else if late.is_some() {
         println!(
             "    {:<14} the late replica never joined (the replay ended first)",
-            policy.name()
+            ctx.policy
         );
     }
     let log = work_dir.join(format!(
         "requests-{}-{}-{}.jsonl",
         workload.name,
         workload.load_label().replace([' ', '/'], ""),
-        policy.name()
+        ctx.policy.replace([' ', '(', ')', ','], "")
     ));
     write_outcomes(&log, &outcomes, opts.time_scale)?;
     drop(router);
@@ -1268,6 +1379,48 @@ mod tests {
             assert!(plan(&[arg.as_str()]).is_err(), "{bad}");
         }
         assert!(plan(&["--scale-out-at", "0.5", "--replicas", "1"]).is_err());
+    }
+
+    #[test]
+    fn gateway_flags_are_validated_and_expand_the_filter_lines() {
+        let plan = |args: &[&str]| Plan::from(&parse(args).expect("parse"));
+        let one = parse(&[]).expect("parse");
+        assert_eq!(one.fleet.gateways, [1]);
+        assert_eq!(one.fleet.peer_sharing, [PeerSharing::On]);
+        let quick = Plan::from(&one).expect("plan");
+        assert_eq!(
+            quick.lines(&one).len(),
+            quick.policies.len(),
+            "N = 1: as before"
+        );
+        let args = [
+            "--policies",
+            "kv,round-robin",
+            "--gateways",
+            "1,2",
+            "--peer-sharing",
+            "on,off",
+        ];
+        let opts = parse(&args).expect("parse");
+        let lines: Vec<String> = Plan::from(&opts)
+            .expect("plan")
+            .lines(&opts)
+            .iter()
+            .map(|(p, s)| s.label(p.name()))
+            .collect();
+        assert_eq!(
+            lines,
+            [
+                "kv",
+                "kv (2 gateways, shared)",
+                "kv (2 gateways, unshared)",
+                "round-robin"
+            ]
+        );
+        assert!(plan(&["--gateways", "0"]).is_err());
+        assert!(plan(&["--gateways", "9"]).is_err());
+        assert!(plan(&["--gateways", "2", "--scale-out-at", "0.5"]).is_err());
+        assert!(parse(&["--peer-sharing", "maybe"]).is_err());
     }
 
     #[test]

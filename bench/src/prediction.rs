@@ -33,6 +33,13 @@ impl HitPrediction {
         Ok(Self::from_metrics(&metrics_text(addr)?))
     }
 
+    /// Adds another indexer's counts (several gateways: each predicted what it routed).
+    pub fn add(&mut self, other: &HitPrediction) {
+        self.exact += other.exact;
+        self.under += other.under;
+        self.over += other.over;
+    }
+
     /// Completions compared.
     pub fn compared(&self) -> u64 {
         self.exact + self.under + self.over
@@ -58,6 +65,13 @@ mod tests {
         let p = HitPrediction::from_metrics(text);
         assert_eq!((p.exact, p.under, p.over), (97, 1, 2));
         assert_eq!(p.exact_share(), Some(0.97));
+        let mut sum = p;
+        sum.add(&HitPrediction {
+            exact: 3,
+            under: 0,
+            over: 0,
+        });
+        assert_eq!((sum.exact, sum.compared()), (100, 103));
         assert_eq!(HitPrediction::default().exact_share(), None);
     }
 }

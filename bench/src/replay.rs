@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
+use super::spread::Targets;
 use super::workloads::{BenchRequest, Workload};
 use crate::http;
 use crate::supervisor;
@@ -19,8 +20,8 @@ use crate::supervisor;
 /// How to replay.
 #[derive(Debug, Clone)]
 pub struct ReplayConfig {
-    /// `host:port` to send to.
-    pub addr: String,
+    /// Where to send: one listener, or several gateways' (spread as a Service would).
+    pub targets: Targets,
     /// Model name of every request.
     pub model: String,
     /// The simulator's time scale: a model second lasts `1 / time_scale` wall seconds.
@@ -321,7 +322,7 @@ fn stream(
             .map(|(k, v)| (k.as_str(), v.as_str())),
     );
     let mut resp = http::post_ok(
-        &cfg.addr,
+        cfg.targets.pick(outcome.index, &request.session),
         "/v1/completions",
         &headers,
         body.as_bytes(),
@@ -530,7 +531,7 @@ mod tests {
             notes: Vec::new(),
         };
         let cfg = ReplayConfig {
-            addr,
+            targets: Targets::one(addr),
             model: "m".into(),
             time_scale: 10.0,
             concurrency: 2,
@@ -573,7 +574,7 @@ mod tests {
             notes: Vec::new(),
         };
         let cfg = ReplayConfig {
-            addr: "127.0.0.1:9".into(),
+            targets: Targets::one("127.0.0.1:9".into()),
             model: "m".into(),
             time_scale: 1.0,
             concurrency: 1,

@@ -124,6 +124,7 @@ pub fn check_goals(results: &[WorkloadResults]) -> Vec<GoalCheck> {
             }
             let Some(kv) = find(Policy::Kv) else { continue };
             let scope = format!("{}, {}, {load}", w.name, fleet(kv));
+            checks.extend(gateway_checks(kv, &runs, &scope));
             let sharing = matches!(w.name.as_str(), "shared-prefix" | "mooncake-synthetic");
             if sharing {
                 let ratio = if kv.ceiling > 0.0 {
@@ -227,6 +228,44 @@ pub fn check_goals(results: &[WorkloadResults]) -> Vec<GoalCheck> {
         }
     }
     checks
+}
+
+/// Issue 15's goal for the kv lines run behind several gateways (`--gateways`), against `kv` on
+/// one: hit rate within 1 point and TTFT p90 within 10 %. Lines without sharing are shown
+/// (the gap the sharing closes) but not judged.
+fn gateway_checks(kv: &RunSummary, runs: &[&RunSummary], scope: &str) -> Vec<GoalCheck> {
+    let prefix = format!("{} (", Policy::Kv.name());
+    runs.iter()
+        .filter(|r| r.errors == 0 && r.policy.starts_with(&prefix))
+        .filter_map(|r| Some((r, r.gateways.as_ref()?)))
+        .map(|(r, g)| {
+            let points = (r.hit_rate - kv.hit_rate) * 100.0;
+            let ttft = match (r.ttft_p90_ms, kv.ttft_p90_ms) {
+                (Some(a), Some(b)) if b > 0.0 => Some(a / b - 1.0),
+                _ => None,
+            };
+            GoalCheck {
+                goal: format!(
+                    "{} gateways{}: kv hit rate within 1 point and TTFT p90 within 10 % of one gateway",
+                    g.gateways,
+                    if g.sharing { ", shared" } else { " without sharing (not judged)" }
+                ),
+                scope: scope.to_string(),
+                measured: format!(
+                    "hit {} vs {} ({points:+.1} points), TTFT p90 {} vs {} ({})",
+                    pct(r.hit_rate),
+                    pct(kv.hit_rate),
+                    fmt_time(r.ttft_p90_ms),
+                    fmt_time(kv.ttft_p90_ms),
+                    ttft.map_or("-".to_string(), |t| format!("{:+.1} %", t * 100.0))
+                ),
+                met: match (g.sharing, ttft) {
+                    (true, Some(t)) => Some(points >= -1.0 && t <= 0.10),
+                    _ => None,
+                },
+            }
+        })
+        .collect()
 }
 
 /// The highest offered load at which each policy's TTFT p90 met the SLO, per workload and fleet,
@@ -1035,6 +1074,7 @@ pub(crate) mod tests {
             ideal: None,
             scale_out: None,
             assess: None,
+            gateways: None,
             hit_prediction: None,
         }
     }
@@ -1087,6 +1127,43 @@ pub(crate) mod tests {
             .measured
             .contains("kv 200 ms, round robin 2000 ms"));
         assert_eq!(fmt_time(Some(48_940.0)), "48.9 s");
+    }
+
+    #[test]
+    fn several_gateways_are_judged_against_one_only_when_shared() {
+        let behind = |label: &str, n: usize, sharing: bool, hit: f64, p90: f64| {
+            let mut r = run(label, "2 req/s", 2.0, hit, p90);
+            r.gateways = Some(crate::gateways::GatewayFacts {
+                gateways: n,
+                sharing,
+                spread: "round robin".into(),
+            });
+            r
+        };
+        let w = WorkloadResults {
+            name: "shared-prefix".into(),
+            description: "d".into(),
+            notes: vec![],
+            runs: vec![
+                run("kv", "2 req/s", 2.0, 0.58, 100.0),
+                behind("kv (2 gateways, shared)", 2, true, 0.575, 108.0),
+                behind("kv (3 gateways, shared)", 3, true, 0.56, 104.0),
+                behind("kv (2 gateways, unshared)", 2, false, 0.40, 300.0),
+            ],
+        };
+        let checks: Vec<GoalCheck> = check_goals(&[w])
+            .into_iter()
+            .filter(|c| c.goal.contains("gateways"))
+            .collect();
+        let met: Vec<Option<bool>> = checks.iter().map(|c| c.met).collect();
+        // -0.5 points and +8 %: met; -2 points: missed; unshared: shown, not judged.
+        assert_eq!(met, [Some(true), Some(false), None]);
+        assert!(
+            checks[2].measured.contains("-18.0 points"),
+            "{}",
+            checks[2].measured
+        );
+        assert!(checks[2].measured.contains("+200.0 %"));
     }
 
     #[test]

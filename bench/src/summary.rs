@@ -79,6 +79,9 @@ pub struct RunSummary {
     pub scale_out: Option<super::scaleout::ScaleOut>,
     /// What `kvroute-indexer assess` reported over the run (the `shadow` line only).
     pub assess: Option<super::assess::AssessFigures>,
+    /// The gateways of a line run behind more than one (`--gateways`); absent for one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gateways: Option<super::gateways::GatewayFacts>,
     /// The indexer's hit predictions against the engines' `cached_tokens` (lines routed by the
     /// indexer).
     #[serde(default)]
@@ -191,6 +194,7 @@ impl RunSummary {
             ideal: None,
             scale_out: None,
             assess: None,
+            gateways: None,
             hit_prediction: None,
         }
     }

@@ -95,6 +95,11 @@ pub struct RouteRequest {
     /// chosen replica and learns where the request went from its completion report.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub shadow: bool,
+    /// The keys cover only the prompt's leading tokens (a chat with images, audio or video: up to
+    /// its first media placeholder); `num_tokens` counts those. The rest is not predicted, and
+    /// the hit reported at completion is not compared with the prediction.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub partial: bool,
 }
 
 /// Prompt tokens the chosen replica holds, per medium.

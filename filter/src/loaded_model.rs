@@ -38,8 +38,12 @@ pub struct Prepared {
     pub num_tokens: usize,
     /// LoRA adapter name, if any.
     pub lora: Option<String>,
-    /// The prompt's token ids (`None` for a batch of prompts, which the online check skips).
+    /// The prompt's token ids (`None` for a batch of prompts and for a partial prompt, which the
+    /// online check skips).
     pub tokens: Option<Vec<u32>>,
+    /// Only the prompt's leading tokens are known (a chat with media, up to its first
+    /// placeholder).
+    pub partial: bool,
 }
 
 /// Why a request was not prepared.
@@ -145,15 +149,16 @@ impl LoadedModel {
     /// Renders/tokenises the request (at most `max_prompt_tokens` per prompt) and computes its
     /// router keys. A batch of prompts routes by its first prompt.
     pub fn prepare(&self, endpoint: Endpoint, body: &Value) -> Result<Prepared, PrepareError> {
-        let (tokens, single) = match self
+        let (tokens, whole) = match self
             .tokenizer
             .tokenize_request_capped(endpoint, body, self.max_prompt_tokens)
             .map_err(|e| match e {
                 RequestError::PromptTooLong { limit } => PrepareError::TooLong(limit),
                 other => PrepareError::Invalid(other.to_string()),
             })? {
-            PromptTokens::Single(t) => (t, true),
-            PromptTokens::Batch(b) => (b.into_iter().next().unwrap_or_default(), false),
+            PromptTokens::Single(t) => (t, Some(true)),
+            PromptTokens::Batch(b) => (b.into_iter().next().unwrap_or_default(), Some(false)),
+            PromptTokens::Partial(t) => (t, None),
         };
         let lookup = |name: &str| self.lora_paths.get(name).cloned();
         let extras = request_extras(body, &lookup);
@@ -162,7 +167,8 @@ impl LoadedModel {
             router_keys: keys.iter().map(|k| k.0).collect(),
             num_tokens: tokens.len(),
             lora: extras.lora.as_ref().map(|l| l.name.clone()),
-            tokens: single.then_some(tokens),
+            partial: whole.is_none(),
+            tokens: (whole == Some(true)).then_some(tokens),
         })
     }
 }

@@ -555,6 +555,7 @@ impl Stream {
             lora: prepared.lora,
             session: self.session.clone(),
             shadow: plugin.cfg.mode == Mode::Shadow,
+            partial: prepared.partial,
             ..RouteRequest::default()
         };
         self.shadow = route.shadow;

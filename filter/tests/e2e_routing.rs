@@ -362,3 +362,45 @@ fn a_replica_added_at_run_time_receives_work_and_warms_up() {
         o.cached_tokens
     );
 }
+
+#[test]
+fn a_chat_with_an_image_routes_by_its_text_before_the_image_and_counts_as_partial() {
+    let f = fleet("routing-media", 3);
+    let system = filler(900, 1400);
+    let first = f.send(
+        "/v1/chat/completions",
+        &chat(&system, "describe my garden", false),
+    );
+    f.settle();
+    // The same conversation with a photo: its tokens are known up to the image's placeholder,
+    // which covers the shared system prompt.
+    let mut body = chat(&system, "", false);
+    body["messages"][1]["content"] = json!([
+        {"type": "text", "text": "and this photo?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    ]);
+    let r = post_json(f.envoy.port, "/v1/chat/completions", &body, &[]);
+    // The simulated model is text-only and refuses the image, as vLLM does; the routing
+    // happened before that.
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.header("x-kvroute-fail-open").is_none(), "{:?}", r.headers);
+    assert_eq!(
+        r.header("x-kvroute-replica"),
+        Some(format!("r{}", first.replica).as_str()),
+        "{:?}",
+        r.headers
+    );
+    assert_eq!(
+        r.header("x-kvroute-reason"),
+        Some("prefix_hit"),
+        "{:?}",
+        r.headers
+    );
+    assert_eq!(
+        f.indexer
+            .metric("kvroute_indexer_partial_predictions_total"),
+        1.0
+    );
+    // Text chats are whole predictions.
+    assert_eq!(f.envoy.kv("routed"), 2);
+}

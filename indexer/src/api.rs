@@ -187,7 +187,9 @@ async fn complete_handler(State(state): State<Arc<AppState>>, body: Bytes) -> Re
             if let Some(us) = req.ttft_us.filter(|_| !req.abandoned) {
                 m.record_ttft(&p.replica.name, us as f64 / 1e6, p.predicted_ttft_s);
             }
-            if let Some(reported) = req.cached_tokens.filter(|_| !req.abandoned) {
+            if p.partial {
+                m.hit_prediction_partial.fetch_add(1, Ordering::Relaxed);
+            } else if let Some(reported) = req.cached_tokens.filter(|_| !req.abandoned) {
                 m.predicted_hit_tokens
                     .fetch_add(p.predicted_tokens, Ordering::Relaxed);
                 m.reported_hit_tokens.fetch_add(reported, Ordering::Relaxed);

@@ -208,6 +208,9 @@ pub struct Pending {
     pub freed_blocks: u32,
     /// The time to first token the model predicted, seconds (0 for policies that do not predict).
     pub predicted_ttft_s: f64,
+    /// Only the prompt's leading tokens were known (a chat with media): the reported hit is not
+    /// compared with `predicted_tokens`.
+    pub partial: bool,
     callout: Option<Box<str>>,
     /// For a peer's decision, its key (sender and sender's decision id).
     remote: Option<Box<str>>,
@@ -234,6 +237,8 @@ pub struct NewDecision {
     pub predicted_ttft_s: f64,
     /// The filter's id for this route call (to abandon it before the answer reached it).
     pub callout: Option<String>,
+    /// Only the prompt's leading tokens were known (see [`Pending::partial`]).
+    pub partial: bool,
 }
 
 /// The outcome of [`LoadTracker::routed`].
@@ -610,6 +615,7 @@ impl Inner {
                 output_tokens: d.output_tokens,
                 freed_blocks: d.prefill_blocks.saturating_add(d.output_blocks),
                 predicted_ttft_s: d.predicted_ttft_s,
+                partial: d.partial,
                 callout,
                 remote,
             },
@@ -736,6 +742,7 @@ mod tests {
             output_tokens: 100,
             output_blocks: 7,
             predicted_ttft_s: 0.0,
+            partial: false,
             callout: None,
         }
     }

@@ -424,6 +424,16 @@ pub fn render(state: &AppState) -> String {
             "Completions with fewer cached tokens than predicted.",
             &m.hit_over_predicted,
         ),
+        (
+            "hit_prediction_partial_total",
+            "Completions of decisions made on a partial prompt (a chat with media): not compared.",
+            &m.hit_prediction_partial,
+        ),
+        (
+            "partial_predictions_total",
+            "Decisions made on a partial prompt: a chat with media, keyed up to its first placeholder.",
+            &m.partial_predictions,
+        ),
         ("hash_checks_total", "Hash self-checks run.", &m.hash_checks),
         (
             "hash_mismatches_total",

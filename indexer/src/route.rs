@@ -59,11 +59,17 @@ pub struct RequestKeys {
     pub keys: Vec<RouterKey>,
     /// Prompt length in tokens.
     pub num_tokens: usize,
+    /// The keys cover only the prompt's leading tokens (`RouteRequest::partial`).
+    pub partial: bool,
 }
 
 impl RequestKeys {
-    /// Keys that could be hits (the last token is always recomputed).
+    /// Keys that could be hits (the last token is always recomputed; a partial prompt's last
+    /// token is further on, so all of its full blocks could be).
     pub fn usable(&self) -> &[RouterKey] {
+        if self.partial {
+            return &self.keys;
+        }
         let n = usable_hit_blocks(self.num_tokens, self.block_size as usize).min(self.keys.len());
         &self.keys[..n]
     }
@@ -97,6 +103,7 @@ pub fn request_router_keys(
                 block_size: bs,
                 keys,
                 num_tokens: tokens.len(),
+                partial: req.partial,
             })
         }
         (None, Some(keys)) => {
@@ -119,6 +126,7 @@ pub fn request_router_keys(
                 block_size: bs,
                 keys: keys.iter().map(|k| RouterKey(*k)).collect(),
                 num_tokens,
+                partial: req.partial,
             })
         }
         (Some(_), Some(_)) => Err(RouteError::BadRequest(
@@ -512,6 +520,7 @@ fn record(
         output_tokens: u64::from(lookup.shape.output_tokens),
         output_blocks: lookup.shape.output_tokens.div_ceil(bs.max(1)),
         predicted_ttft_s: decision.terms.ttft_s,
+        partial: lookup.keys.partial,
         callout: req.callout_id.clone(),
     });
     let decision_id = routed.id.to_string();
@@ -544,6 +553,12 @@ fn record(
         ));
     }
     state.metrics.routed.fetch_add(1, Ordering::Relaxed);
+    if lookup.keys.partial {
+        state
+            .metrics
+            .partial_predictions
+            .fetch_add(1, Ordering::Relaxed);
+    }
     state.metrics.count_decision(&reason);
     let t = &decision.terms;
     let load = cands

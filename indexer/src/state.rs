@@ -74,6 +74,10 @@ pub struct Metrics {
     pub hit_under_predicted: AtomicU64,
     /// Reported < predicted.
     pub hit_over_predicted: AtomicU64,
+    /// Completions of decisions made on a partial prompt (not compared).
+    pub hit_prediction_partial: AtomicU64,
+    /// Decisions made on a partial prompt (a chat with media, keyed up to its first placeholder).
+    pub partial_predictions: AtomicU64,
     /// `/v1/complete` calls.
     pub completions: AtomicU64,
     /// `/v1/complete` calls for an unknown (ended, expired or foreign) decision id.

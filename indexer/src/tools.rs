@@ -143,5 +143,6 @@ pub fn tokenize(model_dir: &Path, body: &str) -> Result<Value, CliError> {
     Ok(match tokens {
         PromptTokens::Single(ids) => json!({ "token_ids": ids }),
         PromptTokens::Batch(all) => json!({ "token_ids": all }),
+        PromptTokens::Partial(ids) => json!({ "token_ids": ids, "partial": true }),
     })
 }

@@ -43,6 +43,8 @@ fn bench(c: &mut Criterion) {
         num_gpu_blocks: 4096,
         block_size: BS,
         kv_cache_groups: vec![kvroute_core::hybrid::GroupKind::FullAttention],
+        max_model_len: 1 << 20,
+        hash_block_size: BS,
     };
     // Count the scheduled tokens of one run to express the cost per token.
     let mut s = Scheduler::new(cfg.clone(), true).unwrap();

@@ -98,6 +98,7 @@ pub async fn run(cli: Cli) -> Result<(), AppError> {
     })?;
     let events_cfg = cli.events_config()?;
     let kv_cache_groups = cli.kv_cache_groups()?;
+    let hash_block_size = cli.hash_block_size(kv_cache_groups.len())?;
     // Every group takes blocks for every token (sliding groups free theirs only as the window
     // moves on), so a prompt fits when all groups' blocks do.
     let usable_tokens = (cli.num_gpu_blocks - 1) / kv_cache_groups.len().max(1) * cli.block_size;
@@ -134,6 +135,8 @@ pub async fn run(cli: Cli) -> Result<(), AppError> {
                     num_gpu_blocks: cli.num_gpu_blocks,
                     block_size: cli.block_size,
                     kv_cache_groups: kv_cache_groups.clone(),
+                    max_model_len,
+                    hash_block_size,
                 },
                 latency: cli.latency_model(),
                 speed: speed.clone(),
@@ -159,6 +162,7 @@ pub async fn run(cli: Cli) -> Result<(), AppError> {
             .map(|l| (l.name.clone(), l))
             .collect::<HashMap<_, _>>(),
         block_size: cli.block_size,
+        hash_block_size,
         max_model_len,
         default_max_tokens: cli.default_max_tokens,
         seed: cli.seed,

@@ -12,7 +12,10 @@
 //! * a freed block keeps its hash and stays hittable until it reaches the queue head and is
 //!   reused; reuse evicts the hash and emits one `BlockRemoved` per evicted hash;
 //! * the same hash may map to several blocks (two requests computed the same block at once);
-//!   each caches and later evicts separately, and each emits its own event.
+//!   each caches and later evicts separately, and each emits its own event;
+//! * with `hash_block_size` below the block size, a cached block may also be reachable from a
+//!   partial key (vLLM's `cache_partial_block`: the prompt's last hash boundary inside it); the
+//!   block's keys are evicted together, one `BlockRemoved` each, its primary key first.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -39,6 +42,14 @@ pub enum PoolError {
         wanted: usize,
         /// Blocks free.
         free: usize,
+    },
+    /// `hash_block_size` (`--prefix-match-unit`) must divide the block size.
+    #[error("the hash block size {hash_block_size} does not divide the block size {block_size}")]
+    HashBlockSize {
+        /// Tokens per block hash.
+        hash_block_size: usize,
+        /// Tokens per block.
+        block_size: usize,
     },
 }
 
@@ -71,7 +82,12 @@ pub enum PoolEvent {
 #[derive(Debug, Clone, Default)]
 struct Block {
     ref_cnt: u32,
+    /// The primary key (vLLM's `block_hash`).
     hash: Option<(BlockHash, GroupId)>,
+    /// Tokens the primary key covers (vLLM's `block_hash_num_tokens`).
+    hash_tokens: usize,
+    /// Further keys reaching this block (vLLM's `cached_block_hashes_by_block`): partial keys.
+    extra: Vec<(BlockHash, GroupId)>,
 }
 
 /// One hash maps to one block, or (rarely) to several, kept in insertion order.
@@ -185,10 +201,22 @@ impl BlockPool {
         Ok(out)
     }
 
+    /// Drops every key of block `id` (primary first), one `BlockRemoved` per key it held
+    /// (vLLM's `_remove_cached_block_hashes` + `_emit_block_removed_events`).
     fn evict_hash(&mut self, id: BlockId) {
-        let Some(key) = self.blocks[id as usize].hash.take() else {
+        let blk = &mut self.blocks[id as usize];
+        let Some(primary) = blk.hash.take() else {
             return;
         };
+        blk.hash_tokens = 0;
+        let extra = std::mem::take(&mut blk.extra);
+        for key in std::iter::once(primary).chain(extra) {
+            self.unmap_key(key, id);
+        }
+    }
+
+    /// Removes the mapping `key -> id`; emits `BlockRemoved` when it existed.
+    fn unmap_key(&mut self, key: (BlockHash, GroupId), id: BlockId) {
         let removed = match self.cached.get_mut(&key) {
             Some(Cached::One(b)) if *b == id => {
                 self.cached.remove(&key);
@@ -209,6 +237,45 @@ impl BlockPool {
         if removed && self.emit_events {
             self.events.push(PoolEvent::Removed(key.0, key.1));
         }
+    }
+
+    /// Whether `key` maps to block `id`.
+    fn maps_to(&self, key: &(BlockHash, GroupId), id: BlockId) -> bool {
+        match self.cached.get(key) {
+            Some(Cached::One(b)) => *b == id,
+            Some(Cached::Many(ids)) => ids.contains(&id),
+            None => false,
+        }
+    }
+
+    /// Adds the mapping `key -> id` (after any block already cached under `key`).
+    fn map_key(&mut self, key: (BlockHash, GroupId), id: BlockId) {
+        match self.cached.get_mut(&key) {
+            None => {
+                self.cached.insert(key, Cached::One(id));
+            }
+            Some(Cached::One(other)) => {
+                let other = *other;
+                self.cached.insert(key, Cached::Many(vec![other, id]));
+            }
+            Some(Cached::Many(ids)) => ids.push(id),
+        }
+    }
+
+    /// vLLM's `_insert_block_hash`: `key` becomes the block's primary key, or a further key when
+    /// it has one.
+    fn insert_key(&mut self, key: (BlockHash, GroupId), id: BlockId, num_tokens: usize) {
+        if self.blocks[id as usize].hash == Some(key) || self.maps_to(&key, id) {
+            return;
+        }
+        let blk = &mut self.blocks[id as usize];
+        if blk.hash.is_none() {
+            blk.hash = Some(key);
+            blk.hash_tokens = num_tokens;
+        } else {
+            blk.extra.push(key);
+        }
+        self.map_key(key, id);
     }
 
     /// Pins hit blocks: `ref_cnt += 1`, leaving the free queue if they were free.
@@ -267,21 +334,13 @@ impl BlockPool {
                 continue;
             }
             let h = (hashes[i], group);
-            let blk = &mut self.blocks[id as usize];
-            if blk.hash == Some(h) {
+            if self.blocks[id as usize].hash == Some(h) {
                 continue;
             }
-            blk.hash = Some(h);
-            match self.cached.get_mut(&h) {
-                None => {
-                    self.cached.insert(h, Cached::One(id));
-                }
-                Some(Cached::One(other)) => {
-                    let other = *other;
-                    self.cached.insert(h, Cached::Many(vec![other, id]));
-                }
-                Some(Cached::Many(ids)) => ids.push(id),
-            }
+            // A block keyed by a partial prefix becomes a full block: its keys go first (vLLM's
+            // partial -> full promotion).
+            self.evict_hash(id);
+            self.insert_key(h, id, (i + 1) * block_size);
         }
         if self.emit_events {
             let parent = if num_cached == 0 {
@@ -296,6 +355,46 @@ impl BlockPool {
                 first_block: num_cached,
                 token_ids: tokens[num_cached * block_size..num_full * block_size].to_vec(),
                 block_size,
+                group,
+            });
+        }
+    }
+
+    /// vLLM's `cache_partial_block`: makes block `id` reachable from the prefix of `num_tokens`
+    /// tokens (a multiple of `hash_block_size` inside the block) under the request's hash at that
+    /// boundary, `hashes[num_tokens / hash_block_size - 1]` (`hashes` are per hash block). Emits a
+    /// `BlockStored` of that one hash block (block size `hash_block_size`) unless the block
+    /// already had the key.
+    pub fn cache_partial_block(&mut self, run: PartialRun<'_>) {
+        let PartialRun {
+            meta,
+            tokens,
+            hashes,
+            block: id,
+            num_tokens,
+            hash_block_size,
+            group,
+        } = run;
+        let n = num_tokens / hash_block_size.max(1);
+        if id == NULL_BLOCK || n == 0 || n > hashes.len() {
+            return;
+        }
+        let key = (hashes[n - 1], group);
+        let already = self.blocks[id as usize].hash == Some(key) || self.maps_to(&key, id);
+        let blk = &self.blocks[id as usize];
+        if !already && blk.hash.is_some() && blk.hash_tokens < n * hash_block_size {
+            self.evict_hash(id);
+        }
+        self.insert_key(key, id, n * hash_block_size);
+        if self.emit_events && !already {
+            let start = (n - 1) * hash_block_size;
+            self.events.push(PoolEvent::Stored {
+                meta: meta.clone(),
+                parent: n.checked_sub(2).map(|p| hashes[p]),
+                hashes: vec![hashes[n - 1]],
+                first_block: n - 1,
+                token_ids: tokens[start..start + hash_block_size].to_vec(),
+                block_size: hash_block_size,
                 group,
             });
         }
@@ -335,6 +434,8 @@ impl BlockPool {
         self.cached.clear();
         for b in &mut self.blocks {
             b.hash = None;
+            b.hash_tokens = 0;
+            b.extra.clear();
         }
         if self.emit_events {
             self.events.push(PoolEvent::Cleared);
@@ -366,5 +467,24 @@ pub struct CacheRun<'a> {
     /// Tokens per block.
     pub block_size: usize,
     /// The KV cache group of `blocks`.
+    pub group: GroupId,
+}
+
+/// Arguments of [`BlockPool::cache_partial_block`].
+#[derive(Debug)]
+pub struct PartialRun<'a> {
+    /// The request's metadata.
+    pub meta: &'a Arc<SeqMeta>,
+    /// All of the request's token ids.
+    pub tokens: &'a [u32],
+    /// The request's hashes, one per hash block.
+    pub hashes: &'a [BlockHash],
+    /// The block that holds the boundary.
+    pub block: BlockId,
+    /// The prefix length (tokens) the key stands for.
+    pub num_tokens: usize,
+    /// Tokens per hash block.
+    pub hash_block_size: usize,
+    /// The KV cache group of `block`.
     pub group: GroupId,
 }

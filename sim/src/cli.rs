@@ -112,6 +112,11 @@ pub struct Cli {
     /// `sliding_window`).
     #[arg(long = "sliding-window")]
     pub sliding_window: Option<u32>,
+    /// vLLM's `--prefix-match-unit` (`hash_block_size`): requests are hashed every N tokens and a
+    /// block is keyed by the hash of its last N tokens. With several KV cache groups it must
+    /// divide `--block-size`; with one group it must equal it (vLLM refuses anything else).
+    #[arg(long = "prefix-match-unit")]
+    pub prefix_match_unit: Option<usize>,
     /// Reported by GET /version (it tells routers which event layout to expect).
     #[arg(long = "vllm-version", default_value = "0.33.0")]
     pub vllm_version: String,
@@ -338,6 +343,23 @@ impl Cli {
         parse_kv_cache_layout(&self.kv_cache_layout, self.sliding_window)
     }
 
+    /// vLLM's `resolve_kv_cache_block_sizes` for one block size: the hash block size.
+    pub fn hash_block_size(&self, num_groups: usize) -> Result<usize, CliError> {
+        let bs = self.block_size;
+        match self.prefix_match_unit {
+            None => Ok(bs),
+            Some(u) if u == bs => Ok(bs),
+            Some(u) if num_groups <= 1 => Err(CliError::Invalid(format!(
+                "--prefix-match-unit {u}: with a single KV cache group, prefix-cache hits land on \
+                 the block size ({bs}); unset it or set it to {bs}"
+            ))),
+            Some(u) if u == 0 || !bs.is_multiple_of(u) => Err(CliError::Invalid(format!(
+                "--prefix-match-unit {u} must divide --block-size {bs}"
+            ))),
+            Some(u) => Ok(u),
+        }
+    }
+
     /// The cost model from the flags.
     pub fn latency_model(&self) -> LatencyModel {
         LatencyModel {
@@ -451,5 +473,41 @@ mod tests {
         assert_eq!(l[0].name, "sql");
         assert_eq!(l[1].id, 2);
         assert!(parse_lora_modules(&["nopath".into()]).is_err());
+    }
+
+    #[test]
+    fn prefix_match_unit_as_vllm_resolves_it() {
+        use clap::Parser;
+        let cli = |extra: &[&str]| {
+            let mut args = vec!["kvroute-sim", "--model-dir", "/m", "--block-size", "16"];
+            args.extend_from_slice(extra);
+            Cli::try_parse_from(args).unwrap()
+        };
+        assert_eq!(cli(&[]).hash_block_size(1).unwrap(), 16);
+        assert_eq!(
+            cli(&["--prefix-match-unit", "16"])
+                .hash_block_size(1)
+                .unwrap(),
+            16
+        );
+        assert_eq!(
+            cli(&["--prefix-match-unit", "4"])
+                .hash_block_size(2)
+                .unwrap(),
+            4
+        );
+        let one_group = cli(&["--prefix-match-unit", "4"])
+            .hash_block_size(1)
+            .unwrap_err();
+        assert!(
+            one_group.to_string().contains("single KV cache group"),
+            "{one_group}"
+        );
+        assert!(cli(&["--prefix-match-unit", "5"])
+            .hash_block_size(2)
+            .is_err());
+        assert!(cli(&["--prefix-match-unit", "0"])
+            .hash_block_size(2)
+            .is_err());
     }
 }

@@ -263,7 +263,7 @@ impl Loop {
                         source: TokenSource::new(req.seed, self.cfg.vocab),
                         arrival_s: self.cfg.clock.at(req.arrived),
                     },
-                    self.cfg.scheduler.block_size,
+                    self.cfg.scheduler.hash_block_size,
                     req.hasher,
                 );
                 seq.queued_s = self.cfg.clock.now().max(seq.arrival_s);

@@ -11,12 +11,23 @@
 //! groups follows `HybridKVCacheCoordinator.find_longest_cache_hit`: spec groups (groups of equal
 //! spec) full attention first, each lowering the candidate length, repeated until it is stable.
 //! All groups share one block size (vLLM's uniform-page layouts of Gemma 3 and gpt-oss).
+//!
+//! Requests may be hashed finer than the block size (`hash_block_size`, vLLM's
+//! `--prefix-match-unit`): a block is then keyed, looked up and published by the hash of its last
+//! hash block (vLLM's `resolve_block_hashes`), and hits stay block-aligned (vLLM's partial hash
+//! hits need Mamba groups). Full-attention groups then also key the block holding the prompt's
+//! last hash boundary by that boundary's hash (`FullAttentionManager._cache_partial_tail_block`),
+//! published as a `BlockStored` of one hash block.
+
+use std::borrow::Cow;
 
 use std::collections::HashMap;
 
 use kvroute_core::hybrid::{contiguous_blocks_for_hit, GroupKind};
 
-use crate::block_pool::{BlockId, BlockPool, CacheRun, GroupId, PoolError, PoolEvent, NULL_BLOCK};
+use crate::block_pool::{
+    BlockId, BlockPool, CacheRun, GroupId, PartialRun, PoolError, PoolEvent, NULL_BLOCK,
+};
 use crate::sequence::{BlockHash, SeqId, Sequence};
 
 #[derive(Debug, Default, Clone)]
@@ -41,8 +52,13 @@ pub struct Hit {
 pub struct KvCacheManager {
     pool: BlockPool,
     block_size: usize,
+    /// Tokens per request block hash (divides `block_size`).
+    hash_block_size: usize,
     groups: Vec<GroupKind>,
     reqs: HashMap<SeqId, Vec<GroupBlocks>>,
+    /// vLLM's `max_in_flight_tokens` and `max_model_len`: size a sliding-window group's admission
+    /// cap. `None`: uncapped (vLLM's fallback when `max_in_flight_tokens` is unset).
+    admission_window: Option<(usize, usize)>,
 }
 
 fn cdiv(a: usize, b: usize) -> usize {
@@ -81,9 +97,60 @@ impl KvCacheManager {
         Ok(KvCacheManager {
             pool: BlockPool::new(num_blocks, emit_events)?,
             block_size: block_size.max(1),
+            hash_block_size: block_size.max(1),
             groups,
             reqs: HashMap::new(),
+            admission_window: None,
         })
+    }
+
+    /// Requests are hashed every `hash_block_size` tokens (vLLM's `hash_block_size`); it must
+    /// divide the block size.
+    pub fn with_hash_block_size(mut self, hash_block_size: usize) -> Result<Self, PoolError> {
+        if hash_block_size == 0 || !self.block_size.is_multiple_of(hash_block_size) {
+            return Err(PoolError::HashBlockSize {
+                hash_block_size,
+                block_size: self.block_size,
+            });
+        }
+        self.hash_block_size = hash_block_size;
+        Ok(self)
+    }
+
+    /// Tokens per request block hash.
+    pub fn hash_block_size(&self) -> usize {
+        self.hash_block_size
+    }
+
+    /// vLLM's `resolve_block_hashes`: one hash per full block, the hash of its last hash block.
+    fn block_hashes<'a>(&self, seq: &'a Sequence) -> Cow<'a, [BlockHash]> {
+        let k = self.block_size / self.hash_block_size;
+        if k <= 1 {
+            return Cow::Borrowed(&seq.block_hashes);
+        }
+        Cow::Owned(seq.block_hashes.chunks_exact(k).map(|c| c[k - 1]).collect())
+    }
+
+    /// Caps a sliding-window group's share of the full-sequence admission check as vLLM does
+    /// (`SlidingWindowSpec.max_admission_blocks_per_request`): blocks for `window - 1 +
+    /// max_in_flight_tokens` tokens (at most `max_model_len`), plus one. vLLM's
+    /// `max_in_flight_tokens` is `max_num_batched_tokens` x concurrent batches (2 with its
+    /// default async scheduling).
+    pub fn with_admission_cap(mut self, max_in_flight_tokens: usize, max_model_len: usize) -> Self {
+        self.admission_window = Some((max_in_flight_tokens, max_model_len));
+        self
+    }
+
+    /// The most blocks group `g` reserves for one request at admission (`None`: uncapped).
+    fn admission_cap(&self, g: usize) -> Option<usize> {
+        let (in_flight, max_model_len) = self.admission_window?;
+        match self.groups.get(g)? {
+            GroupKind::FullAttention => None,
+            GroupKind::SlidingWindow { window } => {
+                let tokens = ((*window as usize).saturating_sub(1) + in_flight).min(max_model_len);
+                Some(cdiv(tokens, self.block_size) + 1)
+            }
+        }
     }
 
     /// The pool (read-only).
@@ -123,14 +190,15 @@ impl KvCacheManager {
     /// `kv_cache_report_mode: full` re-announcement (per group) when the sequence asks for it.
     pub fn get_computed_blocks(&mut self, seq: &Sequence) -> Hit {
         let max_tokens = seq.num_tokens().saturating_sub(1);
-        let (per_group, num_tokens) = self.find_longest_cache_hit(&seq.block_hashes, max_tokens);
+        let hashes = self.block_hashes(seq);
+        let (per_group, num_tokens) = self.find_longest_cache_hit(&hashes, max_tokens);
         if num_tokens > 0 && seq.report_full {
             for (g, blocks) in per_group.iter().enumerate() {
                 if !blocks.is_empty() {
                     self.pool.emit_cached_block_events(
                         &seq.meta,
                         &seq.tokens,
-                        &seq.block_hashes,
+                        &hashes,
                         blocks.len(),
                         self.block_size,
                         g as GroupId,
@@ -297,7 +365,9 @@ impl KvCacheManager {
         if full_sequence_must_fit {
             let need: usize = (0..n)
                 .map(|g| {
-                    cdiv(seq.num_tokens(), bs).saturating_sub(held(self, g) + hit_of(hit, g).len())
+                    let required = cdiv(seq.num_tokens(), bs);
+                    let required = self.admission_cap(g).map_or(required, |c| required.min(c));
+                    required.saturating_sub(held(self, g) + hit_of(hit, g).len())
                 })
                 .sum();
             if need + evictable > self.pool.num_free() {
@@ -373,10 +443,11 @@ impl KvCacheManager {
 
     fn cache_blocks(&mut self, seq: &Sequence, num_tokens: usize) {
         let bs = self.block_size;
+        let hashes = self.block_hashes(seq);
         let Some(tables) = self.reqs.get_mut(&seq.id) else {
             return;
         };
-        let num_full = (num_tokens.min(seq.block_hashes.len() * bs)) / bs;
+        let num_full = (num_tokens.min(hashes.len() * bs)) / bs;
         for (g, t) in tables.iter_mut().enumerate() {
             if t.num_cached >= num_full {
                 continue;
@@ -384,7 +455,7 @@ impl KvCacheManager {
             self.pool.cache_full_blocks(CacheRun {
                 meta: &seq.meta,
                 tokens: &seq.tokens,
-                hashes: &seq.block_hashes,
+                hashes: &hashes,
                 blocks: &t.blocks,
                 num_cached: t.num_cached,
                 num_full,
@@ -392,6 +463,41 @@ impl KvCacheManager {
                 group: g as GroupId,
             });
             t.num_cached = num_full;
+        }
+        if self.hash_block_size < bs {
+            self.cache_partial_tail_blocks(seq, num_full * bs);
+        }
+    }
+
+    /// `FullAttentionManager._cache_partial_tail_block`, per full-attention group: the prompt's
+    /// last hash boundary the hit rule could use (`num_prompt_tokens - 1` rounded down to the hash
+    /// block size), when it lies inside a block and within the `num_tokens` cached ones.
+    fn cache_partial_tail_blocks(&mut self, seq: &Sequence, num_tokens: usize) {
+        let (bs, hbs) = (self.block_size, self.hash_block_size);
+        let limit = seq.num_prompt_tokens.saturating_sub(1);
+        let boundary = (limit / hbs).min(seq.block_hashes.len()) * hbs;
+        if boundary == 0 || boundary > num_tokens || boundary.is_multiple_of(bs) {
+            return;
+        }
+        let Some(tables) = self.reqs.get(&seq.id) else {
+            return;
+        };
+        for (g, kind) in self.groups.iter().enumerate() {
+            if *kind != GroupKind::FullAttention {
+                continue;
+            }
+            let Some(&block) = tables.get(g).and_then(|t| t.blocks.get(boundary / bs)) else {
+                continue;
+            };
+            self.pool.cache_partial_block(PartialRun {
+                meta: &seq.meta,
+                tokens: &seq.tokens,
+                hashes: &seq.block_hashes,
+                block,
+                num_tokens: boundary,
+                hash_block_size: hbs,
+                group: g as GroupId,
+            });
         }
     }
 

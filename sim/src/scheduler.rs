@@ -34,7 +34,16 @@ pub struct SchedulerConfig {
     pub block_size: usize,
     /// The KV cache groups (group id = position; `--kv-cache-layout`), sharing the blocks.
     pub kv_cache_groups: Vec<GroupKind>,
+    /// `--max-model-len` (bounds a sliding-window group's admission cap).
+    pub max_model_len: usize,
+    /// Tokens per request block hash (`--prefix-match-unit`; the block size by default). The
+    /// engine hashes its sequences at this granularity.
+    pub hash_block_size: usize,
 }
+
+/// vLLM's `max_concurrent_batches` with its default async scheduling (one pipeline stage): its
+/// `max_in_flight_tokens` is this many `max_num_batched_tokens`.
+pub const CONCURRENT_BATCHES: usize = 2;
 
 /// Counters exported as metrics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -122,7 +131,12 @@ impl Scheduler {
                 cfg.block_size,
                 cfg.kv_cache_groups.clone(),
                 emit_events,
-            )?,
+            )?
+            .with_admission_cap(
+                CONCURRENT_BATCHES * cfg.max_num_batched_tokens,
+                cfg.max_model_len,
+            )
+            .with_hash_block_size(cfg.hash_block_size)?,
             cfg,
             waiting: VecDeque::new(),
             running: Vec::new(),

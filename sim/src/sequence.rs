@@ -122,7 +122,7 @@ pub struct Sequence {
     pub max_tokens: usize,
     /// Tokens whose KV is computed (or hit in the prefix cache).
     pub num_computed_tokens: usize,
-    /// Hashes of every full block of `tokens`.
+    /// Hashes of every full hash block of `tokens` (`hash_block_size` tokens each).
     pub block_hashes: Vec<BlockHash>,
     /// Metadata for events.
     pub meta: Arc<SeqMeta>,
@@ -145,6 +145,7 @@ pub struct Sequence {
     pub first_token_s: Option<f64>,
     /// Time of its latest output token, simulated clock.
     pub last_token_s: Option<f64>,
+    /// Tokens per block hash (the KV cache's `hash_block_size`).
     block_size: usize,
     hasher: Arc<dyn ChainHasher>,
 }
@@ -179,7 +180,8 @@ pub struct SequenceSpec {
 }
 
 impl Sequence {
-    /// Builds the sequence and hashes its full prompt blocks.
+    /// Builds the sequence and hashes its full prompt blocks of `block_size` tokens (the KV
+    /// cache's `hash_block_size`, the block size unless `--prefix-match-unit` is finer).
     pub fn new(spec: SequenceSpec, block_size: usize, hasher: Arc<dyn ChainHasher>) -> Self {
         let num_prompt_tokens = spec.prompt.len();
         let mut seq = Sequence {

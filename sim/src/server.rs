@@ -20,7 +20,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::stream::{self, Stream, StreamExt};
 use kvroute_core::hashing::BlockHasher;
-use kvroute_core::request::{parse_body, request_extras, Endpoint, ModelTokenizer, RequestError};
+use kvroute_core::request::{
+    parse_body, request_extras, Endpoint, ModelTokenizer, PromptTokens, RequestError,
+};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -45,6 +47,8 @@ pub struct AppState {
     pub loras: HashMap<String, LoraModule>,
     /// Tokens per block.
     pub block_size: usize,
+    /// Tokens per request block hash (`--prefix-match-unit`).
+    pub hash_block_size: usize,
     /// Longest prompt + output.
     pub max_model_len: usize,
     /// Chat default for max tokens.
@@ -178,6 +182,12 @@ impl AppState {
                 )),
                 other => request_error(other),
             })?;
+        if matches!(tokens, PromptTokens::Partial(_)) {
+            // A text-only model, as vLLM answers for one.
+            return Err(ApiError::bad_request(format!(
+                "{model} is not a multimodal model: images, audio and video are not supported"
+            )));
+        }
         let prompts: Vec<Vec<u32>> = tokens.prompts().into_iter().map(<[u32]>::to_vec).collect();
         for p in &prompts {
             if p.is_empty() {
@@ -224,7 +234,7 @@ impl AppState {
         let extras = request_extras(&prep.body, &|name: &str| {
             loras.get(name).map(|l| l.path.clone())
         });
-        let chain = RequestChainHasher::new(self.hasher.clone(), extras, self.block_size);
+        let chain = RequestChainHasher::new(self.hasher.clone(), extras, self.hash_block_size);
         let meta = chain.event_meta(
             prep.lora.as_ref().map(|l| l.id),
             prep.params.session_id.clone(),

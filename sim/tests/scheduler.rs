@@ -16,6 +16,8 @@ fn cfg(max_num_seqs: usize, max_batched: usize, blocks: usize) -> SchedulerConfi
         num_gpu_blocks: blocks,
         block_size: BS,
         kv_cache_groups: vec![kvroute_core::hybrid::GroupKind::FullAttention],
+        max_model_len: 1 << 20,
+        hash_block_size: BS,
     }
 }
 

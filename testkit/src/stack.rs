@@ -76,17 +76,67 @@ pub struct ReplicaPorts {
 pub struct Ports {
     /// Per replica.
     pub replicas: Vec<ReplicaPorts>,
-    /// The indexer's HTTP API.
+    /// The indexer's HTTP API (the first gateway's).
     pub indexer: u16,
-    /// Envoy with kvroute: listener and admin.
+    /// Envoy with kvroute: listener and admin (the first gateway's).
     pub kvroute: (u16, u16),
     /// Envoy baseline: listener and admin.
     pub baseline: (u16, u16),
+    /// The gateways after the first ([`Stack::set_gateways`]).
+    pub more_gateways: Vec<GatewayPorts>,
+}
+
+/// The ports of one gateway: its indexer, its Envoy's listener and admin.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GatewayPorts {
+    /// The indexer's HTTP API.
+    pub indexer: u16,
+    /// The kvroute Envoy's listener.
+    pub listen: u16,
+    /// The kvroute Envoy's admin.
+    pub admin: u16,
+}
+
+/// Where the gateways' indexers share their decisions (`[peers]`, docs/operations.md "Running
+/// several gateways"): a Redis server, its password and the fleet's channel.
+#[derive(Debug, Clone)]
+pub struct PeerRedis {
+    /// `host:port`.
+    pub addr: String,
+    /// Its `requirepass`, handed to each indexer in [`PEERS_PASSWORD_ENV`].
+    pub password: String,
+    /// The pub/sub channel.
+    pub channel: String,
+}
+
+/// The environment variable the stack's indexers read the peers' Redis password from.
+pub const PEERS_PASSWORD_ENV: &str = "KVROUTE_PEERS_PASSWORD";
+
+impl PeerRedis {
+    /// The indexer's `[peers]` table (the password stays out of the file).
+    pub fn toml(&self) -> Result<String> {
+        let quote = |s: &str| serde_json::to_string(s);
+        Ok(format!(
+            "\n[peers]\nredis = {}\npassword_env = {}\nchannel = {}\n",
+            quote(&self.addr)?,
+            quote(PEERS_PASSWORD_ENV)?,
+            quote(&self.channel)?
+        ))
+    }
+}
+
+/// Names of gateway `k`'s processes (indexer, Envoy): the first gateway's are the single-gateway
+/// stack's (`indexer`, `envoy-kvroute`), the others' carry `-g<k>`.
+pub fn gateway_process_names(k: usize) -> (String, String) {
+    if k == 0 {
+        ("indexer".to_string(), "envoy-kvroute".to_string())
+    } else {
+        (format!("indexer-g{k}"), format!("envoy-kvroute-g{k}"))
+    }
 }
 
 impl Ports {
-    fn allocate(replicas: usize) -> Result<Self> {
-        let mut pool = PortPool::default();
+    fn allocate(replicas: usize, pool: &mut PortPool) -> Result<Self> {
         let mut replica_ports = Vec::with_capacity(replicas);
         for _ in 0..replicas {
             replica_ports.push(ReplicaPorts {
@@ -100,7 +150,20 @@ impl Ports {
             indexer: pool.take()?,
             kvroute: (pool.take()?, pool.take()?),
             baseline: (pool.take()?, pool.take()?),
+            more_gateways: Vec::new(),
         })
+    }
+
+    /// Gateway `k`'s ports (0 is the first gateway).
+    pub fn gateway(&self, k: usize) -> Option<GatewayPorts> {
+        match k {
+            0 => Some(GatewayPorts {
+                indexer: self.indexer,
+                listen: self.kvroute.0,
+                admin: self.kvroute.1,
+            }),
+            _ => self.more_gateways.get(k - 1).copied(),
+        }
     }
 }
 
@@ -173,6 +236,12 @@ pub struct Stack {
     replica_args: Vec<Vec<String>>,
     /// Baseline Envoys health-check the replicas (a replica may be down: scale-out).
     health_checks: bool,
+    /// Ports handed out so far (more gateways take theirs from it).
+    port_pool: PortPool,
+    /// Envoy + indexer pairs in front of the replicas (1 unless [`Stack::set_gateways`]).
+    gateways: usize,
+    /// The gateways' `[peers]`, when they share decisions.
+    peers: Option<PeerRedis>,
 }
 
 impl Stack {
@@ -187,8 +256,9 @@ impl Stack {
         bins.check()?;
         fs::create_dir_all(work_dir.join("logs"))
             .with_context(|| format!("creating {}", work_dir.display()))?;
+        let mut port_pool = PortPool::default();
         Ok(Self {
-            ports: Ports::allocate(cfg.replicas)?,
+            ports: Ports::allocate(cfg.replicas, &mut port_pool)?,
             envoy_template: layout.root.join("envoy").join(envoy_template(bins.filter)),
             cfg,
             bins,
@@ -198,7 +268,77 @@ impl Stack {
             indexer_snapshot: None,
             replica_args: Vec::new(),
             health_checks: false,
+            port_pool,
+            gateways: 1,
+            peers: None,
         })
+    }
+
+    /// Runs `n` gateways (Envoy + filter + indexer pairs, each indexer following every replica)
+    /// from the next [`Stack::start_indexer`] / [`Stack::start_kvroute_envoy`] on; with `peers`
+    /// their indexers share decisions through that Redis (`[peers]`), without it each routes on
+    /// its own decisions. One gateway and no peers is the default.
+    pub fn set_gateways(&mut self, n: usize, peers: Option<PeerRedis>) -> Result<()> {
+        if n == 0 {
+            bail!("a stack needs at least one gateway");
+        }
+        while self.ports.more_gateways.len() + 1 < n {
+            self.ports.more_gateways.push(GatewayPorts {
+                indexer: self.port_pool.take()?,
+                listen: self.port_pool.take()?,
+                admin: self.port_pool.take()?,
+            });
+        }
+        self.gateways = n;
+        self.peers = peers;
+        Ok(())
+    }
+
+    /// Gateways in front of the replicas.
+    pub fn gateways(&self) -> usize {
+        self.gateways
+    }
+
+    /// `host:port` of every gateway's kvroute Envoy listener (the first is [`Stack::kvroute_addr`]).
+    pub fn kvroute_addrs(&self) -> Vec<String> {
+        (0..self.gateways)
+            .filter_map(|k| self.ports.gateway(k))
+            .map(|g| format!("127.0.0.1:{}", g.listen))
+            .collect()
+    }
+
+    /// `host:port` of gateway `k`'s indexer (0 is [`Stack::indexer_addr`]).
+    pub fn gateway_indexer_addr(&self, k: usize) -> Option<String> {
+        self.ports
+            .gateway(k)
+            .map(|g| format!("127.0.0.1:{}", g.indexer))
+    }
+
+    fn gateway_ports(&self, k: usize) -> Result<GatewayPorts> {
+        self.ports
+            .gateway(k)
+            .with_context(|| format!("no gateway {k} (set_gateways first)"))
+    }
+
+    /// Stops gateway `k`'s Envoy and indexer (SIGTERM, then SIGKILL): the gateway dies.
+    pub fn stop_gateway(&mut self, k: usize) {
+        let (indexer, envoy) = gateway_process_names(k);
+        self.sup.stop_named(&envoy);
+        self.sup.stop_named(&indexer);
+    }
+
+    /// Starts gateway `k` again (its indexer with `policy`, then its Envoy, on its ports) after
+    /// [`Stack::stop_gateway`], and waits as [`Stack::start_indexer`] and
+    /// [`Stack::start_kvroute_envoy`] do.
+    pub fn start_gateway(&mut self, k: usize, policy: &str) -> Result<()> {
+        self.start_gateway_indexer(k, policy)?;
+        self.start_gateway_envoy(k)
+    }
+
+    /// Starts gateway `k`'s kvroute Envoy (its indexer runs or comes next) and waits until the
+    /// filter has loaded the tokenizer.
+    pub fn start_gateway_envoy(&mut self, k: usize) -> Result<()> {
+        self.start_envoy_of_gateway(k, false)
     }
 
     /// `host:port` of every replica's HTTP server.
@@ -344,29 +484,76 @@ impl Stack {
         self.sup.stop_matching("replica-");
     }
 
-    /// Writes the indexer's configuration, starts it with `policy` and waits for `/readyz`.
+    /// Writes the indexer's configuration, starts it with `policy` and waits for `/readyz`; with
+    /// several gateways ([`Stack::set_gateways`]), one indexer per gateway, each also waiting
+    /// until it is connected to its peers when they share.
     pub fn start_indexer(&mut self, policy: &str) -> Result<()> {
-        let config = self.work_dir.join("indexer.toml");
-        fs::write(&config, self.indexer_toml()?)
+        for k in 0..self.gateways {
+            self.start_gateway_indexer(k, policy)?;
+        }
+        Ok(())
+    }
+
+    /// Starts gateway `k`'s indexer with `policy` and waits for its `/readyz` (and its peers'
+    /// Redis, when the gateways share).
+    pub fn start_gateway_indexer(&mut self, k: usize, policy: &str) -> Result<()> {
+        let ports = self.gateway_ports(k)?;
+        let (name, _) = gateway_process_names(k);
+        let config = self.work_dir.join(format!("{name}.toml"));
+        fs::write(&config, self.indexer_toml(k)?)
             .with_context(|| format!("writing {}", config.display()))?;
-        let listen = format!("127.0.0.1:{}", self.ports.indexer);
+        let listen = format!("127.0.0.1:{}", ports.indexer);
         let mut cmd = Command::new(&self.bins.indexer);
         cmd.args(["serve", "--config"])
             .arg(&config)
             .args(["--listen", &listen, "--policy", policy])
             .env("RUST_LOG", indexer_log_filter());
-        let log = self.log("indexer");
-        self.sup.spawn("indexer", cmd, &log)?;
+        if let Some(peers) = &self.peers {
+            cmd.env(PEERS_PASSWORD_ENV, &peers.password);
+        }
+        let log = self.log(&name);
+        self.sup.spawn(&name, cmd, &log)?;
         self.sup
-            .wait_http_ok("the indexer", &listen, "/readyz", Duration::from_secs(60))
+            .wait_http_ok(&name, &listen, "/readyz", Duration::from_secs(60))?;
+        if self.peers.is_some() {
+            self.wait_peers_connected(&name, &listen, Duration::from_secs(30))?;
+        }
+        Ok(())
+    }
+
+    /// Waits until the indexer at `addr` reports `kvroute_indexer_peers_connected 1`.
+    fn wait_peers_connected(&mut self, name: &str, addr: &str, timeout: Duration) -> Result<()> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            self.sup.check_alive()?;
+            let connected = http::get(addr, "/metrics", Duration::from_secs(2))
+                .ok()
+                .filter(|(status, _)| *status == 200)
+                .and_then(|(_, text)| crate::prom::sum(&text, "kvroute_indexer_peers_connected"))
+                .is_some_and(|v| v >= 1.0);
+            if connected {
+                return Ok(());
+            }
+            if crate::supervisor::interrupted() {
+                bail!("interrupted");
+            }
+            if std::time::Instant::now() >= deadline {
+                bail!(
+                    "{name} did not connect to its peers' Redis within {}s; see {}",
+                    timeout.as_secs(),
+                    self.log(name).display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// Starts `kvroute-indexer assess` in the indexer's place (same configuration and port,
     /// `--listen` for filters in shadow mode), writing its report to `json` when it ends, and
-    /// waits until its window has begun. End it with [`Stack::finish_assess`].
+    /// waits until its window has begun. End it with [`Stack::finish_assess`]. (One gateway.)
     pub fn start_assess(&mut self, json: &Path) -> Result<()> {
         let config = self.work_dir.join("indexer.toml");
-        fs::write(&config, self.indexer_toml()?)
+        fs::write(&config, self.indexer_toml(0)?)
             .with_context(|| format!("writing {}", config.display()))?;
         let listen = format!("127.0.0.1:{}", self.ports.indexer);
         let _ = fs::remove_file(json);
@@ -402,8 +589,10 @@ impl Stack {
         self.sup.interrupt_and_wait(ASSESS, Duration::from_secs(60))
     }
 
-    /// The indexer's configuration for this stack (its prefill rate is the replicas' time-scaled).
-    fn indexer_toml(&self) -> Result<String> {
+    /// Gateway `k`'s indexer configuration for this stack (its prefill rate is the replicas'
+    /// time-scaled; `[peers]` when the gateways share).
+    fn indexer_toml(&self, k: usize) -> Result<String> {
+        let ports = self.gateway_ports(k)?;
         let quote = |s: &str| serde_json::to_string(s);
         let scale = self.cfg.time_scale.max(f64::MIN_POSITIVE);
         let mut toml = format!(
@@ -416,7 +605,7 @@ impl Stack {
              decode_step_per_seq_s = {:.10}\nttft_objective_s = {:.6}\nitl_objective_s = {:.8}\n{}\n\
              [calibration]\nengine_time_scale = {}\n\n{}\
              [[models]]\nname = {}\nmodel_dir = {}\nblock_size = {}\nhash = {{ algo = {} }}\n",
-            quote(&format!("127.0.0.1:{}", self.ports.indexer))?,
+            quote(&format!("127.0.0.1:{}", ports.indexer))?,
             SIM_PREFILL_TOKENS_PER_S * scale,
             SIM_DECODE_STEP_S / scale,
             SIM_DECODE_STEP_PER_SEQ_S / scale,
@@ -439,10 +628,18 @@ impl Stack {
             quote(&self.cfg.hash_algo)?,
         );
         if let Some(snapshot) = &self.indexer_snapshot {
+            // Each gateway's indexer keeps its own.
+            let mut path = snapshot.clone().into_os_string();
+            if k > 0 {
+                path.push(format!(".g{k}"));
+            }
             toml.push_str(&format!(
                 "\n[snapshot]\npath = {}\ninterval_ms = 10000\n",
-                quote(&snapshot.to_string_lossy())?
+                quote(&PathBuf::from(path).to_string_lossy())?
             ));
+        }
+        if let Some(peers) = &self.peers {
+            toml.push_str(&peers.toml()?);
         }
         for (index, ports) in self.ports.replicas.iter().enumerate() {
             toml.push_str(&format!(
@@ -483,6 +680,28 @@ impl Stack {
     }
 
     fn start_kvroute_envoy_in(&mut self, shadow: bool) -> Result<()> {
+        if shadow {
+            return self.start_envoy_of_gateway(0, true);
+        }
+        // Every gateway's Envoy first, then their tokenizer loads (which take the time) together.
+        for k in 0..self.gateways {
+            self.spawn_envoy_of_gateway(k, false)?;
+        }
+        for k in 0..self.gateways {
+            self.wait_tokenizers_of_gateway(k)?;
+        }
+        Ok(())
+    }
+
+    fn start_envoy_of_gateway(&mut self, k: usize, shadow: bool) -> Result<()> {
+        self.spawn_envoy_of_gateway(k, shadow)?;
+        self.wait_tokenizers_of_gateway(k)
+    }
+
+    /// Renders gateway `k`'s kvroute Envoy configuration, starts it and waits for its `/ready`.
+    fn spawn_envoy_of_gateway(&mut self, k: usize, shadow: bool) -> Result<()> {
+        let ports = self.gateway_ports(k)?;
+        let (_, name) = gateway_process_names(k);
         let template = fs::read_to_string(&self.envoy_template)
             .with_context(|| format!("reading {}", self.envoy_template.display()))?;
         let mut plugin = json!({"models": {self.cfg.model.as_str(): {}}});
@@ -490,15 +709,14 @@ impl Stack {
             plugin["mode"] = json!("shadow");
         }
         let plugin_config = plugin.to_string();
-        let (listen, admin) = self.ports.kvroute;
         let values = kvroute_template_values(
-            listen,
-            admin,
+            ports.listen,
+            ports.admin,
             (
                 self.bins.filter,
                 &self.bins.filter_artifact.to_string_lossy(),
             ),
-            self.ports.indexer,
+            ports.indexer,
             &self.lb_endpoints(),
             &plugin_config,
         )?;
@@ -506,8 +724,13 @@ impl Stack {
         if shadow {
             yaml = with_round_robin_fallback(&yaml)?;
         }
-        self.start_envoy("envoy-kvroute", &yaml, admin)?;
-        self.wait_tokenizers_loaded(Duration::from_secs(90))
+        self.start_envoy(&name, &yaml, ports.admin)
+    }
+
+    fn wait_tokenizers_of_gateway(&mut self, k: usize) -> Result<()> {
+        let ports = self.gateway_ports(k)?;
+        let (_, name) = gateway_process_names(k);
+        self.wait_tokenizers_loaded(&name, ports.admin, Duration::from_secs(90))
     }
 
     /// Starts the plain Envoy (no filter) balancing over the replicas with `lb_policy`
@@ -573,6 +796,12 @@ impl Stack {
             ("baseline Envoy listener".to_string(), self.ports.baseline.0),
             ("baseline Envoy admin".to_string(), self.ports.baseline.1),
         ];
+        for (i, g) in self.ports.more_gateways.iter().enumerate() {
+            let k = i + 1;
+            ports.push((format!("gateway {k} indexer HTTP"), g.indexer));
+            ports.push((format!("gateway {k} Envoy listener"), g.listen));
+            ports.push((format!("gateway {k} Envoy admin"), g.admin));
+        }
         for (i, p) in self.ports.replicas.iter().enumerate() {
             ports.push((format!("replica r{i} HTTP"), p.http));
             ports.push((format!("replica r{i} events (PUB)"), p.events));
@@ -603,26 +832,10 @@ impl Stack {
     /// The kvroute filter's counters from Envoy's admin `/stats` (names without `wasmcustom.` or
     /// the native build's `dynamicmodulescustom.`).
     pub fn filter_counters(&self) -> Result<BTreeMap<String, u64>> {
-        let admin = format!("127.0.0.1:{}", self.ports.kvroute.1);
-        let (status, text) = http::get(&admin, "/stats?filter=kvroute", Duration::from_secs(5))?;
-        if status != 200 {
-            bail!("Envoy admin /stats answered HTTP {status}");
-        }
-        Ok(text
-            .lines()
-            .filter_map(|line| {
-                let (name, value) = line.split_once(':')?;
-                let name = name.trim();
-                let name = name
-                    .strip_prefix("wasmcustom.")
-                    .or_else(|| name.strip_prefix("dynamicmodulescustom."))
-                    .unwrap_or(name);
-                Some((name.to_string(), value.trim().parse::<u64>().ok()?))
-            })
-            .collect())
+        filter_counters_at(self.ports.kvroute.1)
     }
 
-    fn wait_tokenizers_loaded(&mut self, timeout: Duration) -> Result<()> {
+    fn wait_tokenizers_loaded(&mut self, name: &str, admin: u16, timeout: Duration) -> Result<()> {
         let deadline = std::time::Instant::now() + timeout;
         let want = match self.bins.filter {
             FilterBuild::Wasm => self.cfg.envoy_concurrency as u64,
@@ -630,7 +843,7 @@ impl Stack {
         };
         loop {
             self.sup.check_alive()?;
-            let counters = self.filter_counters().unwrap_or_default();
+            let counters = filter_counters_at(admin).unwrap_or_default();
             let loaded = counters
                 .get("kvroute.tokenizer_loaded")
                 .copied()
@@ -650,12 +863,48 @@ impl Stack {
                     "the kvroute filter loaded the tokenizer in {loaded} of {want} Envoy VMs \
                      within {}s ({failed} failed loads); see {}",
                     timeout.as_secs(),
-                    self.log("envoy-kvroute").display()
+                    self.log(name).display()
                 );
             }
             std::thread::sleep(Duration::from_millis(200));
         }
     }
+}
+
+/// Envoy's counters and gauges whose names contain `filter` (`/stats?filter=`), from the admin
+/// at `admin` (`host:port`), by name.
+pub fn envoy_stats(admin: &str, filter: &str) -> Result<Vec<(String, u64)>> {
+    let (status, text) = http::get(
+        admin,
+        &format!("/stats?filter={filter}"),
+        Duration::from_secs(5),
+    )?;
+    if status != 200 {
+        bail!("Envoy admin /stats answered HTTP {status}");
+    }
+    Ok(text
+        .lines()
+        .filter_map(|line| {
+            let (name, value) = line.split_once(':')?;
+            Some((name.trim().to_string(), value.trim().parse::<u64>().ok()?))
+        })
+        .collect())
+}
+
+/// The kvroute filter's counters from the admin `/stats` of the Envoy whose admin listens on
+/// `admin` (names without `wasmcustom.` or the native build's `dynamicmodulescustom.`).
+fn filter_counters_at(admin: u16) -> Result<BTreeMap<String, u64>> {
+    Ok(envoy_stats(&format!("127.0.0.1:{admin}"), "kvroute")?
+        .into_iter()
+        .map(|(name, value)| {
+            let name = name
+                .strip_prefix("wasmcustom.")
+                .or_else(|| name.strip_prefix("dynamicmodulescustom."))
+                .map(str::to_string)
+                .unwrap_or(name);
+            (name, value)
+        })
+        .collect())
 }
 
 /// Local (address, port) of every listening TCP socket on this host (Linux `/proc/net/tcp` and
@@ -972,6 +1221,48 @@ mod tests {
             out.status.success(),
             "{}",
             String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    #[test]
+    fn peers_table_names_the_redis_and_keeps_the_password_out_of_the_file() {
+        let peers = super::PeerRedis {
+            addr: "127.0.0.1:6380".into(),
+            password: "secret-pw".into(),
+            channel: "kvroute:bench".into(),
+        };
+        let toml = peers.toml().expect("toml");
+        assert_eq!(
+            toml,
+            "\n[peers]\nredis = \"127.0.0.1:6380\"\npassword_env = \"KVROUTE_PEERS_PASSWORD\"\nchannel = \"kvroute:bench\"\n"
+        );
+        assert!(!toml.contains("secret-pw"));
+    }
+
+    #[test]
+    fn gateways_after_the_first_get_their_own_ports_and_names() {
+        let mut pool = crate::ports::PortPool::default();
+        let mut ports = super::Ports::allocate(2, &mut pool).expect("ports");
+        let first = ports.gateway(0).expect("first gateway");
+        assert_eq!(
+            (first.indexer, first.listen, first.admin),
+            (ports.indexer, ports.kvroute.0, ports.kvroute.1)
+        );
+        assert!(ports.gateway(1).is_none());
+        ports.more_gateways.push(super::GatewayPorts {
+            indexer: pool.take().expect("port"),
+            listen: pool.take().expect("port"),
+            admin: pool.take().expect("port"),
+        });
+        let second = ports.gateway(1).expect("second gateway");
+        assert_ne!(second, first);
+        assert_eq!(
+            super::gateway_process_names(0),
+            ("indexer".to_string(), "envoy-kvroute".to_string())
+        );
+        assert_eq!(
+            super::gateway_process_names(2),
+            ("indexer-g2".to_string(), "envoy-kvroute-g2".to_string())
         );
     }
 

@@ -134,6 +134,14 @@ impl Supervisor {
         stop_children(stop);
     }
 
+    /// Stops the child named exactly `name`, if it runs.
+    pub fn stop_named(&mut self, name: &str) {
+        let (stop, keep): (Vec<Managed>, Vec<Managed>) =
+            self.children.drain(..).partition(|m| m.name == name);
+        self.children = keep;
+        stop_children(stop);
+    }
+
     /// Pids (and process group ids) of the live children whose names start with `prefix`.
     pub fn pids_matching(&self, prefix: &str) -> Vec<u32> {
         self.children

@@ -26,6 +26,10 @@ below, or nothing is written. Layout, one importable tree per release::
     legacy/<version>/READY      version, wheel file name, sha256; present once it is complete
 
 ``--no-legacy`` skips them. Their directories go to stderr (stdout stays the ``pkg`` line).
+
+vLLM's KV cache manager (``kv_manager_driver.py``) is extracted from the same wheel into
+``kvmgr/`` (its modules verbatim, stand-ins for what needs torch or the engine; ``kvmgr/READY``
+records the wheel and a digest of the stand-ins).
 """
 
 from __future__ import annotations
@@ -464,12 +468,186 @@ def ensure_legacy() -> list[Path]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# vLLM's KV cache manager (kv_manager_driver.py): its own modules, verbatim, from the same wheel.
+
+# Copied byte for byte: the manager, its coordinators, single-type managers, block pool, and
+# what they import that needs neither torch nor a running engine.
+KV_MANAGER_VERBATIM = (
+    "vllm/v1/core/kv_cache_manager.py",
+    "vllm/v1/core/kv_cache_coordinator.py",
+    "vllm/v1/core/single_type_kv_cache_manager.py",
+    "vllm/v1/core/block_pool.py",
+    "vllm/v1/core/kv_cache_utils.py",
+    "vllm/v1/core/kv_cache_metrics.py",
+    "vllm/v1/kv_cache_interface.py",
+    "vllm/v1/kv_cache_spec_registry.py",
+    "vllm/v1/kv_cache_layout.py",
+    "vllm/v1/hisparse/block_pool.py",
+    "vllm/distributed/kv_events.py",
+    "vllm/utils/math_utils.py",
+    "vllm/utils/hashing.py",
+)
+
+KV_MANAGER_HEADER = (
+    "# kvroute stand-in, NOT vLLM code: replaces a vLLM module that would pull in torch, CUDA or\n"
+    "# the engine with the few names vLLM's KV cache manager imports (only what the driver\n"
+    "# exercises). Written by tests/vllm_reference/fetch_vllm.py.\n"
+)
+
+KV_MANAGER_STANDINS = {
+    "vllm/__init__.py": '"""Stand-in package root (the real one imports torch)."""\n',
+    "vllm/distributed/__init__.py": "",
+    "vllm/config/__init__.py": (
+        "class VllmConfig:  # type annotations only\n"
+        "    pass\n\n\n"
+        "def get_current_vllm_config_or_none():\n"
+        "    return None\n"
+    ),
+    "vllm/config/kv_events.py": STANDINS["vllm/config/kv_events.py"],
+    "vllm/utils/__init__.py": "",
+    "vllm/utils/network_utils.py": STANDINS["vllm/utils/network_utils.py"],
+    # vLLM's envs.py reads every engine setting; the manager reads one (default "1", as vLLM).
+    "vllm/envs.py": (
+        "import os\n\n"
+        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES = bool(\n"
+        "    int(os.getenv('VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES', '1'))\n"
+        ")\n"
+    ),
+    "vllm/logger.py": (
+        "import logging\n\n\n"
+        "class _Logger(logging.Logger):\n"
+        "    def debug_once(self, msg, *args, **kwargs):\n"
+        "        self.debug(msg, *args)\n\n"
+        "    def info_once(self, msg, *args, **kwargs):\n"
+        "        self.info(msg, *args)\n\n"
+        "    def warning_once(self, msg, *args, **kwargs):\n"
+        "        self.warning(msg, *args)\n\n\n"
+        "def init_logger(name: str) -> logging.Logger:\n"
+        "    logging.setLoggerClass(_Logger)\n"
+        "    try:\n"
+        "        return logging.getLogger(name)\n"
+        "    finally:\n"
+        "        logging.setLoggerClass(logging.Logger)\n"
+    ),
+    # The built-in specs are registered by vLLM's own register_all_kvcache_specs; the platform
+    # hook only adds out-of-tree ones.
+    "vllm/platforms.py": (
+        "class _Platform:\n"
+        "    def register_custom_kv_cache_specs(self, vllm_config):\n"
+        "        pass\n\n\n"
+        "current_platform = _Platform()\n"
+    ),
+    "vllm/multimodal/__init__.py": "",
+    "vllm/multimodal/utils.py": (
+        "def get_mm_features_in_window(mm_features, start, end):\n"
+        "    raise NotImplementedError('the driver sends no multimodal requests')\n"
+    ),
+    "vllm/v1/__init__.py": "",
+    "vllm/v1/core/__init__.py": "",
+    "vllm/v1/hisparse/__init__.py": "",
+    "vllm/v1/attention/__init__.py": "",
+    "vllm/v1/attention/backends/__init__.py": "",
+    # Only the enum's name is used (a MambaSpec default); the driver builds no Mamba groups.
+    "vllm/v1/attention/backends/registry.py": (
+        "import enum\n\n\n"
+        "class MambaAttentionBackendEnum(enum.Enum):\n"
+        "    MAMBA1 = 'mamba1'\n"
+        "    MAMBA2 = 'mamba2'\n"
+    ),
+    # The request is the driver's own duck type; the manager reads RequestStatus members.
+    "vllm/v1/request.py": (
+        "import enum\n\n\n"
+        "class Request:  # type annotations only; the driver passes its own request object\n"
+        "    pass\n\n\n"
+        "class RequestStatus(enum.IntEnum):  # the members up to PREEMPTED, in vLLM's order\n"
+        "    WAITING = enum.auto()\n"
+        "    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = enum.auto()\n"
+        "    WAITING_FOR_REMOTE_KVS = enum.auto()\n"
+        "    WAITING_FOR_STREAMING_REQ = enum.auto()\n"
+        "    RUNNING = enum.auto()\n"
+        "    PREEMPTED = enum.auto()\n"
+    ),
+    "vllm/v1/metrics/__init__.py": "",
+    # Statistics only (log_stats is off in the driver).
+    "vllm/v1/metrics/stats.py": (
+        "from dataclasses import dataclass\n\n\n"
+        "@dataclass\n"
+        "class KVCacheEvictionEvent:\n"
+        "    lifetime_seconds: float\n"
+        "    idle_seconds: float\n"
+        "    reuse_gaps_seconds: tuple\n\n\n"
+        "class PrefixCacheStats:\n"
+        "    def record(self, *args, **kwargs):\n"
+        "        pass\n"
+    ),
+    "vllm/v1/utils.py": (
+        "def tensor_data(tensor):\n"
+        "    raise NotImplementedError('prompt embeddings are not driven')\n"
+    ),
+    "vllm/utils/torch_utils.py": (
+        "def get_dtype_size(dtype):\n"
+        "    return dtype.itemsize\n"
+    ),
+    # kv_cache_interface.py imports torch for dtypes (spec fields) and tensor type hints.
+    "torch/__init__.py": (
+        "class dtype:\n"
+        "    def __init__(self, name: str, itemsize: int):\n"
+        "        self.name, self.itemsize = name, itemsize\n\n"
+        "    def __repr__(self):\n"
+        "        return f'torch.{self.name}'\n\n\n"
+        "float16 = dtype('float16', 2)\n"
+        "bfloat16 = dtype('bfloat16', 2)\n"
+        "float32 = dtype('float32', 4)\n\n\n"
+        "class Tensor:  # type hints only\n"
+        "    pass\n"
+    ),
+}
+
+
+def kv_manager_dir() -> Path:
+    return cache_dir() / "kvmgr"
+
+
+def ensure_kv_manager(wheel: Path) -> Path:
+    """vLLM's KV cache manager modules (verbatim) + stand-ins, importable from ``kvmgr``."""
+    pkg = kv_manager_dir()
+    ready_text = f"{VLLM_VERSION}\n{wheel.name}\n" + "".join(
+        f"{_sha256(KV_MANAGER_HEADER.encode() + body.encode())[:16]} {rel}\n"
+        for rel, body in sorted(KV_MANAGER_STANDINS.items())
+    )
+    ready = pkg / "READY"
+    if ready.is_file() and ready.read_text() == ready_text:
+        return pkg
+    tmp = pkg.with_name(pkg.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with zipfile.ZipFile(wheel) as z:
+        for rel in KV_MANAGER_VERBATIM:
+            target = tmp / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(z.read(rel))
+    for rel, body in KV_MANAGER_STANDINS.items():
+        if rel in KV_MANAGER_VERBATIM:
+            raise SystemExit(f"{rel} is both verbatim and a stand-in")
+        p = tmp / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(KV_MANAGER_HEADER + body)
+    (tmp / "READY").write_text(ready_text)
+    shutil.rmtree(pkg, ignore_errors=True)
+    tmp.rename(pkg)
+    return pkg
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-legacy", action="store_true",
                     help="only vLLM 0.33.0 (skip the 0.11.0 / 0.23.0 / 0.25.0 kv_events.py)")
     args = ap.parse_args()
     pkg = ensure()
+    wheel = find_wheel(cache_dir())
+    if wheel is None:
+        raise SystemExit("the vllm wheel vanished after extraction")
+    print(f"kv manager: {ensure_kv_manager(wheel)}", file=sys.stderr)
     if not args.no_legacy:
         for d in ensure_legacy():
             print(f"legacy: {d}", file=sys.stderr)

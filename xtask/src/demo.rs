@@ -493,6 +493,7 @@ mod tests {
             indexer: 3,
             kvroute: (4, 5),
             baseline: (6, 7),
+            more_gateways: Vec::new(),
         };
         let script = super::stop_script(&[(999_999, "replica-r0".into())], &ports);
         let out = Command::new("sh")

@@ -71,7 +71,7 @@ pub fn run(layout: &Layout) -> Result<()> {
         step(
             8,
             total,
-            "vLLM reference modules (0.33.0 wheel; 0.11/0.23/0.25 kv_events.py by range reads)",
+            "vLLM reference modules (0.33.0 wheel: kv_events.py, the KV cache manager; 0.11/0.23/0.25 kv_events.py by range reads)",
             || ensure_vllm_reference(layout, &vllm_script),
         )?;
     }

@@ -385,10 +385,12 @@ fn run_tallying(command: &mut Command, overall: &mut Tally) -> Result<()> {
 mod tests {
     use super::{Tally, E2E_BOTH_BUILDS};
 
-    /// The e2e suites that run once, against the Wasm build: `e2e_native` pins the native build
-    /// itself; `e2e_two_layers` checks the layer above kvroute (LiteLLM), whose behaviour does not
-    /// depend on the filter's build, and takes minutes to start.
-    const E2E_ONE_BUILD: [&str; 2] = ["e2e_native", "e2e_two_layers"];
+    /// The e2e suites that run once (against the Wasm build unless they pin one): `e2e_native`
+    /// pins the native build itself; `e2e_two_layers` checks the layer above kvroute (LiteLLM), whose behaviour does not
+    /// depend on the filter's build, and takes minutes to start; `e2e_gateways` kills and restarts
+    /// whole gateways (Envoy and indexer processes), which no filter build changes, and pins the
+    /// native build (it loads the tokenizer in a second).
+    const E2E_ONE_BUILD: [&str; 3] = ["e2e_gateways", "e2e_native", "e2e_two_layers"];
 
     #[test]
     fn every_e2e_suite_but_the_native_one_runs_against_both_builds() {

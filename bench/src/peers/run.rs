@@ -121,7 +121,7 @@ fn run_started(
         session_header: running.session_header,
     };
     let replay_cfg = ReplayConfig {
-        addr: running.addr.clone(),
+        targets: crate::spread::Targets::one(running.addr.clone()),
         model: cfg.model.clone(),
         time_scale: cfg.time_scale,
         concurrency: cfg.concurrency,

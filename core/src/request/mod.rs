@@ -90,13 +90,17 @@ pub enum PromptTokens {
     Single(Vec<u32>),
     /// A completion whose `prompt` is a list of prompts: vLLM runs one request per entry.
     Batch(Vec<Vec<u32>>),
+    /// The leading tokens of a chat with images, audio or video: the prompt up to its first
+    /// media placeholder (less its last token, which the placeholder's text could merge with).
+    /// What follows depends on the media and is not predicted.
+    Partial(Vec<u32>),
 }
 
 impl PromptTokens {
     /// Every prompt's ids, in order.
     pub fn prompts(&self) -> Vec<&[u32]> {
         match self {
-            Self::Single(ids) => vec![ids.as_slice()],
+            Self::Single(ids) | Self::Partial(ids) => vec![ids.as_slice()],
             Self::Batch(all) => all.iter().map(Vec::as_slice).collect(),
         }
     }

@@ -30,6 +30,11 @@ const MEDIA_PART_KEYS: [&str; 12] = [
     "file",
     "image",
 ];
+/// Stands in the rendered chat for the first media part's placeholder: the prompt is known up to
+/// where it first appears. Private-use characters, so a chat template passes it through as text;
+/// a client that writes it in its own text only moves the cut earlier, to a point where the
+/// engine's prompt has the same text.
+pub(crate) const MEDIA_MARK: &str = "\u{F8FF}kvroute:media\u{F8FF}";
 /// The system-prompt attribution line that vLLM strips (its value changes per request).
 const CLAUDE_CODE_BILLING_HEADER: &str = "x-anthropic-billing-header";
 /// Names `apply_chat_template` consumes itself: they never reach the template.
@@ -424,19 +429,36 @@ fn parse_message(
         parts = strip_billing_header(parts);
     }
     let mut texts = Vec::with_capacity(parts.len());
-    for part in &parts {
-        if let Some(text) = part_text(index, part)? {
-            texts.push(text);
+    let mut media_at = None;
+    for p in &parts {
+        match part(index, p)? {
+            Part::Text(Some(text)) => texts.push(text),
+            Part::Text(None) => {}
+            Part::Media => {
+                media_at.get_or_insert(texts.len());
+            }
         }
     }
     let content = match format {
-        ChatContentFormat::OpenAi => Value::Array(
-            texts
-                .into_iter()
-                .map(|t| serde_json::json!({"type": "text", "text": t}))
-                .collect(),
-        ),
-        _ => Value::String(texts.join("\n")),
+        ChatContentFormat::OpenAi => {
+            // The template renders the media part in place.
+            if let Some(at) = media_at {
+                texts.insert(at, MEDIA_MARK.to_owned());
+            }
+            Value::Array(
+                texts
+                    .into_iter()
+                    .map(|t| serde_json::json!({"type": "text", "text": t}))
+                    .collect(),
+            )
+        }
+        _ => {
+            // vLLM puts the media placeholders before the message's text, one per line.
+            if media_at.is_some() {
+                texts.insert(0, MEDIA_MARK.to_owned());
+            }
+            Value::String(texts.join("\n"))
+        }
     };
 
     let mut result = Map::new();
@@ -485,6 +507,34 @@ fn parse_message(
         );
     }
     Ok(Value::Object(result))
+}
+
+/// One content part as the template will see it.
+enum Part {
+    /// Text (`None`: a text part without text).
+    Text(Option<String>),
+    /// An image, audio or video: the engine's placeholder goes here, then tokens kvroute cannot
+    /// reproduce (their count depends on the media).
+    Media,
+}
+
+/// One content part.
+fn part(index: usize, part: &Value) -> Result<Part, RequestError> {
+    part_text(index, part).map(Part::Text).or_else(|e| match e {
+        RequestError::Unsupported(_) if is_media(part) => Ok(Part::Media),
+        other => Err(other),
+    })
+}
+
+/// Whether `part` carries media (by its type, or by a media key for a part without type).
+fn is_media(part: &Value) -> bool {
+    let Some(obj) = part.as_object() else {
+        return false;
+    };
+    match obj.get("type").and_then(Value::as_str) {
+        Some(t) => MEDIA_PART_KEYS.contains(&t),
+        None => MEDIA_PART_KEYS.iter().any(|k| obj.contains_key(*k)),
+    }
 }
 
 /// The text of one content part, `None` for a text part without text.
@@ -861,12 +911,30 @@ mod tests {
             ""
         )
         .is_err());
-        let img =
-            json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]});
-        assert!(matches!(
-            normalise_messages(&[img], ChatContentFormat::String, ""),
-            Err(RequestError::Unsupported(_))
-        ));
+        // Media: the mark stands for the placeholder, before the text in string content (as
+        // vLLM places it), in place in OpenAI content.
+        let img = json!({"role": "user", "content": [
+            {"type": "text", "text": "look"},
+            {"type": "image_url", "image_url": {"url": "x"}},
+            {"type": "text", "text": "here"}
+        ]});
+        let string = normalise_messages(std::slice::from_ref(&img), ChatContentFormat::String, "")
+            .expect("media parts are accepted");
+        assert_eq!(
+            string[0]["content"],
+            format!("{MEDIA_MARK}\nlook\nhere").as_str()
+        );
+        let parts = normalise_messages(&[img], ChatContentFormat::OpenAi, "").expect("openai");
+        let texts: Vec<&str> = parts[0]["content"]
+            .as_array()
+            .expect("parts")
+            .iter()
+            .filter_map(|p| p["text"].as_str())
+            .collect();
+        assert_eq!(texts, ["look", MEDIA_MARK, "here"]);
+        // A part without type that carries media, too.
+        let untyped = json!({"role": "user", "content": [{"image_url": {"url": "x"}}]});
+        assert!(normalise_messages(&[untyped], ChatContentFormat::String, "").is_ok());
         assert!(matches!(
             chat_request(&json!({"model": "m"}), &opts()),
             Err(RequestError::MissingField("messages"))

@@ -294,11 +294,19 @@ impl ModelTokenizer {
         match endpoint {
             Endpoint::ChatCompletions => {
                 let (text, add_special_tokens) = self.render_chat_inner(body)?;
-                Ok(PromptTokens::Single(self.encode_text_inner(
-                    &text,
-                    add_special_tokens,
-                    cap,
-                )?))
+                match text.find(openai::MEDIA_MARK) {
+                    None => Ok(PromptTokens::Single(self.encode_text_inner(
+                        &text,
+                        add_special_tokens,
+                        cap,
+                    )?)),
+                    Some(cut) => {
+                        let mut ids =
+                            self.encode_text_inner(&text[..cut], add_special_tokens, cap)?;
+                        ids.pop();
+                        Ok(PromptTokens::Partial(ids))
+                    }
+                }
             }
             Endpoint::Completions => {
                 let (prompt, add_special_tokens) = openai::completion_prompt(body, &self.opts)?;

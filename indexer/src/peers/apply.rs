@@ -93,6 +93,8 @@ fn routed(
             output_blocks: u32::try_from(d.output_tokens.div_ceil(u64::from(d.block_size.max(1))))
                 .unwrap_or(u32::MAX),
             predicted_ttft_s: f64::from(d.ttft_ms) / 1000.0,
+            // A peer's decision is never compared here (its completion goes to its gateway).
+            partial: false,
             callout: None,
         },
         link.cfg.max_remote_pending,

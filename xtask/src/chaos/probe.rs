@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use crate::http;
 use crate::stats::metric_sum;
 
 /// Resident memory of a process: now and its peak (`VmRSS`, `VmHWM` of `/proc/<pid>/status`), MiB.
@@ -85,24 +84,7 @@ pub fn wait_for(limit: Duration, mut probe: impl FnMut() -> bool) -> Option<Dura
     }
 }
 
-/// Envoy's counters and gauges whose names contain `filter` (`/stats?filter=`), by name.
-pub fn envoy_stats(admin: &str, filter: &str) -> Result<Vec<(String, u64)>> {
-    let (status, text) = http::get(
-        admin,
-        &format!("/stats?filter={filter}"),
-        Duration::from_secs(5),
-    )?;
-    if status != 200 {
-        bail!("Envoy admin /stats answered HTTP {status}");
-    }
-    Ok(text
-        .lines()
-        .filter_map(|line| {
-            let (name, value) = line.split_once(':')?;
-            Some((name.trim().to_string(), value.trim().parse::<u64>().ok()?))
-        })
-        .collect())
-}
+pub use kvroute_testkit::stack::envoy_stats;
 
 #[cfg(test)]
 mod tests {
