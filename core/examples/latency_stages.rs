@@ -41,7 +41,9 @@ fn min_median(mut xs: Vec<f64>) -> (f64, f64) {
 fn tokens_of(result: PromptTokens) -> Vec<u32> {
     match result {
         PromptTokens::Single(ids) => ids,
-        PromptTokens::Batch(_) => panic!("a chat is one prompt"),
+        PromptTokens::Batch(_) | PromptTokens::Partial(_) => {
+            panic!("a text-only chat is one whole prompt")
+        }
     }
 }
 
