@@ -84,6 +84,48 @@ fn text() -> impl Strategy<Value = String> {
     })
 }
 
+/// Short runs of what the pre-tokeniser's regex treats specially: whitespace of every kind
+/// (before words, at the end, around line breaks), contractions in either case, numbers,
+/// punctuation, text that NFC changes, other scripts.
+fn tricky_text() -> impl Strategy<Value = String> {
+    let atom = prop::sample::select(vec![
+        " ",
+        "  ",
+        "\t",
+        "\u{a0}",
+        "\u{3000}",
+        "\u{2028}",
+        "\u{85}",
+        "\u{b}",
+        "\u{c}",
+        "\r",
+        "\n",
+        "\r\n",
+        "a",
+        "Word",
+        "1",
+        "2024",
+        "'s",
+        "'S",
+        "'ll",
+        "'LL",
+        "'x",
+        "!",
+        "?!",
+        ".\n",
+        "é",
+        "e\u{301}",
+        "\u{212b}",
+        "한",
+        "\u{1100}\u{1161}",
+        "日本",
+        "😀",
+        "<|im_end",
+        "_",
+    ]);
+    prop::collection::vec(atom, 0..40).prop_map(|parts| parts.concat())
+}
+
 /// Object keys: real field names and junk.
 fn key() -> impl Strategy<Value = String> {
     prop_oneof![
@@ -501,6 +543,15 @@ proptest! {
             apply(&mut bytes, m);
         }
         check(endpoint, &bytes, bs, cap);
+    }
+
+    #[test]
+    fn segmented_text_equals_the_tokenizers_own_encoding(t in prop_oneof![text(), tricky_text()]) {
+        // `encode_text` cuts the text and encodes the pieces with the fast piece encoder;
+        // `encode_text_uncached` is the tokenizers crate on the whole text.
+        let fast = UNCACHED.encode_text(&t, false);
+        let reference = UNCACHED.encode_text_uncached(&t, false);
+        prop_assert_eq!(fast.ok(), reference.ok());
     }
 
     #[test]

@@ -17,6 +17,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use kvroute_testkit::text::chat_conversation;
 use serde_json::{json, Value};
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -43,21 +44,6 @@ fn measure(port: u16, bodies: &[Value]) -> Vec<f64> {
         assert_eq!(r.status, 200, "{}", r.text());
     }
     out
-}
-
-/// About `tokens` tokens of chat: a system prompt, then turns of ~1k tokens.
-fn conversation(seed: u64, tokens: usize, last_turn_seed: u64) -> Value {
-    let words_per_1k = 760; // filler() gives ~1.3 tokens per word
-    let turns = (tokens / 1000).max(1);
-    let mut messages = vec![json!({"role": "system", "content": filler(seed, words_per_1k / 2)})];
-    for t in 0..turns.saturating_sub(1) {
-        messages.push(
-            json!({"role": "user", "content": filler(seed * 1000 + t as u64, words_per_1k / 2)}),
-        );
-        messages.push(json!({"role": "assistant", "content": filler(seed * 2000 + t as u64, words_per_1k / 2)}));
-    }
-    messages.push(json!({"role": "user", "content": filler(last_turn_seed, words_per_1k / 2)}));
-    json!({"model": "qwen3", "max_tokens": 1, "messages": messages})
 }
 
 #[test]
@@ -112,9 +98,9 @@ fn filter_added_latency() {
                 .map(|i| {
                     if warm {
                         // Same earlier turns, a new last turn each time.
-                        conversation(base_seed, tokens, 900_000 + i)
+                        chat_conversation(base_seed, tokens, 900_000 + i)
                     } else {
-                        conversation(base_seed * 100 + i, tokens, 800_000 + i)
+                        chat_conversation(base_seed * 100 + i, tokens, 800_000 + i)
                     }
                 })
                 .collect();

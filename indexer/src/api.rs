@@ -236,6 +236,7 @@ async fn models_handler(State(state): State<Arc<AppState>>) -> Response {
 
 /// `GET /v1/models/{model}/tokenizer[?form=compact]`: the model's tokenizer bundle, in the
 /// compact form when asked for and the tokenizer is one it covers (docs/filter.md, "Memory").
+/// Built once per model and form (`ModelRuntime::tokenizer_bundles`).
 async fn tokenizer_handler(
     State(state): State<Arc<AppState>>,
     Path(model): Path<String>,
@@ -260,15 +261,26 @@ async fn tokenizer_handler(
             format!("model {model:?} has no model_dir configured"),
         );
     };
-    let name = model.clone();
-    let built = tokio::task::spawn_blocking(move || {
-        ModelFiles::from_dir(dir).and_then(|f| TokenizerBundle::from_files(&name, f, compact))
-    })
-    .await;
+    let built = m.tokenizer_bundles[usize::from(compact)]
+        .get_or_try_init(|| {
+            let name = model.clone();
+            async move {
+                match tokio::task::spawn_blocking(move || {
+                    ModelFiles::from_dir(dir)
+                        .and_then(|f| TokenizerBundle::from_files(&name, f, compact))
+                })
+                .await
+                {
+                    Ok(Ok(b)) => Ok(Arc::new(b)),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                }
+            }
+        })
+        .await;
     let bundle = match built {
-        Ok(Ok(b)) => b,
-        Ok(Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        Ok(b) => TokenizerBundle::clone(b),
+        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
     };
     let max_model_len = state
         .config

@@ -37,6 +37,10 @@ pub struct ModelRuntime {
     /// The indexer's tokenizer digest, computed on the first filter report (`None` inside: the
     /// model has no usable `model_dir`).
     pub own_digest: tokio::sync::OnceCell<Option<kvroute_core::api::TokenizerDigest>>,
+    /// The tokenizer bundle served to filters, built from `model_dir` on the first request for
+    /// each form (`[whole, compact]`) and kept: at most two per model (a failed build is not
+    /// kept). Files changed on disk are read again only after a restart.
+    pub tokenizer_bundles: [tokio::sync::OnceCell<Arc<kvroute_core::api::TokenizerBundle>>; 2],
     /// Whether the filter and the engines agree with the indexer on this model's tokens.
     pub agreement: Mutex<crate::agreement::Agreement>,
 }
@@ -228,6 +232,7 @@ impl AppState {
                     arrivals: Mutex::new(crate::load::RateMeter::default()),
                     tokenizer_options: m.tokenizer_options.clone().unwrap_or_default(),
                     own_digest: tokio::sync::OnceCell::new(),
+                    tokenizer_bundles: Default::default(),
                     agreement: Mutex::new(crate::agreement::Agreement::default()),
                 }),
             );

@@ -406,6 +406,13 @@ async fn the_tokenizer_is_served_compact_when_asked() {
     assert_eq!(doc["model"]["vocab"], json!({}));
     assert_eq!(doc["model"]["byte_fallback"], true, "options kept");
     assert_eq!(compact.block_size, Some(16));
+    // Built once per form: served from memory even after the files are gone.
+    std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
+    let again: TokenizerBundle = get("?form=compact").await.json().await.unwrap();
+    assert_eq!(again.bpe_tables, Some(tables));
+    assert_eq!(again.tokenizer_json, compact.tokenizer_json);
+    let again_whole: TokenizerBundle = get("").await.json().await.unwrap();
+    assert_eq!(again_whole.tokenizer_json, whole.tokenizer_json);
     let bad = get("?form=postcard").await;
     assert_eq!(bad.status(), 400);
     let _ = std::fs::remove_dir_all(&dir);

@@ -21,3 +21,23 @@ pub fn filler(seed: u64, words: usize) -> String {
     }
     out
 }
+
+/// About `tokens` tokens of Qwen3 chat (the filter benchmark's prompts): a system prompt, then
+/// user/assistant turns of ~500 tokens each, then a last user turn made from `last_turn_seed`
+/// (same `seed`, new `last_turn_seed`: the same earlier turns with a new last one).
+pub fn chat_conversation(seed: u64, tokens: usize, last_turn_seed: u64) -> serde_json::Value {
+    use serde_json::json;
+    let words_per_1k = 760; // filler() gives ~1.3 tokens per word
+    let turns = (tokens / 1000).max(1);
+    let mut messages = vec![json!({"role": "system", "content": filler(seed, words_per_1k / 2)})];
+    for t in 0..turns.saturating_sub(1) {
+        messages.push(
+            json!({"role": "user", "content": filler(seed * 1000 + t as u64, words_per_1k / 2)}),
+        );
+        messages.push(
+            json!({"role": "assistant", "content": filler(seed * 2000 + t as u64, words_per_1k / 2)}),
+        );
+    }
+    messages.push(json!({"role": "user", "content": filler(last_turn_seed, words_per_1k / 2)}));
+    json!({"model": "qwen3", "max_tokens": 1, "messages": messages})
+}

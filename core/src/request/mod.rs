@@ -9,7 +9,9 @@
 //!
 //! Tokenisation goes through a bounded cache of independently tokenisable segments
 //! ([`segmenter`], [`segment_cache`]) so text seen before (a shared system prompt, earlier
-//! turns) is not tokenised again; the result is identical to tokenising the whole text.
+//! turns) is not tokenised again; the result is identical to tokenising the whole text. Pieces
+//! of the byte-level BPE family (Qwen2/3, Llama 3) go through [`piece_encoder`], an exact and
+//! faster route to the same ids than the tokenizers crate's pipeline.
 //!
 //! Bounded work: [`ModelTokenizer::tokenize_request_capped`] refuses a prompt longer than a
 //! token cap (the model's context length) with [`RequestError::PromptTooLong`], first from the
@@ -23,6 +25,7 @@ mod error;
 mod model_files;
 mod openai;
 mod options;
+mod piece_encoder;
 mod prompt;
 mod segment_cache;
 mod segmenter;

@@ -51,9 +51,9 @@ const HF_CONSUMED_KWARGS: [&str; 8] = [
 
 /// A chat request prepared for rendering.
 #[derive(Debug, Clone)]
-pub(crate) struct ChatRequest {
-    /// Raw `messages` (normalised later, once the template is chosen).
-    pub(crate) messages: Vec<Value>,
+pub(crate) struct ChatRequest<'a> {
+    /// Raw `messages` (normalised later, once the template is chosen), borrowed from the body.
+    pub(crate) messages: &'a [Value],
     /// Tools after vLLM's `ChatCompletionToolsParam` normalisation, or `None`.
     pub(crate) tools: Option<Value>,
     /// `documents`, or `None`.
@@ -111,13 +111,13 @@ fn truthy(v: &Value) -> bool {
 }
 
 /// Reads a `/v1/chat/completions` body.
-pub(crate) fn chat_request(
-    body: &Value,
+pub(crate) fn chat_request<'a>(
+    body: &'a Value,
     opts: &TokenizerOptions,
-) -> Result<ChatRequest, RequestError> {
+) -> Result<ChatRequest<'a>, RequestError> {
     let obj = body.as_object().ok_or(RequestError::NotAnObject)?;
     let messages = match obj.get("messages") {
-        Some(Value::Array(m)) => m.clone(),
+        Some(Value::Array(m)) => m.as_slice(),
         Some(_) => {
             return Err(RequestError::InvalidField {
                 field: "messages".into(),

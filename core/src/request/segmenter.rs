@@ -5,7 +5,8 @@
 //! 1. **Added tokens.** Hugging Face tokenizers first extract added tokens whose `normalized` flag
 //!    is false (leftmost-longest match over the raw text), then run normaliser, pre-tokeniser and
 //!    model on each remaining span separately. Cutting at the same matches (same automaton kind
-//!    as the tokenizers crate: daachorse, leftmost-longest) gives the same spans. This is only
+//!    as the tokenizers crate: leftmost-longest; here the `aho-corasick` crate, whose prefilter
+//!    skips to the bytes a token can start with) gives the same spans. This is only
 //!    done when none of those tokens has `lstrip`, `rstrip` or `single_word`, which make a match
 //!    reach into its neighbours.
 //! 2. **Line starts, for known pre-tokenisers.** For the byte-level BPE pre-tokeniser of the
@@ -17,7 +18,7 @@
 //!    a chunk holds at least `min_chunk_bytes`, deciding only from text before the cut, so two
 //!    texts that share a prefix are chunked identically over that prefix.
 
-use daachorse::{DoubleArrayAhoCorasick, DoubleArrayAhoCorasickBuilder, MatchKind};
+use aho_corasick::{AhoCorasick, MatchKind};
 use serde_json::Value;
 
 /// Pre-tokeniser regexes under which a cut after `"\n"` before a non-whitespace char is exact.
@@ -27,6 +28,12 @@ pub(crate) const LINE_SAFE_SPLIT_REGEXES: [&str; 2] = [
     // Llama 3, GPT-4 (cl100k)
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 ];
+
+/// The added tokens cut at: a matcher over their contents and their ids, by pattern index.
+struct AddedTokens {
+    matcher: AhoCorasick,
+    ids: Vec<u32>,
+}
 
 /// One piece of text: a span to tokenise, or an added token already identified.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,7 +47,7 @@ pub(crate) enum Piece<'a> {
 /// How a model's text may be cut.
 pub(crate) struct Segmenter {
     /// Non-normalised added tokens, when cutting at them is exact.
-    added: Option<DoubleArrayAhoCorasick<u32>>,
+    added: Option<AddedTokens>,
     /// Minimum chunk size for line cuts, when they are exact for this tokenizer.
     line_chunk_bytes: Option<usize>,
 }
@@ -80,18 +87,18 @@ impl Segmenter {
 
     /// Cuts `text` into pieces, calling `f` on each in order.
     pub(crate) fn split<'a>(&self, text: &'a str, mut f: impl FnMut(Piece<'a>)) {
-        let Some(matcher) = &self.added else {
+        let Some(added) = &self.added else {
             if !text.is_empty() {
                 f(Piece::Text(text));
             }
             return;
         };
         let mut start = 0;
-        for m in matcher.leftmost_find_iter(text) {
+        for m in added.matcher.find_iter(text) {
             if m.start() > start {
                 self.chunk(&text[start..m.start()], &mut f);
             }
-            f(Piece::Added(m.value()));
+            f(Piece::Added(added.ids[m.pattern().as_usize()]));
             start = m.end();
         }
         if start < text.len() {
@@ -124,7 +131,7 @@ fn find_line_start(span: &str, from: usize) -> Option<usize> {
     let bytes = span.as_bytes();
     let mut i = from;
     while i < bytes.len() {
-        let rel = bytes[i..].iter().position(|&b| b == b'\n')?;
+        let rel = memchr::memchr(b'\n', &bytes[i..])?;
         let cut = i + rel + 1;
         if cut >= bytes.len() {
             return None;
@@ -143,7 +150,7 @@ fn find_line_start(span: &str, from: usize) -> Option<usize> {
 
 /// A leftmost-longest matcher over the added tokens matched on raw text, or `None` when cutting
 /// at them would not be exact (or the model has none).
-fn added_token_matcher(tokenizer_json: &Value) -> Option<DoubleArrayAhoCorasick<u32>> {
+fn added_token_matcher(tokenizer_json: &Value) -> Option<AddedTokens> {
     let tokens = tokenizer_json.get("added_tokens")?.as_array()?;
     let mut patterns: Vec<(String, u32)> = Vec::new();
     for t in tokens {
@@ -166,14 +173,24 @@ fn added_token_matcher(tokenizer_json: &Value) -> Option<DoubleArrayAhoCorasick<
     if patterns.is_empty() {
         return None;
     }
-    DoubleArrayAhoCorasickBuilder::new()
+    // Two tokens with one content: which one the tokenizer picks is not this module's to guess.
+    let mut contents: Vec<&str> = patterns.iter().map(|(c, _)| c.as_str()).collect();
+    contents.sort_unstable();
+    if contents.windows(2).any(|w| w[0] == w[1]) {
+        return None;
+    }
+    let matcher = AhoCorasick::builder()
         .match_kind(MatchKind::LeftmostLongest)
-        .build_with_values(patterns)
-        .ok()
+        .build(patterns.iter().map(|(c, _)| c))
+        .ok()?;
+    Some(AddedTokens {
+        matcher,
+        ids: patterns.into_iter().map(|(_, id)| id).collect(),
+    })
 }
 
 /// Whether the pipeline is one for which line cuts are proven exact (see the module docs).
-fn line_cuts_are_exact(tokenizer_json: &Value) -> bool {
+pub(crate) fn line_cuts_are_exact(tokenizer_json: &Value) -> bool {
     let normalizer_ok = match tokenizer_json.get("normalizer") {
         None | Some(Value::Null) => true,
         Some(n) => n.get("type").and_then(Value::as_str) == Some("NFC"),

@@ -11,6 +11,7 @@ use super::bpe_tables::{build_tokenizer, is_compact, BpeTables};
 use super::chat_template::ChatTemplates;
 use super::openai::{self, CompletionPrompt};
 use super::options::TokenizerOptions;
+use super::piece_encoder::PieceEncoder;
 use super::segment_cache::{SegmentCache, SegmentCacheStats, SegmentKey};
 use super::segmenter::{Piece, Segmenter};
 use super::{
@@ -44,6 +45,8 @@ pub struct ModelTokenizer {
     templates: Option<ChatTemplates>,
     special_tokens: BTreeMap<String, String>,
     segmenter: Segmenter,
+    /// The fast exact encoder for pieces, when the pipeline allows one.
+    piece_encoder: Option<PieceEncoder>,
     cache: Mutex<SegmentCache>,
     opts: TokenizerOptions,
     model_max_length: Option<usize>,
@@ -104,6 +107,11 @@ impl ModelTokenizer {
         let tokenizer_json: Value = serde_json::from_slice(&files.tokenizer_json)
             .map_err(|e| RequestError::ModelFiles(format!("tokenizer.json is not JSON: {e}")))?;
         let segmenter = Segmenter::from_tokenizer_json(&tokenizer_json, opts.line_chunk_bytes);
+        let piece_encoder = if segmenter.cuts() {
+            PieceEncoder::from_tokenizer_json(&tokenizer_json)
+        } else {
+            None
+        };
         let mut tokenizer = match tables {
             Some(tables) => build_tokenizer(&tokenizer_json, tables)?,
             None if is_compact(&tokenizer_json) => {
@@ -163,6 +171,7 @@ impl ModelTokenizer {
             templates,
             special_tokens,
             segmenter,
+            piece_encoder,
             cache,
             opts,
             model_max_length,
@@ -316,7 +325,7 @@ impl ModelTokenizer {
             ChatContentFormat::Auto => openai::detect_content_format(source),
             other => other,
         };
-        let mut messages = openai::normalise_messages(&req.messages, format, source)?;
+        let mut messages = openai::normalise_messages(req.messages, format, source)?;
         if messages.is_empty() {
             return Err(RequestError::InvalidField {
                 field: "messages".into(),
@@ -443,8 +452,16 @@ impl ModelTokenizer {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Ids of a piece the segmenter cut (no added token inside).
     fn encode_piece(&self, text: &str) -> Result<Vec<u32>, RequestError> {
-        self.encode_text_uncached(text, false)
+        match &self.piece_encoder {
+            Some(encoder) => {
+                let mut ids = Vec::with_capacity(text.len() / 3);
+                encoder.encode(&self.tokenizer, text, &mut ids)?;
+                Ok(ids)
+            }
+            None => self.encode_text_uncached(text, false),
+        }
     }
 
     /// Refuses a long piece of text that cannot fit in the `remaining` tokens, counting it in
