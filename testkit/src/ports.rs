@@ -1,15 +1,60 @@
 //! Free TCP ports on 127.0.0.1 (bound and released: good enough on a test machine).
+//!
+//! Ports are drawn at random below Linux's ephemeral range (32768-60999): a port handed out there
+//! can be taken, before the process it was meant for binds it, by the local end of any outgoing
+//! connection or another `bind(":0")`, which is what made a simulator fail to start now and then
+//! ("Address already in use"). Below the range only another test's pick can collide, and a port
+//! this process handed out is never handed out again.
 
+use std::collections::HashSet;
 use std::net::TcpListener;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
+use kvroute_core::rng::SplitMix64;
 
-/// A port that was free a moment ago.
+/// The ports drawn from: below the kernel's ephemeral range, above the well-known services.
+const LOW: u16 = 20_000;
+const HIGH: u16 = 32_768;
+
+/// Ports this process handed out.
+static GIVEN: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
+static DRAWS: AtomicU64 = AtomicU64::new(0);
+
+/// A random port in `LOW..HIGH` that binds now and was not handed out by this process before;
+/// `None` after many tries.
+fn draw() -> Option<u16> {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let seed =
+        nanos ^ (u64::from(std::process::id()) << 32) ^ DRAWS.fetch_add(1, Ordering::Relaxed);
+    let mut rng = SplitMix64::new(seed);
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    let given = given.get_or_insert_with(HashSet::new);
+    for _ in 0..1000 {
+        let port = LOW + rng.below(usize::from(HIGH - LOW)) as u16;
+        if given.contains(&port) {
+            continue;
+        }
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            given.insert(port);
+            return Some(port);
+        }
+    }
+    None
+}
+
+/// A port that was free a moment ago (see the module's docs for how it is chosen).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind an ephemeral port")
+    draw().unwrap_or_else(|| {
+        TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("bind an ephemeral port")
+    })
 }
 
 /// The first of `n` consecutive free ports (data-parallel `+rank` endpoints).
@@ -37,14 +82,37 @@ impl PortPool {
     /// A port nobody listens on right now and that this pool has not handed out before.
     pub fn take(&mut self) -> Result<u16> {
         for _ in 0..100 {
-            let listener =
-                TcpListener::bind("127.0.0.1:0").context("finding a free port on 127.0.0.1")?;
-            let port = listener.local_addr()?.port();
+            let port = match draw() {
+                Some(port) => port,
+                None => TcpListener::bind("127.0.0.1:0")
+                    .context("finding a free port on 127.0.0.1")?
+                    .local_addr()?
+                    .port(),
+            };
             if !self.given.contains(&port) {
                 self.given.push(port);
                 return Ok(port);
             }
         }
         bail!("could not find a free port on 127.0.0.1")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ports_are_distinct_bindable_and_below_the_ephemeral_range() {
+        let ports: Vec<u16> = (0..200).map(|_| free_port()).collect();
+        let distinct: HashSet<u16> = ports.iter().copied().collect();
+        assert_eq!(distinct.len(), ports.len());
+        assert!(ports.iter().all(|p| (LOW..HIGH).contains(p)), "{ports:?}");
+        assert!(ports
+            .iter()
+            .all(|&p| TcpListener::bind(("127.0.0.1", p)).is_ok()));
+        let mut pool = PortPool::default();
+        let a = pool.take().expect("a port");
+        assert!(!ports.contains(&a));
     }
 }
