@@ -69,6 +69,10 @@ pub struct StreamStats {
     /// Of those, blocks this replica had removed within `reuse.recompute_window_s` (computed
     /// again after an eviction).
     pub recomputed_blocks: AtomicU64,
+    /// GPU blocks it stored that its model's [`crate::reuse::FleetCache`] still held (sampled
+    /// blocks count for the ones they stand for): prefill a prefix-aware router would have served
+    /// from cache.
+    pub fleet_repeat_blocks: AtomicU64,
     /// Recent GPU removals, to tell recomputation after eviction from new work.
     pub removals: Mutex<crate::reuse::RecentRemovals>,
     /// Connections made.

@@ -28,7 +28,7 @@ pub fn render(state: &AppState) -> String {
     // Per-stream counters.
     let replicas = state.fleet.all();
     type Getter = fn(&crate::membership::StreamStats) -> u64;
-    let stream_counters: [(&str, &str, Getter); 16] = [
+    let stream_counters: [(&str, &str, Getter); 17] = [
         ("event_batches_total", "Event batches applied.", |s| {
             s.batches.load(Ordering::Relaxed)
         }),
@@ -98,6 +98,11 @@ pub fn render(state: &AppState) -> String {
             "blocks_recomputed_total",
             "GPU blocks stored again within reuse.recompute_window_s of their removal: recomputation after eviction.",
             |s| s.recomputed_blocks.load(Ordering::Relaxed),
+        ),
+        (
+            "blocks_fleet_repeat_total",
+            "GPU blocks stored while the model's fleet, seen as one cache of all its KV, still held them: prefill a prefix-aware router would have served from cache.",
+            |s| s.fleet_repeat_blocks.load(Ordering::Relaxed),
         ),
     ];
     for (name, help, get) in stream_counters {
@@ -325,6 +330,14 @@ pub fn render(state: &AppState) -> String {
         "Entries evicted to stay within the memory budget.",
     );
     let _ = writeln!(out, "{full} {}", stats.evicted_entries_for_budget);
+    let full = format!("{p}_index_hash_block_events_total");
+    header(
+        &mut out,
+        &full,
+        "counter",
+        "BlockStored events of one hash block inside a block (--prefix-match-unit), skipped.",
+    );
+    let _ = writeln!(out, "{full} {}", stats.hash_block_events);
 
     // Decisions.
     let full = format!("{p}_decisions_total");

@@ -37,7 +37,7 @@ pub fn maybe_check(
     ev: &BlockStored,
 ) {
     if let Some(bs) = model.block_size() {
-        if bs != ev.block_size && ev.block_size > 0 {
+        if bs != ev.block_size && ev.block_size > 0 && !ev.is_hash_block_of(bs) {
             record(
                 state,
                 replica,
@@ -131,15 +131,29 @@ pub fn check(cfg: &HashConfig, model: &ModelRuntime, ev: &BlockStored) -> CheckO
     ))
 }
 
+/// Whether hashing the event's tokens reproduces its wire hashes, with requests hashed every
+/// block (the usual case) or every `hash_block_size` tokens for any divisor of the block size
+/// (`--prefix-match-unit`, which the engine does not announce).
 fn matches_event(hasher: &BlockHasher, extras: &RequestExtras, ev: &BlockStored) -> bool {
-    let digests = hasher.block_hashes(&ev.token_ids, ev.block_size as usize, extras);
-    if digests.len() < ev.block_hashes.len() {
-        return false;
-    }
-    ev.block_hashes
-        .iter()
-        .zip(&digests)
-        .all(|(w, d)| w.as_u64() == wire_u64(d))
+    let bs = ev.block_size as usize;
+    hash_block_sizes(bs).any(|hbs| {
+        let digests = hasher.coarse_block_hashes(&ev.token_ids, bs, hbs, extras);
+        digests.len() >= ev.block_hashes.len()
+            && ev
+                .block_hashes
+                .iter()
+                .zip(&digests)
+                .all(|(w, d)| w.as_u64() == wire_u64(d))
+    })
+}
+
+/// `block_size`, then its proper divisors from the largest.
+fn hash_block_sizes(block_size: usize) -> impl Iterator<Item = usize> {
+    std::iter::once(block_size).chain(
+        (1..block_size)
+            .rev()
+            .filter(move |d| block_size.is_multiple_of(*d)),
+    )
 }
 
 /// The request extras that produced this event, when they can be reconstructed: none, or a LoRA
@@ -163,4 +177,51 @@ fn extras_of(model: &ModelRuntime, ev: &BlockStored) -> Option<RequestExtras> {
         });
     }
     Some(extras)
+}
+
+#[cfg(test)]
+mod tests {
+    use kvroute_core::events::WireBlockHash;
+
+    use super::*;
+
+    fn event(
+        hasher: &BlockHasher,
+        tokens: &[u32],
+        block_size: u32,
+        hash_block: usize,
+    ) -> BlockStored {
+        let none = RequestExtras::default();
+        let hashes = hasher.coarse_block_hashes(tokens, block_size as usize, hash_block, &none);
+        BlockStored {
+            block_hashes: hashes
+                .iter()
+                .map(|d| WireBlockHash::Int(wire_u64(d)))
+                .collect(),
+            token_ids: tokens.to_vec(),
+            block_size,
+            ..BlockStored::default()
+        }
+    }
+
+    #[test]
+    fn events_hashed_every_block_or_every_hash_block_both_check_and_a_wrong_seed_does_not() {
+        let ours = BlockHasher::new(&HashConfig::new(HashAlgo::Sha256, None)).expect("hasher");
+        let other =
+            BlockHasher::new(&HashConfig::new(HashAlgo::Sha256, Some("7".into()))).expect("hasher");
+        let tokens: Vec<u32> = (100..164).collect();
+        let none = RequestExtras::default();
+        for hash_block in [16, 8, 4, 1] {
+            let ev = event(&ours, &tokens, 16, hash_block);
+            assert!(matches_event(&ours, &none, &ev), "hash block {hash_block}");
+            assert!(
+                !matches_event(&other, &none, &ev),
+                "hash block {hash_block}"
+            );
+        }
+        // A key of one hash block (8 tokens) checks at its own size.
+        let partial = event(&ours, &tokens[..8], 8, 8);
+        assert!(matches_event(&ours, &none, &partial));
+        assert!(partial.is_hash_block_of(16));
+    }
 }

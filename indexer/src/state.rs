@@ -22,6 +22,8 @@ pub struct ModelRuntime {
     pub name: String,
     /// Tokens per block; 0 until configured or learned from an event.
     pub block_size: AtomicU32,
+    /// Whether `block_size` came from the configuration (then events never change it).
+    pub block_size_configured: bool,
     /// Tokenizer directory.
     pub model_dir: Option<PathBuf>,
     /// LoRA name -> path.
@@ -41,6 +43,9 @@ pub struct ModelRuntime {
     /// each form (`[whole, compact]`) and kept: at most two per model (a failed build is not
     /// kept). Files changed on disk are read again only after a restart.
     pub tokenizer_bundles: [tokio::sync::OnceCell<Arc<kvroute_core::api::TokenizerBundle>>; 2],
+    /// The model's fleet seen as one cache, fed with every replica's stores (assess's
+    /// prediction of a prefix-aware router's hit rate).
+    pub fleet_cache: Mutex<crate::reuse::FleetCache>,
     /// Whether the filter and the engines agree with the indexer on this model's tokens.
     pub agreement: Mutex<crate::agreement::Agreement>,
 }
@@ -225,6 +230,7 @@ impl AppState {
                 Arc::new(ModelRuntime {
                     name: m.name.clone(),
                     block_size: AtomicU32::new(m.block_size.unwrap_or(0)),
+                    block_size_configured: m.block_size.is_some(),
                     model_dir: m.model_dir.clone(),
                     loras: m.loras.clone(),
                     hash,
@@ -232,6 +238,7 @@ impl AppState {
                     arrivals: Mutex::new(crate::load::RateMeter::default()),
                     tokenizer_options: m.tokenizer_options.clone().unwrap_or_default(),
                     own_digest: tokio::sync::OnceCell::new(),
+                    fleet_cache: Mutex::new(crate::reuse::FleetCache::default()),
                     tokenizer_bundles: Default::default(),
                     agreement: Mutex::new(crate::agreement::Agreement::default()),
                 }),

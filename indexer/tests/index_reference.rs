@@ -305,6 +305,9 @@ struct Reference {
     salts: [u64; REPLICAS],
     /// (replica, KV cache group, block) -> medium bits the group holds the block on (never 0).
     held: HashMap<(usize, usize, RouterKey), u8>,
+    /// GPU copies beyond the first of a held block: a chain with a parent naming a block its
+    /// group holds on GPU is computed again into a second block (at most 31 counted).
+    extra_copies: HashMap<(usize, usize, RouterKey), u32>,
     /// Replica -> its KV cache groups as its accepted `BlockStored` events described them.
     layouts: HashMap<usize, BTreeMap<usize, Kind>>,
     /// Engine hash -> the live block it names: every hash reported for a block since the block
@@ -440,6 +443,10 @@ impl Reference {
             let media = self.held.entry((r, g, key)).or_insert(0);
             if *media & bit(medium) != 0 {
                 out.refreshed += 1;
+                if start > 0 && bit(medium) == MEDIA_GPU {
+                    let n = self.extra_copies.entry((r, g, key)).or_insert(0);
+                    *n = (*n + 1).min(31);
+                }
             } else {
                 *media |= bit(medium);
                 out.stored += 1;
@@ -475,6 +482,14 @@ impl Reference {
         }
         for &b in blocks {
             let named = self.names.get(&eh(conv, b, self.salts[r])).copied();
+            let copies = named.and_then(|k| self.extra_copies.get_mut(&(r, g, k)));
+            if let (Some(n), MEDIA_GPU) = (copies, bit(medium)) {
+                if *n > 0 {
+                    *n -= 1;
+                    out.removed += 1;
+                    continue;
+                }
+            }
             let media = named.and_then(|k| self.held.get_mut(&(r, g, k)));
             match media {
                 Some(m) if *m & bit(medium) != 0 => {
@@ -496,6 +511,7 @@ impl Reference {
     fn clear(&mut self, r: usize) -> u64 {
         let before = self.held.len();
         self.held.retain(|&(hr, _, _), _| hr != r);
+        self.extra_copies.retain(|&(hr, _, _), _| hr != r);
         self.predicted.retain(|&(pr, _), _| pr != r);
         self.drop_dead_names();
         (before - self.held.len()) as u64

@@ -824,6 +824,105 @@ async fn on_a_hybrid_sim_the_index_predicts_the_engines_hit_and_group_zero_alone
     assert_eq!(hit, 192);
 }
 
+/// Polls `/debug/replicas` until the replica's streams stop receiving events (no new batch for
+/// 300 ms): the index has applied what the last request stored.
+async fn settle(c: &reqwest::Client, base: &str) -> Value {
+    let seq = |d: &Value| d["replicas"][0]["streams"][0]["last_seq"].clone();
+    let mut last = debug(c, base).await;
+    let mut quiet = 0;
+    while quiet < 3 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = debug(c, base).await;
+        quiet = if seq(&now) == seq(&last) {
+            quiet + 1
+        } else {
+            0
+        };
+        last = now;
+    }
+    last
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_prefix_match_unit_below_the_block_size_and_evictions_the_index_predicts_every_hit()
+{
+    // gpt-oss's layout hashed every 8 tokens with blocks of 16 (vLLM's --prefix-match-unit 8):
+    // blocks are named by their last hash block and full-attention groups also key the block
+    // holding the prompt's last hash boundary (one-hash-block BlockStored events). A pool of 80
+    // blocks makes the engine evict as the requests go on, so requests whose sliding-window
+    // blocks were evicted compute full-attention blocks again into second copies.
+    let bin = sim_binary();
+    let dir = TempDir::new("sim-e2e-hash-block");
+    let mut spec = SimSpec::new("sim-hash-block", 1);
+    spec.args = vec![
+        "--kv-cache-layout",
+        "gpt-oss",
+        "--sliding-window",
+        "32",
+        "--prefix-match-unit",
+        "8",
+    ];
+    spec.blocks = 80;
+    let _sim = spec.start(&bin, &dir.0, "first");
+    let (_d, idx, base) = indexer_for(&spec, "sim-e2e-hash-block-ix", "");
+    let c = client();
+    wait_debug(
+        &c,
+        &base,
+        &idx,
+        "connection",
+        Duration::from_secs(30),
+        |d| all_connected(d, spec.name, 1),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let mut rng = kvroute_core::rng::SplitMix64::new(0x5eed);
+    let families: Vec<Vec<u32>> = (0..3).map(|f| prompt(40 + f, 320)).collect();
+    let (mut with_hit, mut hit_tokens) = (0, 0);
+    for i in 0..24u32 {
+        // A shared prefix of any length (not a multiple of 8 or 16), then a unique tail.
+        let family = &families[rng.below(families.len())];
+        let shared = 20 + rng.below(280);
+        let mut p = family[..shared].to_vec();
+        p.extend(prompt(100 + i, 1 + rng.below(40)));
+        let output = 1 + rng.below(24) as u32;
+        settle(&c, &base).await;
+        let predicted = gpu_blocks(&c, &base, &p, spec.name).await * BS;
+        let hit = cached(&complete(&c, &spec, &p, output).await);
+        assert_eq!(
+            hit,
+            predicted,
+            "request {i} ({} tokens, {shared} shared): engine hit vs prediction",
+            p.len()
+        );
+        with_hit += usize::from(hit > 0);
+        hit_tokens += hit;
+    }
+    let d = settle(&c, &base).await;
+    assert!(
+        with_hit >= 8,
+        "{with_hit} of 24 requests hit ({hit_tokens} tokens)"
+    );
+    let r = &d["replicas"][0];
+    assert_eq!(r["hash_mismatch"], Value::Null, "{r}");
+    assert_eq!(r["streams"][0]["rejected_events"], 0, "{r}");
+    assert_eq!(r["streams"][0]["decode_errors"], 0, "{r}");
+    let page = get_text(&c, &format!("{base}/metrics")).await;
+    let skipped = metric_sum(&page, "kvroute_indexer_index_hash_block_events_total");
+    assert!(
+        skipped.unwrap_or(0.0) > 0.0,
+        "no hash-block events reached the index"
+    );
+    assert!(metric_sum(&page, "kvroute_indexer_hash_checks_total").unwrap_or(0.0) > 0.0);
+    assert_eq!(
+        metric_sum(&page, "kvroute_indexer_hash_mismatches_total"),
+        Some(0.0)
+    );
+    let models = get_json(&c, &format!("{base}/v1/models")).await;
+    assert_eq!(models["models"][0]["block_size"], BS, "{models}");
+}
+
 /// A chat request whose system prompt starts with `stamp` (a per-request timestamp, or the same
 /// one for all) before ~700 tokens of shared instructions, then its own question.
 fn stamped_chat(stamp: &str, question: usize) -> Value {

@@ -114,6 +114,33 @@ pub struct BlockStored {
     pub lookahead_token_ids: Option<Vec<Vec<u32>>>,
 }
 
+impl BlockStored {
+    /// Whether this event keys one hash block inside a block of `block_size` tokens: with vLLM's
+    /// `--prefix-match-unit` (`hash_block_size`) below the block size, a full-attention group also
+    /// caches a block under the hash of the prompt's last hash boundary inside it
+    /// (`cache_partial_block`), published as a `BlockStored` of that one hash block (its
+    /// `block_size` is the hash block size). Such a key never lengthens an attention model's hit
+    /// (hits stay block-aligned), so a router skips it.
+    pub fn is_hash_block_of(&self, block_size: u32) -> bool {
+        self.block_hashes.len() == 1
+            && self.block_size > 0
+            && self.block_size < block_size
+            && block_size.is_multiple_of(self.block_size)
+    }
+}
+
+/// The block size to keep after seeing an event of `event` tokens per block when `learned` was
+/// known: the first size seen, raised when a larger multiple arrives (a hash block's event can
+/// come first), never lowered by one (see [`BlockStored::is_hash_block_of`]).
+pub fn learned_block_size(learned: Option<u32>, event: u32) -> Option<u32> {
+    match learned {
+        _ if event == 0 => learned,
+        None => Some(event),
+        Some(l) if event > l && event.is_multiple_of(l) => Some(event),
+        Some(l) => Some(l),
+    }
+}
+
 /// `BlockRemoved`: the engine evicted these blocks.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct BlockRemoved {
@@ -151,4 +178,40 @@ pub struct EventBatch {
     pub events: Vec<KvEvent>,
     /// Data-parallel rank; `None` when the batch had only two elements (very old engines).
     pub data_parallel_rank: Option<i64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(blocks: usize, block_size: u32) -> BlockStored {
+        BlockStored {
+            block_hashes: (0..blocks as u64).map(WireBlockHash::Int).collect(),
+            block_size,
+            ..BlockStored::default()
+        }
+    }
+
+    #[test]
+    fn a_hash_block_event_is_one_hash_of_a_divisor_of_the_block_size() {
+        assert!(stored(1, 8).is_hash_block_of(16));
+        assert!(stored(1, 4).is_hash_block_of(16));
+        assert!(
+            !stored(2, 8).is_hash_block_of(16),
+            "two hashes: full blocks"
+        );
+        assert!(!stored(1, 16).is_hash_block_of(16));
+        assert!(!stored(1, 6).is_hash_block_of(16));
+        assert!(!stored(1, 0).is_hash_block_of(16));
+    }
+
+    #[test]
+    fn the_learned_block_size_rises_to_a_multiple_and_never_falls() {
+        assert_eq!(learned_block_size(None, 16), Some(16));
+        assert_eq!(learned_block_size(None, 0), None);
+        assert_eq!(learned_block_size(Some(16), 8), Some(16));
+        assert_eq!(learned_block_size(Some(8), 16), Some(16));
+        assert_eq!(learned_block_size(Some(16), 24), Some(16));
+        assert_eq!(learned_block_size(Some(16), 0), Some(16));
+    }
 }

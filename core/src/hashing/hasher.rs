@@ -434,6 +434,29 @@ impl BlockHasher {
         }
         out
     }
+
+    /// vLLM's hash of every full `block_size`-token block when requests are hashed every
+    /// `hash_block_size` tokens (`--prefix-match-unit`): the chain runs over hash blocks and a
+    /// block is named by the hash of its last one (`resolve_block_hashes`). Equal to
+    /// [`BlockHasher::block_hashes`] when the two sizes are equal; empty when `hash_block_size` is
+    /// zero or does not divide `block_size`.
+    pub fn coarse_block_hashes(
+        &self,
+        tokens: &[u32],
+        block_size: usize,
+        hash_block_size: usize,
+        extras: &RequestExtras,
+    ) -> Vec<Digest> {
+        if hash_block_size == 0 || block_size == 0 || !block_size.is_multiple_of(hash_block_size) {
+            return Vec::new();
+        }
+        let per_block = block_size / hash_block_size;
+        let fine = self.block_hashes(tokens, hash_block_size, extras);
+        fine.into_iter()
+            .skip(per_block - 1)
+            .step_by(per_block)
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -453,6 +476,24 @@ mod tests {
             "sha512".parse::<HashAlgo>(),
             Err(HashError::UnknownAlgo(_))
         ));
+    }
+
+    #[test]
+    fn coarse_blocks_are_named_by_their_last_hash_block() {
+        let h = BlockHasher::new(&HashConfig::new(HashAlgo::Sha256, None)).expect("hasher");
+        let tokens: Vec<u32> = (0..70).collect();
+        let none = RequestExtras::default();
+        let fine = h.block_hashes(&tokens, 8, &none);
+        let coarse = h.coarse_block_hashes(&tokens, 16, 8, &none);
+        assert_eq!(coarse, vec![fine[1], fine[3], fine[5], fine[7]]);
+        // Not what hashing whole blocks gives, which is why the self-check must know.
+        assert_ne!(coarse, h.block_hashes(&tokens, 16, &none));
+        assert_eq!(
+            h.coarse_block_hashes(&tokens, 16, 16, &none),
+            h.block_hashes(&tokens, 16, &none)
+        );
+        assert!(h.coarse_block_hashes(&tokens, 16, 6, &none).is_empty());
+        assert!(h.coarse_block_hashes(&tokens, 16, 0, &none).is_empty());
     }
 
     #[test]

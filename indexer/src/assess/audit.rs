@@ -11,7 +11,7 @@ pub type TextDecoder<'a> = dyn FnMut(&str, &[u32]) -> Option<String> + 'a;
 
 use std::collections::HashMap;
 
-use kvroute_core::events::{BlockStored, Medium};
+use kvroute_core::events::{learned_block_size, BlockStored, Medium};
 use serde::Serialize;
 
 /// Blocks kept by default (at 16 tokens a block, about 25 MiB).
@@ -133,11 +133,17 @@ impl PromptAudit {
             return;
         }
         let m = self.models.entry(model.to_string()).or_default();
-        if m.block_size != bs {
-            if m.block_size != 0 {
-                return;
+        let known = u32::try_from(m.block_size).ok().filter(|&b| b > 0);
+        match learned_block_size(known, ev.block_size) {
+            // A larger multiple: what was kept were hash blocks (`--prefix-match-unit`).
+            Some(b) if Some(b) != known && known.is_some() => {
+                self.kept -= m.blocks.len().min(self.kept);
+                m.blocks.clear();
+                m.block_size = bs;
             }
-            m.block_size = bs;
+            Some(b) if b == ev.block_size => m.block_size = bs,
+            // A hash block inside a block, or a size that fits nothing.
+            _ => return,
         }
         let mut parent = ev.parent_block_hash.as_ref().map(|h| h.as_u64());
         for (i, h) in ev.block_hashes.iter().enumerate() {
@@ -484,6 +490,27 @@ mod tests {
         // 5 blocks of 4 after the stamp's block are identical in all 5 prompts: 4 copies extra.
         assert_eq!(d.reuse_destroyed_tokens, 4 * 5 * 4);
         assert!(d.text.is_none(), "no text unless asked");
+    }
+
+    #[test]
+    fn hash_block_events_before_or_among_the_blocks_change_nothing() {
+        let hash_block = |tokens: &[u32]| BlockStored {
+            block_hashes: vec![WireBlockHash::Int(content_key(tokens))],
+            token_ids: tokens.to_vec(),
+            block_size: 2,
+            ..BlockStored::default()
+        };
+        let mut audit = PromptAudit::new(10_000);
+        audit.observe("m", &hash_block(&[1, 2]));
+        for r in 0..5 {
+            store(&mut audit, &prompt(50 + 2 * r, r));
+            audit.observe("m", &hash_block(&[9, r]));
+        }
+        let report = audit.report(None);
+        let d = &report["m"].divergences;
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert_eq!(d[0].position_tokens, 2);
+        assert_eq!(d[0].reuse_destroyed_tokens, 4 * 5 * 4);
     }
 
     #[test]

@@ -50,6 +50,7 @@ pub fn read_replicas(state: &AppState) -> Vec<ReplicaReading> {
                 stored_blocks: sum(|s| &s.stored_blocks),
                 duplicated_blocks: sum(|s| &s.duplicated_blocks),
                 recomputed_blocks: sum(|s| &s.recomputed_blocks),
+                fleet_repeat_blocks: sum(|s| &s.fleet_repeat_blocks),
                 prefill_tokens_per_s: replica_rates(
                     &state.config.scoring,
                     r,

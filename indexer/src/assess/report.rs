@@ -29,6 +29,8 @@ pub struct ReplicaReading {
     pub duplicated_blocks: u64,
     /// GPU blocks it stored again soon after removing them.
     pub recomputed_blocks: u64,
+    /// GPU blocks it stored that the fleet, seen as one cache, still held.
+    pub fleet_repeat_blocks: u64,
     /// Its prefill rate (calibrated from its metrics, else the prior), tokens per second.
     pub prefill_tokens_per_s: f64,
 }
@@ -74,6 +76,9 @@ pub struct ReplicaReport {
     pub duplicated_tokens: f64,
     /// Of those, tokens it had evicted within the recompute window.
     pub recomputed_tokens: f64,
+    /// Computed prompt tokens the fleet, seen as one cache, still held (a prefix-aware router
+    /// would have served them from cache).
+    pub fleet_repeat_tokens: f64,
     /// Preemptions.
     pub preemptions: f64,
     /// Its prefill rate, tokens per second.
@@ -176,7 +181,8 @@ pub struct ModelReport {
     pub replicas: Vec<ReplicaReport>,
     /// The fleet's prefix-cache hit rate as it is routed today.
     pub hit_rate: f64,
-    /// The hit rate had every prefix computed twice been found where it was cached.
+    /// The hit rate had every prefix computed twice or again been found where the fleet, as one
+    /// cache of its whole memory, still held it ([`crate::reuse::FleetCache`]).
     pub predicted_hit_rate: f64,
     /// The hit rate had nothing been evicted and recomputed.
     pub hit_rate_without_recompute: f64,
@@ -361,6 +367,8 @@ fn replica_window(s: &ReplicaReading, e: &ReplicaReading, bs: u32) -> ReplicaRep
             .min(computed_tokens),
         recomputed_tokens: (delta_u(s.recomputed_blocks, e.recomputed_blocks) * bs)
             .min(computed_tokens),
+        fleet_repeat_tokens: (delta_u(s.fleet_repeat_blocks, e.fleet_repeat_blocks) * bs)
+            .min(computed_tokens),
         preemptions: delta(s.preemptions, e.preemptions),
         prefill_tokens_per_s: e.prefill_tokens_per_s,
     }
@@ -380,6 +388,7 @@ fn model_report(
     let computed = sum(|r| r.computed_tokens);
     let duplicated = sum(|r| r.duplicated_tokens);
     let recomputed = sum(|r| r.recomputed_tokens);
+    let fleet_repeats = sum(|r| r.fleet_repeat_tokens);
     let preemptions = sum(|r| r.preemptions);
     let duplicated_seconds: f64 = replicas
         .iter()
@@ -392,7 +401,10 @@ fn model_report(
         0.0
     };
     let hit_rate = ratio(hits, queries);
-    let predicted_hit_rate = ratio(hits + duplicated, queries);
+    // Every prefix computed twice or again that the fleet's memory could have kept; at least
+    // what another replica held at that moment (the fleet cache's store-only recency can miss
+    // a block that hits kept hot).
+    let predicted_hit_rate = ratio(hits + fleet_repeats.max(duplicated).min(computed), queries);
     let duplicated_share = ratio(duplicated, computed);
     let recomputed_share = ratio(recomputed, computed);
     let thrash = recomputed_share > t.thrash_share || preemptions > 0.0;

@@ -170,7 +170,7 @@ impl KvIndex {
                 let media = (h & 0x7) as u8;
                 for bit in [MEDIA_GPU, MEDIA_CPU, MEDIA_STORAGE] {
                     if media & bit != 0 {
-                        ix.store_one(slot, key, engine_hash, bit, &mut out);
+                        ix.store_one(slot, key, engine_hash, bit, false, &mut out);
                     }
                 }
             }

@@ -12,7 +12,9 @@ use serde::{Deserialize, Serialize};
 
 use super::hasher::{mix, IdBuildHasher};
 use super::predicted::{PredictedChange, PredictedStore};
-use super::slab::{media_of, pack, slot_of, Slab, FLAG_ALIASED, MAX_SLOTS};
+use super::slab::{
+    extra_copies_of, media_of, pack, slot_of, with_extra_copies, Slab, FLAG_ALIASED, MAX_SLOTS,
+};
 
 /// A replica id as the caller numbers replicas (stable for the replica's lifetime in the index).
 pub type ReplicaId = u32;
@@ -208,6 +210,12 @@ pub struct IndexStats {
     pub invalid_events: u64,
     /// Events ignored (other KV cache group, unknown type).
     pub ignored_events: u64,
+    /// GPU stores of a block the (replica, group) already held, in a chain with a parent: a
+    /// second physical copy, each evicted with its own `BlockRemoved`.
+    pub extra_copies: u64,
+    /// `BlockStored` events of one hash block inside a larger block (`--prefix-match-unit` below
+    /// the block size), skipped: they never lengthen an attention model's hit.
+    pub hash_block_events: u64,
     /// New holdings stored.
     pub stored: u64,
     /// Holdings re-announced (refreshed, not double counted).
@@ -487,6 +495,18 @@ impl KvIndex {
         layout[g] = Some(learned);
     }
 
+    /// The block size `replica`'s events showed for `group`, else for any of its groups (vLLM's
+    /// hybrid layouts share one block size).
+    fn learned_block_size(&self, replica: ReplicaId, group: u8) -> Option<u32> {
+        let layout = self.layout(replica);
+        layout
+            .get(usize::from(group))
+            .copied()
+            .flatten()
+            .or_else(|| layout.iter().flatten().next().copied())
+            .map(|g| g.block_size)
+    }
+
     /// Who holds `key` in which KV cache group, with medium bits (`MEDIA_*`), sorted by
     /// (replica, group). For debug endpoints and tests.
     pub fn group_holders(&self, key: RouterKey) -> Vec<(ReplicaId, u8, u8)> {
@@ -711,6 +731,16 @@ impl KvIndex {
         if st.block_hashes.is_empty() {
             return self.ignored();
         }
+        if self
+            .learned_block_size(replica, group)
+            .is_some_and(|bs| st.is_hash_block_of(bs))
+        {
+            self.stats.hash_block_events += 1;
+            return Ok(ApplyOutcome {
+                ignored: true,
+                ..ApplyOutcome::default()
+            });
+        }
         let kind = if self.cfg.group_idx.is_some() {
             GroupKind::FullAttention
         } else {
@@ -793,19 +823,25 @@ impl KvIndex {
             },
         );
         let bit = media_bit(st.medium.unwrap_or_default());
+        // A chain continuing from a parent is computed work: a block it names that the slot
+        // already holds is a second physical copy. A parentless chain may be a re-announce of
+        // hits (`kv_cache_report_mode: full`), which is not.
+        let copies = st.parent_block_hash.is_some();
         for (key, h) in keys.iter().zip(&st.block_hashes) {
-            self.store_one(slot, key.0, h.as_u64(), bit, &mut out);
+            self.store_one(slot, key.0, h.as_u64(), bit, copies, &mut out);
         }
         Ok(out)
     }
 
-    /// Records that `slot` holds `key` (engine hash `eh`) on medium `bit`.
+    /// Records that `slot` holds `key` (engine hash `eh`) on medium `bit`; when it held it on
+    /// GPU already and `copies`, counts one more GPU copy.
     pub(super) fn store_one(
         &mut self,
         slot: u32,
         key: u64,
         eh: u64,
         bit: u8,
+        copies: bool,
         out: &mut ApplyOutcome,
     ) {
         let idx = match self.find_key(key) {
@@ -849,6 +885,12 @@ impl KvIndex {
                 if media_of(h) & bit != 0 {
                     out.refreshed += 1;
                     self.stats.refreshed += 1;
+                    if copies && bit == MEDIA_GPU {
+                        self.slab
+                            .get_mut(idx)
+                            .set_holder(pos, with_extra_copies(h, extra_copies_of(h) + 1));
+                        self.stats.extra_copies += 1;
+                    }
                 } else {
                     self.slab
                         .get_mut(idx)
@@ -1101,6 +1143,11 @@ impl KvIndex {
         let h = node.holder(pos);
         if media_of(h) & bits == 0 {
             return false;
+        }
+        if bits == MEDIA_GPU && extra_copies_of(h) > 0 {
+            // One of several GPU copies evicted: the block is still held.
+            node.set_holder(pos, with_extra_copies(h, extra_copies_of(h) - 1));
+            return true;
         }
         let left = media_of(h) & !bits;
         if left != 0 {

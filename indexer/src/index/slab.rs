@@ -21,10 +21,31 @@ pub(crate) const SLOT_MASK: u32 = (1 << MEDIA_SHIFT) - 1;
 /// The largest dense replica slot a holder can name.
 pub(crate) const MAX_SLOTS: u32 = 1 << MEDIA_SHIFT;
 
-/// A holder packed in 32 bits: replica slot (24 bits) and medium bits (bits 24..27).
+/// Bits of a holder above the medium bits: GPU copies beyond the first.
+pub(crate) const COPIES_SHIFT: u32 = 27;
+/// The most extra GPU copies a holder counts.
+pub(crate) const MAX_EXTRA_COPIES: u32 = (1 << (32 - COPIES_SHIFT)) - 1;
+
+/// A holder packed in 32 bits: replica slot (24 bits), medium bits (bits 24..27) and no extra
+/// GPU copies (bits 27..32, see [`with_extra_copies`]).
 #[inline]
 pub(crate) fn pack(slot: u32, media: u8) -> u32 {
-    (slot & SLOT_MASK) | (u32::from(media) << MEDIA_SHIFT)
+    (slot & SLOT_MASK) | (u32::from(media & 0x7) << MEDIA_SHIFT)
+}
+
+/// GPU copies of the block the holder's slot holds beyond the first: vLLM caches a second
+/// physical block under a hash it already holds when a request recomputes a prefix it could not
+/// take from the cache (a hybrid model whose sliding-window blocks were evicted), and evicts
+/// each copy with its own `BlockRemoved`.
+#[inline]
+pub(crate) fn extra_copies_of(h: u32) -> u32 {
+    h >> COPIES_SHIFT
+}
+
+/// `h` with `n` extra GPU copies (saturating at [`MAX_EXTRA_COPIES`]).
+#[inline]
+pub(crate) fn with_extra_copies(h: u32, n: u32) -> u32 {
+    (h & ((1 << COPIES_SHIFT) - 1)) | (n.min(MAX_EXTRA_COPIES) << COPIES_SHIFT)
 }
 
 /// The slot of a packed holder.
@@ -36,7 +57,7 @@ pub(crate) fn slot_of(h: u32) -> u32 {
 /// The medium bits of a packed holder.
 #[inline]
 pub(crate) fn media_of(h: u32) -> u8 {
-    (h >> MEDIA_SHIFT) as u8
+    ((h >> MEDIA_SHIFT) & 0x7) as u8
 }
 
 /// One cached block (a router key) and which replicas hold it on which media. 40 bytes.

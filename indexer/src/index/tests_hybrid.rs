@@ -231,6 +231,65 @@ fn unsupported_group_kinds_are_ignored() {
 }
 
 #[test]
+fn hash_block_keys_of_a_finer_prefix_match_unit_are_skipped_without_touching_the_layout() {
+    // `--prefix-match-unit 2` with blocks of 4: after blocks 0-2 the engine keys block 2 by the
+    // hash of its first 2 tokens too (one hash, block size 2, parent the hash block before).
+    let mut ix = KvIndex::default();
+    gpt_oss_like(&mut ix, 0, 1, 3);
+    let KvEvent::BlockStored(full) = stored_in(1, None, 1, 2..3) else {
+        unreachable!()
+    };
+    let hash_block = KvEvent::BlockStored(BlockStored {
+        block_hashes: vec![kvroute_core::events::WireBlockHash::Int(0xfeed)],
+        parent_block_hash: Some(kvroute_core::events::WireBlockHash::Int(0xbeef)),
+        token_ids: full.token_ids[..2].to_vec(),
+        block_size: 2,
+        ..full
+    });
+    let out = apply(&mut ix, 0, &hash_block);
+    assert!(out.ignored);
+    let stats = ix.stats();
+    assert_eq!(
+        (
+            stats.hash_block_events,
+            stats.parent_unknown,
+            stats.invalid_events
+        ),
+        (1, 0, 0)
+    );
+    assert!(ix
+        .layout(0)
+        .iter()
+        .flatten()
+        .all(|g| g.block_size == BS as u32));
+    assert_eq!(ix.lookup(&keys(1, 3), 0), vec![m(0, 3, 0, 0, 0)]);
+}
+
+#[test]
+fn a_block_computed_again_while_held_is_a_second_copy_each_evicted_on_its_own() {
+    // The sliding group lost the window before block 2, so a request recomputes blocks 2-5 of
+    // the full group it still holds: vLLM caches second physical blocks under the same hashes
+    // and later evicts each copy with its own BlockRemoved.
+    let mut ix = KvIndex::default();
+    gpt_oss_like(&mut ix, 0, 1, 6);
+    let again = apply(&mut ix, 0, &stored_in(1, None, 1, 2..6));
+    assert_eq!((again.stored, again.refreshed), (0, 4));
+    assert_eq!(ix.stats().extra_copies, 4);
+    apply(&mut ix, 0, &removed_in(1, 1, &[2, 3, 4, 5]));
+    assert_eq!(
+        ix.group_holders(keys(1, 6)[5]),
+        vec![(0, 0, MEDIA_GPU), (0, 1, MEDIA_GPU)],
+        "the second copies are still cached"
+    );
+    apply(&mut ix, 0, &removed_in(1, 1, &[2, 3, 4, 5]));
+    assert_eq!(ix.group_holders(keys(1, 6)[5]), vec![(0, 0, MEDIA_GPU)]);
+    // A parentless chain over held blocks may re-announce hits: not a copy.
+    apply(&mut ix, 0, &stored_in(1, None, 1, 0..2));
+    apply(&mut ix, 0, &removed_in(1, 1, &[0, 1]));
+    assert_eq!(ix.group_holders(keys(1, 2)[1]), vec![(0, 0, MEDIA_GPU)]);
+}
+
+#[test]
 fn snapshots_keep_groups_and_layouts() {
     let mut ix = KvIndex::default();
     gpt_oss_like(&mut ix, 0, 1, 8);

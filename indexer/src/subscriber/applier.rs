@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use kvroute_core::events::{decode_batch, KvEvent, Medium};
+use kvroute_core::events::{decode_batch, learned_block_size, BlockStored, KvEvent, Medium};
 
 use crate::membership::{lock, Replica, Stream};
 use crate::selfcheck;
@@ -68,11 +68,12 @@ impl Applier {
         if let Some(batch) = &batch {
             for ev in &batch.events {
                 if let KvEvent::BlockStored(bs) = ev {
-                    if self.model.block_size().is_none() && bs.block_size > 0 {
-                        self.model
-                            .block_size
-                            .store(bs.block_size, Ordering::Relaxed);
-                        tracing::info!(model = %self.model.name, block_size = bs.block_size, "learned block size from events");
+                    let known = self.model.block_size();
+                    let learned = learned_block_size(known, bs.block_size);
+                    let learns = !self.model.block_size_configured && learned != known;
+                    if let (Some(b), true) = (learned, learns) {
+                        self.model.block_size.store(b, Ordering::Relaxed);
+                        tracing::info!(model = %self.model.name, block_size = b, "learned block size from events");
                     }
                     if bs.parent_block_hash.is_none() {
                         selfcheck::maybe_check(
@@ -139,12 +140,15 @@ impl Applier {
     }
 
     /// Remembers this stream's GPU removals and counts (when `counted`) the blocks it stores
-    /// again soon after removing them (recomputation after eviction).
+    /// again soon after removing them (recomputation after eviction) and those its model's fleet
+    /// cache still held.
     fn note_recomputation(&self, events: &[KvEvent], counted: bool) {
         let cfg = &self.state.config.reuse;
         let now_ms = (now_unix() * 1000.0) as u64;
         let on_gpu = |m: Option<Medium>| matches!(m.unwrap_or_default(), Medium::Gpu);
         let mut recomputed = 0u64;
+        let mut fleet_repeats = 0u64;
+        let mut fleet = None;
         let mut removals = lock(&self.stream.stats.removals);
         for ev in events {
             match ev {
@@ -153,24 +157,50 @@ impl Applier {
                         removals.removed(cfg, h.as_u64(), now_ms);
                     }
                 }
-                KvEvent::BlockStored(s) if on_gpu(s.medium) => {
+                KvEvent::BlockStored(s)
+                    if on_gpu(s.medium) && !hash_block(s, self.model.block_size()) =>
+                {
                     for h in &s.block_hashes {
                         if removals.stored_again(cfg, h.as_u64(), now_ms) {
                             recomputed += 1;
+                        }
+                    }
+                    // Every KV cache group stores the same blocks: the fleet cache sees group 0's.
+                    if s.group_idx.unwrap_or(0) == 0 {
+                        let (cache, capacity) = fleet.get_or_insert_with(|| {
+                            (lock(&self.model.fleet_cache), self.fleet_capacity_blocks())
+                        });
+                        for h in &s.block_hashes {
+                            fleet_repeats += cache.stored(cfg, h.as_u64(), *capacity);
                         }
                     }
                 }
                 _ => {}
             }
         }
+        drop(fleet);
         drop(removals);
         if !counted {
             return;
         }
-        self.stream
-            .stats
+        let stats = &self.stream.stats;
+        stats
             .recomputed_blocks
             .fetch_add(recomputed, Ordering::Relaxed);
+        stats
+            .fleet_repeat_blocks
+            .fetch_add(fleet_repeats, Ordering::Relaxed);
+    }
+
+    /// The KV blocks of every replica of this model, as their metrics report them (0: unknown).
+    fn fleet_capacity_blocks(&self) -> u64 {
+        self.state
+            .fleet
+            .of_model(&self.model.name)
+            .iter()
+            .filter_map(|r| lock(&r.scraped).totals.kv_capacity_blocks)
+            .map(u64::from)
+            .sum()
     }
 
     /// Drops this stream's index entries and sequence state; counts and logs it when `counted`
@@ -186,4 +216,10 @@ impl Applier {
             tracing::warn!(replica = %self.replica.name, rank = self.stream.rank, reason = why, "dropped this stream's index entries");
         }
     }
+}
+
+/// A `BlockStored` of one hash block inside a block of the model's size
+/// ([`BlockStored::is_hash_block_of`]).
+fn hash_block(ev: &BlockStored, block_size: Option<u32>) -> bool {
+    block_size.is_some_and(|bs| ev.is_hash_block_of(bs))
 }

@@ -39,6 +39,26 @@ fn one_model(end: &[ReplicaReading]) -> ModelReport {
 }
 
 #[test]
+fn prefixes_recomputed_after_eviction_that_the_fleet_could_hold_count_as_predicted_hits() {
+    // As above, plus 300 blocks each replica computed again after evicting them, which the
+    // fleet as one cache still held: 200 + 300 blocks on b, 300 on a.
+    let mut end = [
+        reading("a", 20_000.0, 4_000.0, 0, 300),
+        reading("b", 20_000.0, 4_000.0, 500, 300),
+    ];
+    end[0].fleet_repeat_blocks = 300;
+    end[1].fleet_repeat_blocks = 500;
+    let m = one_model(&end);
+    // (8,000 hit + 800 x 16 tokens) / 40,000.
+    assert!((m.predicted_hit_rate - 0.52).abs() < 1e-9, "{m:?}");
+    // Never below what another replica held: a fleet cache that saw fewer repeats.
+    end[1].fleet_repeat_blocks = 100;
+    end[0].fleet_repeat_blocks = 0;
+    let m = one_model(&end);
+    assert!((m.predicted_hit_rate - 0.4).abs() < 1e-9, "{m:?}");
+}
+
+#[test]
 fn prefixes_computed_on_several_replicas_would_be_saved() {
     // Two replicas each computed the same 1,600-token prefix (100 blocks) 10 times over.
     let end = [
