@@ -892,9 +892,10 @@ impl KvIndex {
                         self.stats.extra_copies += 1;
                     }
                 } else {
-                    self.slab
-                        .get_mut(idx)
-                        .set_holder(pos, pack(slot, media_of(h) | bit));
+                    self.slab.get_mut(idx).set_holder(
+                        pos,
+                        with_extra_copies(pack(slot, media_of(h) | bit), extra_copies_of(h)),
+                    );
                     out.stored += 1;
                     self.stats.stored += 1;
                 }
@@ -1151,7 +1152,13 @@ impl KvIndex {
         }
         let left = media_of(h) & !bits;
         if left != 0 {
-            node.set_holder(pos, pack(slot, left));
+            // Extra GPU copies stay while the GPU bit does (a removal of another medium).
+            let copies = if left & MEDIA_GPU != 0 {
+                extra_copies_of(h)
+            } else {
+                0
+            };
+            node.set_holder(pos, with_extra_copies(pack(slot, left), copies));
             return true;
         }
         let freed = node.swap_remove(pos);

@@ -283,6 +283,31 @@ fn a_block_computed_again_while_held_is_a_second_copy_each_evicted_on_its_own() 
     );
     apply(&mut ix, 0, &removed_in(1, 1, &[2, 3, 4, 5]));
     assert_eq!(ix.group_holders(keys(1, 6)[5]), vec![(0, 0, MEDIA_GPU)]);
+    // Another medium coming and going keeps the copies (the reference test's minimal case).
+    let KvEvent::BlockStored(cpu) = stored_in(1, None, 1, 2..6) else {
+        unreachable!()
+    };
+    for _ in 0..2 {
+        apply(&mut ix, 0, &stored_in(1, None, 1, 2..6));
+    }
+    apply(
+        &mut ix,
+        0,
+        &KvEvent::BlockStored(BlockStored {
+            medium: Some(Medium::Cpu),
+            ..cpu
+        }),
+    );
+    apply(&mut ix, 0, &removed_in(1, 1, &[5]));
+    assert_eq!(
+        ix.group_holders(keys(1, 6)[5]),
+        vec![(0, 0, MEDIA_GPU), (0, 1, MEDIA_GPU | MEDIA_CPU)]
+    );
+    apply(&mut ix, 0, &removed_in(1, 1, &[5]));
+    assert_eq!(
+        ix.group_holders(keys(1, 6)[5]),
+        vec![(0, 0, MEDIA_GPU), (0, 1, MEDIA_CPU)]
+    );
     // A parentless chain over held blocks may re-announce hits: not a copy.
     apply(&mut ix, 0, &stored_in(1, None, 1, 0..2));
     apply(&mut ix, 0, &removed_in(1, 1, &[0, 1]));
