@@ -825,12 +825,12 @@ async fn on_a_hybrid_sim_the_index_predicts_the_engines_hit_and_group_zero_alone
 }
 
 /// Polls `/debug/replicas` until the replica's streams stop receiving events (no new batch for
-/// 300 ms): the index has applied what the last request stored.
+/// 500 ms): the index has applied what the last request stored.
 async fn settle(c: &reqwest::Client, base: &str) -> Value {
     let seq = |d: &Value| d["replicas"][0]["streams"][0]["last_seq"].clone();
     let mut last = debug(c, base).await;
     let mut quiet = 0;
-    while quiet < 3 {
+    while quiet < 5 {
         tokio::time::sleep(Duration::from_millis(100)).await;
         let now = debug(c, base).await;
         quiet = if seq(&now) == seq(&last) {
