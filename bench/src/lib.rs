@@ -12,6 +12,7 @@ mod agentic;
 mod assess;
 mod assess_checks;
 pub mod chat_traffic;
+mod decision_counts;
 mod filter_costs;
 mod fleet;
 mod gateways;
@@ -901,7 +902,19 @@ fn run_policy(
     }
     stack.check_alive()?;
     let after = scrape(joined_s.is_some())?;
-    let hit_prediction = if policy.uses_indexer() && policy != Policy::Shadow {
+    let routed_by_indexer = policy.uses_indexer() && policy != Policy::Shadow;
+    let decisions = if routed_by_indexer {
+        // Every gateway's indexer counted the decisions it made.
+        let mut d = decision_counts::DecisionCounts::default();
+        for addr in &indexer_addrs {
+            d.add(&decision_counts::DecisionCounts::scrape(addr)?);
+        }
+        println!("    {:<14} decisions {d}", ctx.policy);
+        Some(d)
+    } else {
+        None
+    };
+    let hit_prediction = if routed_by_indexer {
         // Every gateway's indexer predicted the hits of the requests it routed.
         let mut p = prediction::HitPrediction::default();
         for addr in &indexer_addrs {
@@ -941,6 +954,7 @@ fn run_policy(
     let mut summary = RunSummary::new(ctx, &outcomes, wall, &deltas);
     // Nothing sampled (no process found) is reported as unknown, not as free.
     summary.hit_prediction = hit_prediction;
+    summary.decisions = decisions;
     summary.router_cost = (usage_after.processes > 0)
         .then(|| router_usage::RouterCost::between(&usage_before, &usage_after, total));
     if !opts.fleet.replica_speeds.is_empty() {

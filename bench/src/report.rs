@@ -1069,6 +1069,7 @@ pub(crate) mod tests {
             assess: None,
             gateways: None,
             hit_prediction: None,
+            decisions: None,
         }
     }
 

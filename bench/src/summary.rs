@@ -86,6 +86,9 @@ pub struct RunSummary {
     /// indexer).
     #[serde(default)]
     pub hit_prediction: Option<super::prediction::HitPrediction>,
+    /// Decisions per reason (lines routed by the indexer; every gateway's summed).
+    #[serde(default)]
+    pub decisions: Option<super::decision_counts::DecisionCounts>,
 }
 
 /// Inputs of [`RunSummary::new`] besides the outcomes.
@@ -196,6 +199,7 @@ impl RunSummary {
             assess: None,
             gateways: None,
             hit_prediction: None,
+            decisions: None,
         }
     }
 

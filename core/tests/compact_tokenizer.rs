@@ -166,3 +166,12 @@ fn a_compact_document_without_its_tables_is_refused_by_name() {
         ModelTokenizer::from_files(&stripped, TokenizerOptions::default()).expect_err("no tables");
     assert!(e.to_string().contains("no BPE tables"), "{e}");
 }
+
+#[test]
+fn building_through_the_compact_form_gives_the_whole_documents_tokenizer_and_template() {
+    let files = ModelFiles::from_dir(model_dir()).expect("model files");
+    let whole = ModelTokenizer::from_files(&files, no_cache()).expect("whole loads");
+    let compacted =
+        ModelTokenizer::from_files_compacted(&files, no_cache()).expect("compacted loads");
+    assert_eq!(whole.digest(), compacted.digest());
+}

@@ -304,7 +304,8 @@ async fn own_digest(m: &crate::state::ModelRuntime) -> Option<TokenizerDigest> {
     m.own_digest.get_or_init(|| build_digest(m)).await.clone()
 }
 
-/// Builds the model's tokenizer once to digest it (a second or more for a large vocabulary).
+/// Builds the model's tokenizer once to digest it (a second or more for a large vocabulary),
+/// through the compact form: the indexer's peak memory is not the whole document's parse.
 async fn build_digest(m: &crate::state::ModelRuntime) -> Option<TokenizerDigest> {
     let dir = m.model_dir.clone()?;
     let opts = TokenizerOptions {
@@ -314,7 +315,7 @@ async fn build_digest(m: &crate::state::ModelRuntime) -> Option<TokenizerDigest>
         ..m.tokenizer_options.clone()
     };
     let built = tokio::task::spawn_blocking(move || {
-        ModelFiles::from_dir(dir).and_then(|f| ModelTokenizer::from_files(&f, opts))
+        ModelFiles::from_dir(dir).and_then(|f| ModelTokenizer::from_files_compacted(&f, opts))
     })
     .await;
     match built {

@@ -99,6 +99,26 @@ impl ModelTokenizer {
         Self::build(files, Some(tables), opts)
     }
 
+    /// [`Self::from_files`] through the compact form when the form covers the tokenizer: the
+    /// same tokenizer (equal digests), without `tokenizers`' parse peak of the whole document
+    /// (docs/filter.md, "Memory per VM"). What a process that builds a tokenizer only to
+    /// digest or check it should use.
+    pub fn from_files_compacted(
+        files: &ModelFiles,
+        opts: TokenizerOptions,
+    ) -> Result<Self, RequestError> {
+        match super::compact_tokenizer_json(&files.tokenizer_json)? {
+            Some(compact) => {
+                let compact_files = ModelFiles {
+                    tokenizer_json: compact.tokenizer_json,
+                    tokenizer_config_json: files.tokenizer_config_json.clone(),
+                };
+                Self::from_compact(&compact_files, compact.tables, opts)
+            }
+            None => Self::from_files(files, opts),
+        }
+    }
+
     fn build(
         files: &ModelFiles,
         tables: Option<BpeTables>,

@@ -216,7 +216,7 @@ impl<'a> Decoders<'a> {
         let tok = self.loaded.entry(model.to_string()).or_insert_with(|| {
             let dir = state.models.get(model)?.model_dir.clone()?;
             let files = kvroute_core::request::ModelFiles::from_dir(&dir).ok()?;
-            kvroute_core::request::ModelTokenizer::from_files(
+            kvroute_core::request::ModelTokenizer::from_files_compacted(
                 &files,
                 kvroute_core::request::TokenizerOptions::default(),
             )
