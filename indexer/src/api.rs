@@ -255,31 +255,14 @@ async fn tokenizer_handler(
     let Some(m) = state.models.get(&model).cloned() else {
         return error(StatusCode::NOT_FOUND, format!("unknown model {model:?}"));
     };
-    let Some(dir) = m.model_dir.clone() else {
+    if m.model_dir.is_none() {
         return error(
             StatusCode::NOT_FOUND,
             format!("model {model:?} has no model_dir configured"),
         );
-    };
-    let built = m.tokenizer_bundles[usize::from(compact)]
-        .get_or_try_init(|| {
-            let name = model.clone();
-            async move {
-                match tokio::task::spawn_blocking(move || {
-                    ModelFiles::from_dir(dir)
-                        .and_then(|f| TokenizerBundle::from_files(&name, f, compact))
-                })
-                .await
-                {
-                    Ok(Ok(b)) => Ok(Arc::new(b)),
-                    Ok(Err(e)) => Err(e.to_string()),
-                    Err(e) => Err(e.to_string()),
-                }
-            }
-        })
-        .await;
-    let bundle = match built {
-        Ok(b) => TokenizerBundle::clone(b),
+    }
+    let bundle = match tokenizer_bundle(&m, compact).await {
+        Ok(b) => TokenizerBundle::clone(&b),
         Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
     };
     let max_model_len = state
@@ -297,6 +280,35 @@ async fn tokenizer_handler(
     .into_response()
 }
 
+/// The model's tokenizer bundle in one form, built from its `model_dir` on first use and kept
+/// (`ModelRuntime::tokenizer_bundles`).
+async fn tokenizer_bundle(
+    m: &crate::state::ModelRuntime,
+    compact: bool,
+) -> Result<Arc<TokenizerBundle>, String> {
+    let Some(dir) = m.model_dir.clone() else {
+        return Err(format!("model {:?} has no model_dir configured", m.name));
+    };
+    m.tokenizer_bundles[usize::from(compact)]
+        .get_or_try_init(|| {
+            let name = m.name.clone();
+            async move {
+                match tokio::task::spawn_blocking(move || {
+                    ModelFiles::from_dir(dir)
+                        .and_then(|f| TokenizerBundle::from_files(&name, f, compact))
+                })
+                .await
+                {
+                    Ok(Ok(b)) => Ok(Arc::new(b)),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                }
+            }
+        })
+        .await
+        .cloned()
+}
+
 /// The indexer's digest of a model's tokenizer, built once from its `model_dir` with its
 /// `tokenizer_options` (`None`: no directory, or files that do not load, which the bundle
 /// endpoint reports).
@@ -305,9 +317,18 @@ async fn own_digest(m: &crate::state::ModelRuntime) -> Option<TokenizerDigest> {
 }
 
 /// Builds the model's tokenizer once to digest it (a second or more for a large vocabulary),
-/// through the compact form: the indexer's peak memory is not the whole document's parse.
+/// from the compact bundle filters are served (built for them anyway), so the indexer's peak
+/// memory is neither `tokenizers`' parse of the whole document nor a second split of it.
 async fn build_digest(m: &crate::state::ModelRuntime) -> Option<TokenizerDigest> {
-    let dir = m.model_dir.clone()?;
+    let bundle = match tokenizer_bundle(m, true).await {
+        Ok(b) => b,
+        Err(e) => {
+            if m.model_dir.is_some() {
+                tracing::warn!(model = %m.name, error = %e, "model files do not load: no tokenizer digest");
+            }
+            return None;
+        }
+    };
     let opts = TokenizerOptions {
         // The digest needs no segment cache.
         segment_cache_max_bytes: 0,
@@ -315,7 +336,14 @@ async fn build_digest(m: &crate::state::ModelRuntime) -> Option<TokenizerDigest>
         ..m.tokenizer_options.clone()
     };
     let built = tokio::task::spawn_blocking(move || {
-        ModelFiles::from_dir(dir).and_then(|f| ModelTokenizer::from_files_compacted(&f, opts))
+        let files = ModelFiles {
+            tokenizer_json: bundle.tokenizer_json.as_bytes().to_vec(),
+            tokenizer_config_json: bundle.tokenizer_config_json.as_bytes().to_vec(),
+        };
+        match &bundle.bpe_tables {
+            Some(tables) => ModelTokenizer::from_compact(&files, tables.clone(), opts),
+            None => ModelTokenizer::from_files(&files, opts),
+        }
     })
     .await;
     match built {

@@ -14,7 +14,14 @@
 //! (`digest.rs`), so a compact build that differed would not match the indexer's digest; the
 //! tests compare the two builds' serialisation and ids on a varied corpus.
 
+use std::collections::HashMap;
+
+use indexmap::IndexMap;
+use std::fmt;
+
+use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::{AddedToken, ModelWrapper, Tokenizer};
@@ -48,22 +55,39 @@ fn files_error(message: impl Into<String>) -> RequestError {
 /// Splits a `tokenizer.json` into its compact form. `Ok(None)` when the compact form does not
 /// cover it (not a BPE model, ids not dense from 0, a merge naming an unknown token, legacy
 /// merges that are not two space-separated tokens): serve the document as it is then.
+///
+/// Only the model's vocabulary and merges are parsed, straight into typed tables; every other
+/// member is kept as raw text in its order. (Parsed into a `Value` tree, Qwen3's 11 MB document
+/// peaked at ~135 MB in the indexer that serves the form.)
 pub fn compact_tokenizer_json(
     tokenizer_json: &[u8],
 ) -> Result<Option<CompactTokenizerJson>, RequestError> {
-    let mut doc: Value = serde_json::from_slice(tokenizer_json)
+    let mut doc: RawMembers = serde_json::from_slice(tokenizer_json)
         .map_err(|e| files_error(format!("tokenizer.json is not JSON: {e}")))?;
-    let Some(model) = doc.get_mut("model").and_then(Value::as_object_mut) else {
+    let Some(model) = doc.get("model") else {
         return Ok(None);
     };
-    if model.get("type").and_then(Value::as_str) != Some("BPE") {
+    let Ok(mut model) = serde_json::from_str::<RawMembers>(model.get()) else {
+        return Ok(None);
+    };
+    let model_type = model
+        .get("type")
+        .and_then(|t| serde_json::from_str::<String>(t.get()).ok());
+    if model_type.as_deref() != Some("BPE") {
         return Ok(None);
     }
-    let Some(tables) = tables_of(model) else {
+    let (Some(vocab), Some(merges)) = (model.get("vocab"), model.get("merges")) else {
         return Ok(None);
     };
-    model.insert("vocab".into(), Value::Object(Map::new()));
-    model.insert("merges".into(), Value::Array(Vec::new()));
+    let Some(tables) = tables_of(vocab, merges) else {
+        return Ok(None);
+    };
+    let empty_vocab = raw("{}")?;
+    let empty_merges = raw("[]")?;
+    model.insert("vocab".to_owned(), &empty_vocab);
+    model.insert("merges".to_owned(), &empty_merges);
+    let model = serde_json::value::to_raw_value(&model).map_err(|e| files_error(e.to_string()))?;
+    doc.insert("model".to_owned(), &model);
     let tokenizer_json = serde_json::to_vec(&doc).map_err(|e| files_error(e.to_string()))?;
     Ok(Some(CompactTokenizerJson {
         tokenizer_json,
@@ -71,51 +95,115 @@ pub fn compact_tokenizer_json(
     }))
 }
 
-/// The tables of a BPE model object, `None` when they do not fit the compact form.
-fn tables_of(model: &Map<String, Value>) -> Option<BpeTables> {
-    let vocab_obj = model.get("vocab")?.as_object()?;
-    if vocab_obj.is_empty() {
+/// An object's members, in order, each as its raw JSON text borrowed from the document.
+type RawMembers<'a> = IndexMap<String, &'a RawValue>;
+
+fn raw(json: &str) -> Result<Box<RawValue>, RequestError> {
+    RawValue::from_string(json.to_owned()).map_err(|e| files_error(e.to_string()))
+}
+
+/// A merge as `tokenizers` writes it: `"a b"` (legacy) or `["a", "b"]`.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Merge {
+    Legacy(String),
+    Pair([String; 2]),
+}
+
+/// The tables of a BPE model's `vocab` and `merges`, `None` when they do not fit the compact
+/// form. Both are read entry by entry straight into the tables (no map of the vocabulary and
+/// no list of merge strings is held).
+fn tables_of(vocab: &RawValue, merges: &RawValue) -> Option<BpeTables> {
+    let entries = serde_json::from_str::<VocabEntries>(vocab.get()).ok()?.0;
+    if entries.is_empty() {
         return None;
     }
-    let mut by_id: Vec<Option<&str>> = vec![None; vocab_obj.len()];
-    for (token, id) in vocab_obj {
-        let slot = by_id.get_mut(usize::try_from(id.as_u64()?).ok()?)?;
+    let mut by_id: Vec<Option<String>> = vec![None; entries.len()];
+    for (token, id) in entries {
+        let slot = by_id.get_mut(usize::try_from(id).ok()?)?;
         if slot.is_some() {
             return None;
         }
         *slot = Some(token);
     }
-    let ids: std::collections::HashMap<&str, u32> = by_id
+    let vocab: Vec<String> = by_id.into_iter().collect::<Option<_>>()?;
+    let ids: HashMap<&str, u32> = vocab
         .iter()
         .enumerate()
-        .map(|(i, t)| Some((t.as_deref()?, u32::try_from(i).ok()?)))
+        .map(|(i, t)| Some((t.as_str(), u32::try_from(i).ok()?)))
         .collect::<Option<_>>()?;
-    let merges = model
-        .get("merges")?
-        .as_array()?
-        .iter()
-        .map(|m| {
-            let (a, b) = match m {
-                // `tokenizers`' legacy form: exactly two tokens separated by one space.
-                Value::String(s) => {
-                    let mut parts = s.split(' ');
-                    let pair = (parts.next()?, parts.next()?);
-                    parts.next().is_none().then_some(pair)?
-                }
-                Value::Array(pair) => match pair.as_slice() {
-                    [a, b] => (a.as_str()?, b.as_str()?),
-                    _ => return None,
-                },
-                _ => return None,
-            };
-            Some([*ids.get(a)?, *ids.get(b)?])
-        })
-        .collect::<Option<Vec<_>>>()?;
-    let vocab = by_id
-        .into_iter()
-        .map(|t| t.map(str::to_owned))
-        .collect::<Option<_>>()?;
+    if ids.len() != vocab.len() {
+        // A token listed twice: not what the whole document's parse would build.
+        return None;
+    }
+    let mut de = serde_json::Deserializer::from_str(merges.get());
+    let merges = MergeIds(&ids).deserialize(&mut de).ok()?;
     Some(BpeTables { vocab, merges })
+}
+
+/// A JSON object's `(token, id)` members in document order.
+struct VocabEntries(Vec<(String, u64)>);
+
+impl<'de> Deserialize<'de> for VocabEntries {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Entries;
+        impl<'de> Visitor<'de> for Entries {
+            type Value = VocabEntries;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a map of token to id")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut entries = Vec::with_capacity(map.size_hint().unwrap_or(0));
+                while let Some(entry) = map.next_entry::<String, u64>()? {
+                    entries.push(entry);
+                }
+                Ok(VocabEntries(entries))
+            }
+        }
+        deserializer.deserialize_map(Entries)
+    }
+}
+
+/// Reads a merges list as token id pairs, one merge at a time (an error where the compact form
+/// does not cover a merge).
+struct MergeIds<'a>(&'a HashMap<&'a str, u32>);
+
+impl<'de> DeserializeSeed<'de> for MergeIds<'_> {
+    type Value = Vec<[u32; 2]>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for MergeIds<'_> {
+    type Value = Vec<[u32; 2]>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a list of merges")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut pairs = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+        while let Some(merge) = seq.next_element::<Merge>()? {
+            let (a, b) = match &merge {
+                // `tokenizers`' legacy form: exactly two tokens separated by one space.
+                Merge::Legacy(s) => {
+                    let mut parts = s.split(' ');
+                    match (parts.next(), parts.next(), parts.next()) {
+                        (Some(a), Some(b), None) => (a, b),
+                        _ => return Err(A::Error::custom("not two space-separated tokens")),
+                    }
+                }
+                Merge::Pair([a, b]) => (a.as_str(), b.as_str()),
+            };
+            match (self.0.get(a), self.0.get(b)) {
+                (Some(&a), Some(&b)) => pairs.push([a, b]),
+                _ => return Err(A::Error::custom("a merge names an unknown token")),
+            }
+        }
+        Ok(pairs)
+    }
 }
 
 /// Whether a parsed `tokenizer.json` is a compact one (a BPE model with empty vocab and merges),
