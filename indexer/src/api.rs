@@ -340,10 +340,7 @@ async fn build_digest(m: &crate::state::ModelRuntime) -> Option<TokenizerDigest>
             tokenizer_json: bundle.tokenizer_json.as_bytes().to_vec(),
             tokenizer_config_json: bundle.tokenizer_config_json.as_bytes().to_vec(),
         };
-        match &bundle.bpe_tables {
-            Some(tables) => ModelTokenizer::from_compact(&files, tables.clone(), opts),
-            None => ModelTokenizer::from_files(&files, opts),
-        }
+        ModelTokenizer::from_bundle_parts(&files, bundle.bpe_tables.clone(), opts)
     })
     .await;
     match built {

@@ -15,9 +15,9 @@
 //! tests compare the two builds' serialisation and ids on a varied corpus.
 
 use std::collections::HashMap;
+use std::fmt;
 
 use indexmap::IndexMap;
-use std::fmt;
 
 use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};

@@ -119,6 +119,16 @@ impl ModelTokenizer {
         }
     }
 
+    /// A tokenizer bundle's files and tables: [`Self::from_compact`] when the bundle carries
+    /// BPE tables, else [`Self::from_files`] (the filter's load and the indexer's digest).
+    pub fn from_bundle_parts(
+        files: &ModelFiles,
+        tables: Option<BpeTables>,
+        opts: TokenizerOptions,
+    ) -> Result<Self, RequestError> {
+        Self::build(files, tables, opts)
+    }
+
     fn build(
         files: &ModelFiles,
         tables: Option<BpeTables>,
