@@ -241,8 +241,9 @@ pub struct TokenizerBundle {
     pub tokenizer_config_json: String,
     /// The compact form's vocabulary and merges (`?form=compact`, for a BPE model the form
     /// covers): build with `ModelTokenizer::from_compact`. Absent: `tokenizer_json` is whole.
+    /// Shared, so a server answers many fetches from one copy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bpe_tables: Option<crate::request::BpeTables>,
+    pub bpe_tables: Option<std::sync::Arc<crate::request::BpeTables>>,
 }
 
 /// The query parameter of `GET /v1/models/{model}/tokenizer` that asks for the compact form
@@ -375,7 +376,7 @@ impl TokenizerBundle {
             None
         };
         let (tokenizer_json, bpe_tables) = match split {
-            Some(c) => (c.tokenizer_json, Some(c.tables)),
+            Some(c) => (c.tokenizer_json, Some(std::sync::Arc::new(c.tables))),
             None => (files.tokenizer_json, None),
         };
         Ok(Self {

@@ -112,8 +112,12 @@ impl LoadedModel {
         let opts = model_cfg
             .and_then(|m| m.tokenizer_options.clone())
             .unwrap_or_default();
-        let tokenizer = ModelTokenizer::from_bundle_parts(&files, bpe_tables, opts)
-            .map_err(|e| e.to_string())?;
+        let tokenizer = ModelTokenizer::from_bundle_parts(
+            &files,
+            bpe_tables.map(std::sync::Arc::unwrap_or_clone),
+            opts,
+        )
+        .map_err(|e| e.to_string())?;
         drop(files);
         let block_size = model_cfg
             .and_then(|m| m.block_size)

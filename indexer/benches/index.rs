@@ -12,9 +12,8 @@
 use kvroute_core::rng::SplitMix64;
 use std::time::{Duration, Instant};
 
-/// The allocator `kvroute-indexer` ships with, so the numbers are the binary's.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+// The allocator `kvroute-indexer` ships with, set up the same way, so the numbers are the binary's.
+kvroute_indexer::global_allocator!();
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvroute_core::events::{

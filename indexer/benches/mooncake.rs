@@ -31,9 +31,8 @@
 //! [128], `KVROUTE_MOONCAKE_TRACE` [the repo copy]. Without `--bench` (`cargo test -p kvroute-indexer
 //! --bench mooncake`) it runs a 300-request smoke replay.
 
-/// The allocator `kvroute-indexer` ships with, so the numbers are the binary's.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+// The allocator `kvroute-indexer` ships with, set up the same way, so the numbers are the binary's.
+kvroute_indexer::global_allocator!();
 
 use std::collections::{HashMap, VecDeque};
 use std::hint::black_box;

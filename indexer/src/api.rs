@@ -14,9 +14,8 @@ use serde_json::{json, Value};
 
 use kvroute_core::api::{
     check_contract, AgreementReport, CompleteReport, ContractCheck, TokenizerBundle,
-    TokenizerDigest, CONTRACT_HEADER, CONTRACT_VERSION,
+    CONTRACT_HEADER, CONTRACT_VERSION,
 };
-use kvroute_core::request::{ModelFiles, ModelTokenizer, TokenizerOptions};
 
 use crate::agreement::AgreementEvent;
 
@@ -25,6 +24,7 @@ use crate::membership::lock;
 use crate::route::{exact_matches, request_router_keys, route, RouteRequest};
 use crate::state::AppState;
 use crate::subscriber;
+use crate::tokenizer_serving::ServeError;
 
 /// Builds the router.
 pub fn router(state: Arc<AppState>) -> Router {
@@ -187,6 +187,19 @@ async fn complete_handler(State(state): State<Arc<AppState>>, body: Bytes) -> Re
             if let Some(us) = req.ttft_us.filter(|_| !req.abandoned) {
                 m.record_ttft(&p.replica.name, us as f64 / 1e6, p.predicted_ttft_s);
             }
+            // Beside the "route decision" line of the same `decision_id`: what the prediction
+            // became, to judge a decision (a prefix given away, say) by its outcome.
+            tracing::debug!(
+                target: "kvroute_indexer::route",
+                %decision_id,
+                replica = %p.replica.name,
+                predicted_ttft_s = p.predicted_ttft_s,
+                observed_ttft_s = req.ttft_us.map(|us| us as f64 / 1e6),
+                predicted_tokens = p.predicted_tokens,
+                cached_tokens = req.cached_tokens,
+                abandoned = req.abandoned,
+                "decision outcome"
+            );
             if p.partial {
                 m.hit_prediction_partial.fetch_add(1, Ordering::Relaxed);
             } else if let Some(reported) = req.cached_tokens.filter(|_| !req.abandoned) {
@@ -226,7 +239,7 @@ async fn models_handler(State(state): State<Arc<AppState>>) -> Response {
                 "name": m.name,
                 "block_size": m.block_size(),
                 "replicas": state.fleet.of_model(&m.name).len(),
-                "tokenizer": m.model_dir.is_some(),
+                "tokenizer": m.tokenizers.model_dir().is_some(),
             })
         })
         .collect();
@@ -236,7 +249,7 @@ async fn models_handler(State(state): State<Arc<AppState>>) -> Response {
 
 /// `GET /v1/models/{model}/tokenizer[?form=compact]`: the model's tokenizer bundle, in the
 /// compact form when asked for and the tokenizer is one it covers (docs/filter.md, "Memory").
-/// Built once per model and form (`ModelRuntime::tokenizer_bundles`).
+/// Built once per model and form (`TokenizerServing`).
 async fn tokenizer_handler(
     State(state): State<Arc<AppState>>,
     Path(model): Path<String>,
@@ -255,15 +268,12 @@ async fn tokenizer_handler(
     let Some(m) = state.models.get(&model).cloned() else {
         return error(StatusCode::NOT_FOUND, format!("unknown model {model:?}"));
     };
-    if m.model_dir.is_none() {
-        return error(
-            StatusCode::NOT_FOUND,
-            format!("model {model:?} has no model_dir configured"),
-        );
-    }
-    let bundle = match tokenizer_bundle(&m, compact).await {
-        Ok(b) => TokenizerBundle::clone(&b),
-        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
+    let served = match m.tokenizers.bundle(compact).await {
+        Ok(s) => s,
+        Err(e @ ServeError::NoModelDir(_)) => return error(StatusCode::NOT_FOUND, e.to_string()),
+        Err(e @ ServeError::Build(_)) => {
+            return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+        }
     };
     let max_model_len = state
         .config
@@ -271,86 +281,14 @@ async fn tokenizer_handler(
         .iter()
         .find(|c| c.name == model)
         .and_then(|c| c.max_model_len);
+    // The kept bundle's tables are shared, not copied, into the answer.
     Json(TokenizerBundle {
         block_size: m.block_size(),
         max_model_len,
         extra_key_style: Some(m.style),
-        ..bundle
+        ..served.bundle.clone()
     })
     .into_response()
-}
-
-/// The model's tokenizer bundle in one form, built from its `model_dir` on first use and kept
-/// (`ModelRuntime::tokenizer_bundles`).
-async fn tokenizer_bundle(
-    m: &crate::state::ModelRuntime,
-    compact: bool,
-) -> Result<Arc<TokenizerBundle>, String> {
-    let Some(dir) = m.model_dir.clone() else {
-        return Err(format!("model {:?} has no model_dir configured", m.name));
-    };
-    m.tokenizer_bundles[usize::from(compact)]
-        .get_or_try_init(|| {
-            let name = m.name.clone();
-            async move {
-                match tokio::task::spawn_blocking(move || {
-                    ModelFiles::from_dir(dir)
-                        .and_then(|f| TokenizerBundle::from_files(&name, f, compact))
-                })
-                .await
-                {
-                    Ok(Ok(b)) => Ok(Arc::new(b)),
-                    Ok(Err(e)) => Err(e.to_string()),
-                    Err(e) => Err(e.to_string()),
-                }
-            }
-        })
-        .await
-        .cloned()
-}
-
-/// The indexer's digest of a model's tokenizer, built once from its `model_dir` with its
-/// `tokenizer_options` (`None`: no directory, or files that do not load, which the bundle
-/// endpoint reports).
-async fn own_digest(m: &crate::state::ModelRuntime) -> Option<TokenizerDigest> {
-    m.own_digest.get_or_init(|| build_digest(m)).await.clone()
-}
-
-/// Builds the model's tokenizer once to digest it (a second or more for a large vocabulary),
-/// from the compact bundle filters are served (built for them anyway), so the indexer's peak
-/// memory is neither `tokenizers`' parse of the whole document nor a second split of it.
-async fn build_digest(m: &crate::state::ModelRuntime) -> Option<TokenizerDigest> {
-    let bundle = match tokenizer_bundle(m, true).await {
-        Ok(b) => b,
-        Err(e) => {
-            if m.model_dir.is_some() {
-                tracing::warn!(model = %m.name, error = %e, "model files do not load: no tokenizer digest");
-            }
-            return None;
-        }
-    };
-    let opts = TokenizerOptions {
-        // The digest needs no segment cache.
-        segment_cache_max_bytes: 0,
-        segment_cache_max_entries: 0,
-        ..m.tokenizer_options.clone()
-    };
-    let built = tokio::task::spawn_blocking(move || {
-        let files = ModelFiles {
-            tokenizer_json: bundle.tokenizer_json.as_bytes().to_vec(),
-            tokenizer_config_json: bundle.tokenizer_config_json.as_bytes().to_vec(),
-        };
-        ModelTokenizer::from_bundle_parts(&files, bundle.bpe_tables.clone(), opts)
-    })
-    .await;
-    match built {
-        Ok(Ok(t)) => Some(t.digest().clone()),
-        Ok(Err(e)) => {
-            tracing::warn!(model = %m.name, error = %e, "model files do not load: no tokenizer digest");
-            None
-        }
-        Err(_) => None,
-    }
 }
 
 /// `POST /v1/models/{model}/agreement`: a filter's tokenizer digest, with an online check's
@@ -374,7 +312,7 @@ async fn take_agreement(
     model: String,
     report: AgreementReport,
 ) {
-    let own = own_digest(&m).await;
+    let own = m.tokenizers.own_digest().await;
     let events = lock(&m.agreement).record(own.as_ref(), &report);
     for event in events {
         match event {

@@ -3,6 +3,7 @@
 pub mod index;
 
 pub mod agreement;
+pub mod allocator;
 pub mod api;
 pub mod assess;
 pub mod config;
@@ -22,4 +23,5 @@ pub mod shadow;
 pub mod snapshot;
 pub mod state;
 pub mod subscriber;
+pub mod tokenizer_serving;
 pub mod tools;

@@ -115,6 +115,9 @@ pub struct Pending {
     pub deadline: Instant,
     /// Uncached prompt blocks still counted as pending prefill on the replica (0 once released).
     pub prefill_blocks: u32,
+    /// How long its prefill was scheduled to take on the replica's queue (counted in the
+    /// replica's scheduled prefill time while `prefill_blocks` is).
+    prefill_duration: Duration,
     /// Uncached prompt blocks it was routed with (counted in the replica's in-flight uncached
     /// blocks until it ends).
     pub uncached_blocks: u32,
@@ -209,6 +212,10 @@ struct Inner {
     prefill_done: BinaryHeap<Reverse<(Instant, u64)>>,
     /// Per replica (by name): when the prefill already routed there is estimated to end.
     busy_until: HashMap<String, Instant>,
+    /// Per replica (by name): the summed scheduled time of the prefills still pending there.
+    /// They run back to back and end at `busy_until`, so what is left of that time tells how
+    /// far the queue has got ([`LoadTracker::pending_prefill_done_blocks`]).
+    scheduled: HashMap<String, Duration>,
     /// Callout id -> decision.
     callouts: HashMap<Box<str>, u64>,
     /// Callouts abandoned before their route arrived, with when.
@@ -433,6 +440,34 @@ impl LoadTracker {
             .unwrap_or_default()
     }
 
+    /// Of the prefill kvroute has pending on `replica` (`Replica::pending_prefill_blocks`), the
+    /// blocks estimated computed by `now`. The pending prefills were scheduled back to back and
+    /// end at the replica's `busy_until`; the share of their scheduled time already behind `now`
+    /// is the share of their work done (the head of the queue part way through). Without it, a
+    /// request arriving behind a large prefill was predicted to wait for all of it however far
+    /// it had got: on the Mooncake trace, decisions predicted >= 0.3 s of queue saw 0.26 s of
+    /// TTFT against 0.47 s predicted, and holders gave their prefixes away for it.
+    pub fn pending_prefill_done_blocks(&self, replica: &Replica, now: Instant) -> u64 {
+        let pending = replica
+            .pending_prefill_blocks
+            .load(Ordering::Relaxed)
+            .max(0) as u64;
+        if pending == 0 {
+            return 0;
+        }
+        let inner = lock(&self.inner);
+        let left = inner
+            .busy_until
+            .get(&replica.name)
+            .map_or(Duration::ZERO, |t| t.saturating_duration_since(now));
+        let Some(scheduled) = inner.scheduled.get(&replica.name).filter(|t| !t.is_zero()) else {
+            return 0;
+        };
+        let left_share = (left.as_secs_f64() / scheduled.as_secs_f64()).clamp(0.0, 1.0);
+        // Whole blocks only, rounded towards more work left.
+        (pending as f64 * (1.0 - left_share)).floor() as u64
+    }
+
     /// Decisions currently remembered.
     pub fn len(&self) -> usize {
         lock(&self.inner).pending.len()
@@ -512,9 +547,14 @@ impl Inner {
             .unwrap_or(now);
         let done = (start + d.prefill_time).min(now + MAX_PREFILL_ESTIMATE);
         self.busy_until.insert(replica.name.clone(), done);
-        if d.prefill_blocks > 0 {
+        let prefill_duration = if d.prefill_blocks > 0 {
             self.prefill_done.push(Reverse((done, seq)));
-        }
+            let duration = done.saturating_duration_since(start);
+            *self.scheduled.entry(replica.name.clone()).or_default() += duration;
+            duration
+        } else {
+            Duration::ZERO
+        };
         let estimate = done.saturating_duration_since(now) + d.decode_time;
         let deadline = now + estimate.clamp(cfg.floor(), cfg.cap());
         self.deadlines.push(Reverse((deadline, seq)));
@@ -527,6 +567,7 @@ impl Inner {
                 at: now,
                 deadline,
                 prefill_blocks: d.prefill_blocks,
+                prefill_duration,
                 uncached_blocks: d.prefill_blocks,
                 output_tokens: d.output_tokens,
                 freed_blocks: d.prefill_blocks.saturating_add(d.output_blocks),
@@ -551,8 +592,23 @@ impl Inner {
                 self.remote.remove(k);
             }
         }
+        self.unschedule(&p.replica.name, p.prefill_blocks, p.prefill_duration);
         release(&p);
         Some(p)
+    }
+
+    /// Takes a decision's prefill (`blocks` still pending, scheduled for `duration`) out of its
+    /// replica's scheduled time.
+    fn unschedule(&mut self, replica: &str, blocks: u32, duration: Duration) {
+        if blocks == 0 {
+            return;
+        }
+        if let Some(t) = self.scheduled.get_mut(replica) {
+            *t = t.saturating_sub(duration);
+            if t.is_zero() {
+                self.scheduled.remove(replica);
+            }
+        }
     }
 
     /// Ends the live decision with the earliest deadline; false when none is left.
@@ -572,11 +628,16 @@ impl Inner {
             }
             self.prefill_done.pop();
             if let Some(p) = self.pending.get_mut(&seq) {
-                release_prefill(&p.replica, p.prefill_blocks);
+                let (replica, blocks) = (p.replica.clone(), p.prefill_blocks);
+                let duration = p.prefill_duration;
                 p.prefill_blocks = 0;
+                self.unschedule(&replica.name, blocks, duration);
+                release_prefill(&replica, blocks);
             }
         }
         self.busy_until.retain(|_, t| *t > now);
+        let busy = &self.busy_until;
+        self.scheduled.retain(|name, _| busy.contains_key(name));
         while let Some(Reverse((deadline, seq))) = self.deadlines.peek().copied() {
             if deadline > now {
                 break;
@@ -684,6 +745,43 @@ mod tests {
         assert!(t.completed(a).is_some());
         assert!(t.completed(a).is_none(), "a completion counts once");
         assert_eq!(in_flight(&r), 0);
+    }
+
+    #[test]
+    fn the_head_of_the_prefill_queue_counts_as_part_done() {
+        let fleet = Fleet::new();
+        let r = replica(&fleet, "r0");
+        let t = LoadTracker::default();
+        let t0 = Instant::now();
+        // 100 blocks over 10 s, then 50 more over 5 s behind them: 15 s scheduled.
+        let a = t.routed(decision(&r, 100, Duration::from_secs(10))).id;
+        t.routed(decision(&r, 50, Duration::from_secs(5)));
+        assert_eq!(pending(&r), 150);
+        assert!(
+            t.pending_prefill_done_blocks(&r, t0) <= 1,
+            "nothing done yet"
+        );
+        // 6 s in: 6 of the 15 scheduled seconds are behind, so 60 of the first 100 blocks.
+        let at6 = t.pending_prefill_done_blocks(&r, t0 + Duration::from_secs(6));
+        assert!((58..=60).contains(&at6), "{at6}");
+        // "a" completing early takes its blocks and its time out: "b" is the queue now and has
+        // not started by the schedule (it was to start at 10 s), so none of it counts as done.
+        assert!(t.completed(a).is_some());
+        assert_eq!(pending(&r), 50);
+        let after = t.pending_prefill_done_blocks(&r, t0 + Duration::from_secs(6));
+        assert_eq!(
+            after, 0,
+            "b's 5 s are still all ahead (its end is 9 s away)"
+        );
+        // Past the schedule's end everything still counted is done (until expired).
+        let late = t.pending_prefill_done_blocks(&r, t0 + Duration::from_secs(20));
+        assert_eq!(late, 50);
+        t.expire(t0 + Duration::from_secs(20));
+        assert_eq!(pending(&r), 0);
+        assert_eq!(
+            t.pending_prefill_done_blocks(&r, t0 + Duration::from_secs(20)),
+            0
+        );
     }
 
     #[test]

@@ -10,10 +10,8 @@ use kvroute_indexer::config::Config;
 use kvroute_indexer::policies::Policy;
 use kvroute_indexer::{assess, server, tools};
 
-/// mimalloc: faster than the system allocator for the index's many small allocations and
-/// large random-access tables (`cargo bench -p kvroute-indexer --bench index`).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+// mimalloc, set up before `main` (src/allocator.rs).
+kvroute_indexer::global_allocator!();
 
 #[derive(Parser)]
 #[command(

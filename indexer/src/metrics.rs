@@ -499,6 +499,16 @@ pub fn render(state: &AppState) -> String {
         "{full} {}",
         state.metrics.snapshot_lock_us.load(Ordering::Relaxed) as f64 / 1e6
     );
+    let full = format!("{p}_allocator_option");
+    header(
+        &mut out,
+        &full,
+        "gauge",
+        "mimalloc options the binary sets before main (purge_delay in ms, arena_eager_commit 0 = commit on demand), as in effect.",
+    );
+    for (option, value) in crate::allocator::in_effect() {
+        let _ = writeln!(out, "{full}{{option=\"{option}\"}} {value}");
+    }
     let full = format!("{p}_uptime_seconds");
     header(&mut out, &full, "gauge", "Seconds since start.");
     let _ = writeln!(out, "{full} {}", state.started.elapsed().as_secs_f64());

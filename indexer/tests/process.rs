@@ -149,7 +149,14 @@ struct Indexer {
 
 impl Indexer {
     fn start(config: &std::path::Path) -> Indexer {
-        let mut child = Command::new(BIN)
+        Self::start_with(config, |_| {})
+    }
+
+    /// As [`Indexer::start`], with `setup` adjusting the command (its environment) first.
+    fn start_with(config: &std::path::Path, setup: impl FnOnce(&mut Command)) -> Indexer {
+        let mut cmd = Command::new(BIN);
+        setup(&mut cmd);
+        let mut child = cmd
             .args(["serve", "--config"])
             .arg(config)
             .args(["--listen", "127.0.0.1:0"])
@@ -222,6 +229,57 @@ async fn wait_http<F: Fn(&Value) -> bool>(c: &reqwest::Client, base: &str, f: F)
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
+}
+
+/// The allocator options `/metrics` reports, by name.
+async fn allocator_options(c: &reqwest::Client, base: &str) -> Vec<(String, i64)> {
+    metrics_text(c, base)
+        .await
+        .lines()
+        .filter_map(|l| l.strip_prefix("kvroute_indexer_allocator_option{option=\""))
+        .filter_map(|l| {
+            let (name, rest) = l.split_once("\"} ")?;
+            Some((name.to_string(), rest.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// The shipped binary sets its allocator up before `main` (a 10 ms purge delay and arenas
+/// committed on demand: docs/operations.md, "Sizing"); mimalloc's own environment still wins.
+#[tokio::test]
+async fn the_binary_sets_its_allocator_up_before_main_and_the_environment_wins() {
+    let dir = std::env::temp_dir().join(format!("kvroute-alloc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg_path = dir.join("indexer.toml");
+    std::fs::write(&cfg_path, config_text(&[], "")).unwrap();
+    let c = reqwest::Client::new();
+    let quiet = |cmd: &mut Command| {
+        cmd.env_remove("MIMALLOC_PURGE_DELAY")
+            .env_remove("MIMALLOC_ARENA_EAGER_COMMIT");
+    };
+    let ix = Indexer::start_with(&cfg_path, quiet);
+    assert_eq!(
+        allocator_options(&c, &ix.base).await,
+        [
+            ("arena_eager_commit".to_string(), 0),
+            ("purge_delay".to_string(), 10)
+        ],
+        "mimalloc's defaults (2 and 1000) would mean the pre-main set-up did not run"
+    );
+    drop(ix);
+    let ix = Indexer::start_with(&cfg_path, |cmd| {
+        quiet(cmd);
+        cmd.env("MIMALLOC_PURGE_DELAY", "250");
+    });
+    assert_eq!(
+        allocator_options(&c, &ix.base).await,
+        [
+            ("arena_eager_commit".to_string(), 0),
+            ("purge_delay".to_string(), 250)
+        ]
+    );
+    drop(ix);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -184,22 +184,25 @@ pub async fn start(
             .await
             .map_err(|e| sock_err(&cfg.endpoint, e))?;
     } else {
-        // The zeromq crate's connect waits for the peer; vLLM's (libzmq) does not and keeps
-        // retrying. Try briefly here, then keep retrying from the publisher task so a
-        // subscriber that binds later is still reached.
+        // vLLM's connect (libzmq) never fails: it keeps reconnecting. The zeromq crate's connect
+        // retries a refused connection itself but fails on a peer that hangs up during the ZMTP
+        // handshake (a subscriber closing or restarting its socket). Try briefly here, then keep
+        // retrying from the publisher task, whatever the first attempt met, so a subscriber
+        // that binds or settles later is still reached.
         let ep = cfg.endpoint.clone();
         let connect = tokio::time::timeout(
             std::time::Duration::from_millis(500),
             publisher.connect(&ep),
         )
         .await;
-        match connect {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(sock_err(&ep, e)),
-            Err(_) => {
-                tracing::warn!(endpoint = %ep, "kv events: subscriber not reachable yet, retrying");
-                pending_connect = Some(ep);
-            }
+        let unreachable = match connect {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(_) => Some("no answer in 500 ms".to_string()),
+        };
+        if let Some(reason) = unreachable {
+            tracing::warn!(endpoint = %ep, %reason, "kv events: subscriber not reachable yet, retrying");
+            pending_connect = Some(ep);
         }
     }
     let replay = match &cfg.replay_endpoint {

@@ -534,12 +534,50 @@ async fn vllm_own_msgspec_classes_decode_the_stream() {
 #[tokio::test]
 async fn connect_mode_reaches_a_subscriber_that_binds_later() {
     let p = free_port();
-    let cfg = format!(
-        r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:{p}","topic":"kv-events"}}"#
-    );
+    let cfg = connect_config(p);
     let s = Sim::start(&["--time-scale", "5", "--kv-events-config", &cfg]);
     // The subscriber binds only now, after the engine's first connect attempt gave up.
     tokio::time::sleep(Duration::from_millis(1200)).await;
+    late_subscriber_gets_a_batch(p, &s).await;
+}
+
+/// A first connect that fails outright (the port answers but hangs up before the ZMTP greeting,
+/// as a subscriber being torn down or restarted does) does not stop the engine either: libzmq
+/// keeps reconnecting, and so does the simulator (it used to exit with the error).
+#[tokio::test]
+async fn connect_mode_survives_a_peer_that_hangs_up_during_the_handshake() {
+    let p = free_port();
+    let listener = std::net::TcpListener::bind(("127.0.0.1", p)).expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let rude = std::thread::spawn(move || {
+        let until = std::time::Instant::now() + Duration::from_millis(1500);
+        let mut hung_up = 0;
+        while std::time::Instant::now() < until {
+            match listener.accept() {
+                Ok((conn, _)) => {
+                    drop(conn);
+                    hung_up += 1;
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+        hung_up
+    });
+    let cfg = connect_config(p);
+    let s = Sim::start(&["--time-scale", "5", "--kv-events-config", &cfg]);
+    let hung_up = rude.join().expect("listener thread");
+    assert!(hung_up > 0, "the engine never tried to connect");
+    late_subscriber_gets_a_batch(p, &s).await;
+}
+
+fn connect_config(port: u16) -> String {
+    format!(
+        r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:{port}","topic":"kv-events"}}"#
+    )
+}
+
+/// Binds a subscriber on `p` and publishes until the engine's first batch reaches it.
+async fn late_subscriber_gets_a_batch(p: u16, s: &Sim) {
     let mut sub = zeromq::SubSocket::new();
     sub.bind(&format!("tcp://127.0.0.1:{p}"))
         .await

@@ -8,6 +8,16 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
+/// Keeps a child's error from scrolling out of the log tail a failure shows: with
+/// `RUST_BACKTRACE=1` (as CI sets it) an `anyhow` error returned from `main` prints a backtrace
+/// of some 60 lines after the message. Panics keep their backtraces; a caller that sets
+/// `RUST_LIB_BACKTRACE` itself wins.
+fn quiet_error_backtraces(cmd: &mut Command) {
+    if !cmd.get_envs().any(|(k, _)| k == "RUST_LIB_BACKTRACE") {
+        cmd.env("RUST_LIB_BACKTRACE", "0");
+    }
+}
+
 /// A child process killed (and reaped) on drop.
 pub struct Proc {
     /// The name used in messages and for the log file.
@@ -25,6 +35,7 @@ impl Proc {
         let log = dir.join(format!("{name}.log"));
         let out = std::fs::File::create(&log).expect("create log");
         let err = out.try_clone().expect("clone log handle");
+        quiet_error_backtraces(cmd);
         let child = cmd
             .stdin(Stdio::null())
             .stdout(out)
@@ -44,6 +55,7 @@ impl Proc {
     /// with `keep_stdin`, [`Proc::send_line`] writes to its stdin.
     pub fn spawn_piped(name: &str, mut cmd: Command, log: PathBuf, keep_stdin: bool) -> Proc {
         let err = std::fs::File::create(&log).expect("create log");
+        quiet_error_backtraces(&mut cmd);
         cmd.stdout(Stdio::piped()).stderr(err);
         cmd.stdin(if keep_stdin {
             Stdio::piped()

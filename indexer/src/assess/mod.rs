@@ -214,7 +214,12 @@ impl<'a> Decoders<'a> {
     fn decode(&mut self, model: &str, tokens: &[u32]) -> Option<String> {
         let state = self.state;
         let tok = self.loaded.entry(model.to_string()).or_insert_with(|| {
-            let dir = state.models.get(model)?.model_dir.clone()?;
+            let dir = state
+                .models
+                .get(model)?
+                .tokenizers
+                .model_dir()?
+                .to_path_buf();
             let files = kvroute_core::request::ModelFiles::from_dir(&dir).ok()?;
             kvroute_core::request::ModelTokenizer::from_files_compacted(
                 &files,
