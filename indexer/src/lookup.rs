@@ -116,23 +116,34 @@ impl Lookup<'_> {
         let state = self.state;
         let stale_after = state.stale_after();
         let bs = u64::from(self.keys.block_size);
+        let now = std::time::Instant::now();
         self.replicas
             .iter()
             .enumerate()
             .map(|(i, r)| {
-                let s = lock(&r.scraped).clone();
+                // The readings used, not a clone of the whole scrape (maps included).
+                let (waiting, running, kv_usage, read_at) = {
+                    let s = lock(&r.scraped);
+                    (s.waiting, s.running, s.kv_usage, s.last_ok)
+                };
                 let get = |a: &std::sync::atomic::AtomicI64| a.load(Ordering::Relaxed).max(0);
                 Candidate {
                     replica: i as u32,
                     matched: matched.get(i).copied().unwrap_or_default(),
                     load: Load {
                         in_flight: clamp_u32(get(&r.in_flight)),
-                        waiting: s.waiting.max(0.0) as u32,
-                        running: s.running.max(0.0) as u32,
-                        kv_usage: s.kv_usage as f32,
+                        waiting: waiting.max(0.0) as u32,
+                        running: running.max(0.0) as u32,
+                        kv_usage: kv_usage as f32,
+                        kv_usage_age_s: read_at
+                            .map_or(0.0, |t| now.saturating_duration_since(t).as_secs_f32()),
                         pending_prefill_tokens: (get(&r.pending_prefill_blocks) as u64)
                             .saturating_mul(bs),
                         pending_prefill_requests: clamp_u32(get(&r.pending_prefill_requests)),
+                        pending_prefill_done_tokens: state
+                            .load
+                            .pending_prefill_done_blocks(r, now)
+                            .saturating_mul(bs),
                         in_flight_uncached_tokens: (get(&r.in_flight_uncached_blocks) as u64)
                             .saturating_mul(bs),
                         // Requests in flight are on average half way through their output.

@@ -140,7 +140,12 @@ pub fn route(
             crate::load::MAX_CALLOUT_ID_BYTES
         )));
     }
-    let lookup = look_up(state, req, header_session)?;
+    // Keys are computed outside the model's decision lock; reading the fleet, choosing and
+    // recording happen inside it, so concurrent decisions see each other's predictions.
+    let keys = request_router_keys(state, req)?;
+    let model = Arc::clone(&keys.model);
+    let _deciding = lock(&model.deciding);
+    let lookup = look_up(state, req, header_session, keys)?;
     let policy = route_policy(state.policy);
     let matched = policy.matches(&lookup);
     let cands = lookup.candidates(&matched);
@@ -162,13 +167,13 @@ pub fn route(
     ))
 }
 
-/// Step one: the request's keys, the model's replicas, the request's shape.
+/// Step one: the model's replicas and the request's shape, beside its keys.
 fn look_up<'a>(
     state: &'a AppState,
     req: &'a RouteRequest,
     header_session: Option<&'a str>,
+    keys: RequestKeys,
 ) -> Result<Lookup<'a>, RouteError> {
-    let keys = request_router_keys(state, req)?;
     let replicas = state.fleet.of_model(&keys.model.name);
     if replicas.is_empty() {
         return Err(RouteError::NoReplica(req.model.clone()));

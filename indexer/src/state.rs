@@ -2,7 +2,6 @@
 //! policies and counters.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -24,8 +23,6 @@ pub struct ModelRuntime {
     pub block_size: AtomicU32,
     /// Whether `block_size` came from the configuration (then events never change it).
     pub block_size_configured: bool,
-    /// Tokenizer directory.
-    pub model_dir: Option<PathBuf>,
     /// LoRA name -> path.
     pub loras: BTreeMap<String, String>,
     /// Engine hash settings, when the self-check is configured.
@@ -34,20 +31,16 @@ pub struct ModelRuntime {
     pub style: ExtraKeyStyle,
     /// Its recent arrival rate (route decisions per second).
     pub arrivals: Mutex<crate::load::RateMeter>,
-    /// The engines' chat-template flags (for the tokenizer digest).
-    pub tokenizer_options: kvroute_core::request::TokenizerOptions,
-    /// The indexer's tokenizer digest, computed on the first filter report (`None` inside: the
-    /// model has no usable `model_dir`).
-    pub own_digest: tokio::sync::OnceCell<Option<kvroute_core::api::TokenizerDigest>>,
-    /// The tokenizer bundle served to filters, built from `model_dir` on the first request for
-    /// each form (`[whole, compact]`) and kept: at most two per model (a failed build is not
-    /// kept). Files changed on disk are read again only after a restart.
-    pub tokenizer_bundles: [tokio::sync::OnceCell<Arc<kvroute_core::api::TokenizerBundle>>; 2],
+    /// Its tokenizer directory and the bundles and digest built from it.
+    pub tokenizers: crate::tokenizer_serving::TokenizerServing,
     /// The model's fleet seen as one cache, fed with every replica's stores (assess's
     /// prediction of a prefix-aware router's hit rate).
     pub fleet_cache: Mutex<crate::reuse::FleetCache>,
     /// Whether the filter and the engines agree with the indexer on this model's tokens.
     pub agreement: Mutex<crate::agreement::Agreement>,
+    /// Held by one decision at a time, from reading the fleet to recording the choice: two
+    /// siblings of a new prefix decided at once would each miss the other's predicted blocks.
+    pub deciding: Mutex<()>,
 }
 
 impl ModelRuntime {
@@ -231,16 +224,18 @@ impl AppState {
                     name: m.name.clone(),
                     block_size: AtomicU32::new(m.block_size.unwrap_or(0)),
                     block_size_configured: m.block_size.is_some(),
-                    model_dir: m.model_dir.clone(),
                     loras: m.loras.clone(),
                     hash,
                     style,
                     arrivals: Mutex::new(crate::load::RateMeter::default()),
-                    tokenizer_options: m.tokenizer_options.clone().unwrap_or_default(),
-                    own_digest: tokio::sync::OnceCell::new(),
+                    tokenizers: crate::tokenizer_serving::TokenizerServing::new(
+                        &m.name,
+                        m.model_dir.clone(),
+                        m.tokenizer_options.clone().unwrap_or_default(),
+                    ),
                     fleet_cache: Mutex::new(crate::reuse::FleetCache::default()),
-                    tokenizer_bundles: Default::default(),
                     agreement: Mutex::new(crate::agreement::Agreement::default()),
+                    deciding: Mutex::new(()),
                 }),
             );
         }

@@ -222,7 +222,7 @@ impl Indexer {
                 .arg("--config")
                 .arg(&path)
                 .args(args)
-                .env("RUST_LOG", "info"),
+                .env("RUST_LOG", test_indexer_log_filter()),
             dir,
         );
         let mut ix = Indexer { port, proc };
@@ -307,4 +307,10 @@ impl Indexer {
 fn metric_of(port: u16, name: &str) -> f64 {
     let r = http(port, "GET", "/metrics", &[], b"");
     prom::sum(&r.text(), name).unwrap_or(0.0)
+}
+
+/// The log filter of the indexers tests start: `info`, or `KVROUTE_TEST_INDEXER_LOG` (e.g.
+/// `info,kvroute_indexer::route=debug` to see every decision of a failing e2e test).
+fn test_indexer_log_filter() -> String {
+    std::env::var("KVROUTE_TEST_INDEXER_LOG").unwrap_or_else(|_| "info".to_string())
 }

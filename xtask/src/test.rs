@@ -286,8 +286,8 @@ fn nextest_available() -> bool {
 }
 
 /// Totals over libtest's per-binary `test result: ok. 3 passed; 0 failed; 1 ignored; ...` lines
-/// and nextest's `Summary [ 73.5s] 280 tests run: 279 passed, 1 failed, 3 skipped` line.
-#[derive(Debug, Default, PartialEq, Eq)]
+/// or nextest's `Summary [ 73.5s] 280 tests run: 279 passed, 1 failed, 3 skipped` lines.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 struct Tally {
     binaries: u32,
     passed: u64,
@@ -303,19 +303,8 @@ impl Tally {
         self.ignored += other.ignored;
     }
 
-    fn add_line(&mut self, line: &str) {
-        let line = line.trim();
-        let (rest, separator) = if let Some(rest) = line.strip_prefix("test result:") {
-            (rest, ';')
-        } else if let Some(rest) = line
-            .strip_prefix("Summary [")
-            .and_then(|r| r.split_once("tests run:"))
-            .map(|(_, r)| r)
-        {
-            (rest, ',')
-        } else {
-            return;
-        };
+    /// Adds the counts of one result line (`rest` after its prefix, parts split by `separator`).
+    fn add_counts(&mut self, rest: &str, separator: char) {
         self.binaries += 1;
         for part in rest.split(separator) {
             let mut words = part.split_whitespace().rev();
@@ -335,6 +324,42 @@ impl Tally {
     }
 }
 
+/// The result lines of one test command's output. Nextest echoes a failing test's own output,
+/// libtest's `test result:` line included, so where nextest summarised, its summaries alone count.
+#[derive(Debug, Default)]
+struct OutputTally {
+    libtest: Tally,
+    nextest: Tally,
+}
+
+impl OutputTally {
+    fn add_line(&mut self, line: &str) {
+        let line = line.trim();
+        if let Some(rest) = line.strip_prefix("test result:") {
+            self.libtest.add_counts(rest, ';');
+        } else if let Some((_, rest)) = line
+            .strip_prefix("Summary [")
+            .and_then(|r| r.split_once("tests run:"))
+        {
+            self.nextest.add_counts(rest, ',');
+        }
+    }
+
+    fn merge(&mut self, other: &OutputTally) {
+        self.libtest.merge(&other.libtest);
+        self.nextest.merge(&other.nextest);
+    }
+
+    /// The counts: nextest's summaries when there are any, else libtest's lines.
+    fn total(&self) -> Tally {
+        if self.nextest.binaries > 0 {
+            self.nextest
+        } else {
+            self.libtest
+        }
+    }
+}
+
 /// Runs a test command, echoing its stdout and stderr as they come (nextest reports on stderr),
 /// prints this step's total, and adds it to `overall`.
 fn run_tallying(command: &mut Command, overall: &mut Tally) -> Result<()> {
@@ -346,7 +371,7 @@ fn run_tallying(command: &mut Command, overall: &mut Tally) -> Result<()> {
         .with_context(|| format!("could not start `{line}`"))?;
     let stderr_reader = child.stderr.take().map(|stderr| {
         std::thread::spawn(move || {
-            let mut tally = Tally::default();
+            let mut tally = OutputTally::default();
             let mut err = std::io::stderr();
             for text in BufReader::new(stderr).lines().map_while(|l| l.ok()) {
                 tally.add_line(&text);
@@ -355,7 +380,7 @@ fn run_tallying(command: &mut Command, overall: &mut Tally) -> Result<()> {
             tally
         })
     });
-    let mut tally = Tally::default();
+    let mut tally = OutputTally::default();
     if let Some(stdout) = child.stdout.take() {
         let mut out = std::io::stdout();
         for text in BufReader::new(stdout).lines() {
@@ -367,6 +392,7 @@ fn run_tallying(command: &mut Command, overall: &mut Tally) -> Result<()> {
     if let Some(from_stderr) = stderr_reader.and_then(|h| h.join().ok()) {
         tally.merge(&from_stderr);
     }
+    let tally = tally.total();
     overall.merge(&tally);
     let status = child
         .wait()
@@ -383,7 +409,7 @@ fn run_tallying(command: &mut Command, overall: &mut Tally) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Tally, E2E_BOTH_BUILDS};
+    use super::{OutputTally, Tally, E2E_BOTH_BUILDS};
 
     /// The e2e suites that run once (against the Wasm build unless they pin one): `e2e_native`
     /// pins the native build itself; `e2e_two_layers` checks the layer above kvroute (LiteLLM), whose behaviour does not
@@ -407,7 +433,7 @@ mod tests {
 
     #[test]
     fn tally_sums_libtest_result_lines() {
-        let mut tally = Tally::default();
+        let mut tally = OutputTally::default();
         for line in [
             "running 3 tests",
             "test result: ok. 3 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; finished in 0.01s",
@@ -417,7 +443,7 @@ mod tests {
             tally.add_line(line);
         }
         assert_eq!(
-            tally,
+            tally.total(),
             Tally {
                 binaries: 2,
                 passed: 8,
@@ -429,15 +455,17 @@ mod tests {
 
     #[test]
     fn tally_reads_nextest_summaries() {
-        let mut tally = Tally::default();
+        let mut tally = OutputTally::default();
         for line in [
             "        PASS [   0.016s] (276/280) xtask::bin/xtask stats::tests::percentiles_interpolate",
+            // A failing test's own output, echoed by nextest, holds libtest's line.
+            "test result: FAILED. 0 passed; 1 failed; 0 ignored; 0 measured; 12 filtered out; finished in 10.40s",
             "     Summary [  73.690s] 280 tests run: 279 passed, 1 failed, 3 skipped",
         ] {
             tally.add_line(line);
         }
         assert_eq!(
-            tally,
+            tally.total(),
             Tally {
                 binaries: 1,
                 passed: 279,
@@ -445,8 +473,9 @@ mod tests {
                 ignored: 3
             }
         );
-        let mut all_passed = Tally::default();
+        let mut all_passed = OutputTally::default();
         all_passed.add_line("     Summary [  73.504s] 280 tests run: 280 passed, 3 skipped");
+        let all_passed = all_passed.total();
         assert_eq!(
             (all_passed.passed, all_passed.failed, all_passed.ignored),
             (280, 0, 3)

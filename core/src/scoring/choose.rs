@@ -117,24 +117,23 @@ pub fn choose(
     let tied: Vec<usize> = (0..scored.len())
         .filter(|i| within(i) && scored[*i].terms.uncached_tokens == least_work)
         .collect();
-    let pick = match tied.len() {
+    // Among the tied, the one with the fewest requests in flight wins: a random draw among all
+    // tied (power of two choices) missed an idle replica beside two busy ones a third of the time.
+    // The seed chooses only among equally busy ones, so equal replicas share the work.
+    let fewest = tied
+        .iter()
+        .map(|&i| eligible[i].load.in_flight)
+        .min()
+        .unwrap_or(0);
+    let idlest: Vec<usize> = tied
+        .iter()
+        .copied()
+        .filter(|&i| eligible[i].load.in_flight == fewest)
+        .collect();
+    let pick = match idlest.len() {
         0 => return None,
-        1 => tied[0],
-        len => {
-            // Power of two choices among the tied: two distinct draws, the less busy wins.
-            let mut rng = SplitMix64::new(rng_seed);
-            let ia = rng.below(len);
-            let mut ib = rng.below(len - 1);
-            if ib >= ia {
-                ib += 1;
-            }
-            let (a, b) = (tied[ia], tied[ib]);
-            if eligible[b].load.in_flight < eligible[a].load.in_flight {
-                b
-            } else {
-                a
-            }
-        }
+        1 => idlest[0],
+        len => idlest[SplitMix64::new(rng_seed).below(len)],
     };
 
     let hit = |s: &Scored| s.terms.gpu_hit_tokens + s.terms.offload_hit_tokens;

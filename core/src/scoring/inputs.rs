@@ -47,12 +47,19 @@ pub struct Load {
     pub running: u32,
     /// `vllm:kv_cache_usage_perc` (a fraction 0..1).
     pub kv_usage: f32,
+    /// How old that reading is, seconds (the batch has grown since).
+    #[serde(default)]
+    pub kv_usage_age_s: f32,
     /// Uncached prompt tokens of requests kvroute routed here whose prefill is estimated not done.
     #[serde(default)]
     pub pending_prefill_tokens: u64,
     /// How many requests those tokens belong to.
     #[serde(default)]
     pub pending_prefill_requests: u32,
+    /// Of `pending_prefill_tokens`, the part estimated computed already: the pending prefills
+    /// run one after another, and the one at the head of the queue is part way through.
+    #[serde(default)]
+    pub pending_prefill_done_tokens: u64,
     /// Uncached prompt tokens of every request kvroute routed here that has not completed (its
     /// prefill done or not): with `in_flight`, the typical size of what kvroute sends here.
     #[serde(default)]

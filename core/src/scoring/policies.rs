@@ -3,8 +3,8 @@
 use super::{choose, Candidate, CostTerms, Decision, DecisionReason, MatchedBlocks};
 use super::{RequestShape, ScoringConfig, SplitMix64};
 
-/// Least-loaded policy: the model's prediction as if nothing were cached anywhere; ties broken by
-/// power of two choices with `rng_seed`.
+/// Least-loaded policy: the model's prediction as if nothing were cached anywhere; ties go to the
+/// fewest in flight, then to `rng_seed`.
 pub fn choose_least_loaded(
     cfg: &ScoringConfig,
     req: &RequestShape,

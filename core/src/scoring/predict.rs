@@ -4,15 +4,17 @@
 //! ```text
 //! chunk        = max(max_num_batched_tokens - decoding, block_size)      prefill tokens per step
 //! compute(x)   = x / prefill_rate + ceil(x / chunk) * step               x prompt tokens, chunked
-//! ahead        = pending_prefill_tokens + foreign_waiting * mean routed request (uncached)
+//! ahead        = pending_prefill_tokens - its part computed already
+//!                + foreign_waiting * mean routed request (uncached)
 //! queue_wait   = compute(ahead)
 //! prefill      = compute(ahead + uncached) - compute(ahead)
 //! tier_load    = cpu_tokens / cpu_load_rate + storage_tokens / storage_load_rate
-//! kv_pressure  = 0 if the prompt's new blocks fit the free blocks (after the queue ahead), else
-//!                the first t with free + released(t) - grown(t) >= need, where released is the
+//! kv_pressure  = the first t from which margin(t) = free + released(t) - grown(t) - need stays
+//!                >= 0 for kv_usage_age + queue_wait + prefill (until the first token, counted
+//!                from the KV reading), where free is after the queue ahead, released is the
 //!                curve of kvroute's running requests' blocks coming back as they finish and
-//!                grown the blocks the still-decoding batch adds; without a curve,
-//!                deficit_blocks / used_blocks * remaining_per_running * step
+//!                grown the blocks the still-decoding batch adds; without a curve, 0 if the
+//!                new blocks fit, else deficit_blocks / used_blocks * remaining_per_running * step
 //! ttft         = queue_wait + prefill + tier_load + kv_pressure
 //! harm         = decoding * weight * (uncached / prefill_rate + min(output, remaining) * per_seq_step)
 //!              + arrival_rate * prefill * (queue_wait + prefill / 2)
@@ -108,6 +110,7 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
     let mean_pending = load.mean_routed_uncached_tokens().unwrap_or(uncached);
     let ahead = load
         .pending_prefill_tokens
+        .saturating_sub(load.pending_prefill_done_tokens)
         .saturating_add(u64::from(foreign).saturating_mul(mean_pending));
     let queue_wait_s = compute(ahead);
     let prefill_s = compute(ahead.saturating_add(uncached)) - queue_wait_s;
@@ -122,7 +125,12 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
     let kv = KvState::of(c, ahead, bs);
     let kv_pressure_s = match c.load.kv_release.points() {
         [] => kv.drain_wait(req, uncached, remaining_per_running * step),
-        release => kv.release_wait(uncached.div_ceil(bs), release, decoding, step),
+        release => {
+            let age = f64::from(load.kv_usage_age_s);
+            let horizon =
+                if age.is_finite() { age.max(0.0) } else { 0.0 } + queue_wait_s + prefill_s;
+            kv.release_wait(uncached.div_ceil(bs), release, decoding, step, horizon)
+        }
     };
     let ttft_s = queue_wait_s + prefill_s + tier_load_s + kv_pressure_s;
 
@@ -195,14 +203,22 @@ impl KvState {
     }
 
     /// With the release curve of kvroute's running requests: the engine admits the request when
-    /// its `need` prompt blocks are free. If they are not free now, they become free when the
-    /// running requests finish and give theirs back, while the batch keeps growing by one block
-    /// per `bs` tokens of each sequence still decoding. The margin at `t` is
-    /// `free + released(t) - grown(t) - need`; the request waits until it is first positive.
-    /// (A batch that will outgrow its KV later preempts whoever the engine admitted last, which
-    /// is the same wherever this request goes; only a shortfall now is this request's wait.)
-    fn release_wait(&self, need: u64, release: &[ReleasePoint], decoding: u32, step: f64) -> f64 {
-        if self.capacity == 0 || need <= self.free() {
+    /// its `need` prompt blocks are free, and keeps it running if they stay free until its first
+    /// token (`horizon` seconds; a batch that runs out of blocks before then preempts, and admits
+    /// nothing meanwhile). Blocks come back as the running requests finish, while the batch keeps
+    /// growing by one block per `bs` tokens of each sequence still decoding. The margin at `t` is
+    /// `free + released(t) - grown(t) - need`; the request waits until the first `t0` from which
+    /// it stays non-negative for `horizon`. (A shortfall after the first token preempts whoever
+    /// the engine admitted last, wherever this request goes: it is not this request's wait.)
+    fn release_wait(
+        &self,
+        need: u64,
+        release: &[ReleasePoint],
+        decoding: u32,
+        step: f64,
+        horizon: f64,
+    ) -> f64 {
+        if self.capacity == 0 {
             return 0.0;
         }
         if need > self.capacity {
@@ -211,7 +227,7 @@ impl KvState {
         let per_seq = 1.0 / (self.bs as f64 * step);
         let decoding = f64::from(decoding);
         let base = self.free() as f64 - need as f64;
-        // (time, margin) at now and at each point of the curve.
+        // (time, margin) at now and at each point of the curve; constant after the last.
         let mut samples = [(0.0f64, base); KvRelease::MAX_POINTS + 1];
         let (mut t_prev, mut done_prev, mut grown) = (0.0f64, 0.0f64, 0.0f64);
         for (slot, p) in samples[1..].iter_mut().zip(release) {
@@ -225,14 +241,38 @@ impl KvState {
             (t_prev, done_prev) = (t, done);
         }
         let samples = &samples[..=release.len()];
-        let Some(k) = samples.iter().position(|&(_, m)| m >= 0.0) else {
+        let horizon = if horizon.is_finite() {
+            horizon.max(0.0)
+        } else {
+            0.0
+        };
+        // Walk the stretches where the margin is negative, in time order; each one that starts
+        // before the current start plus the horizon moves the start to its end. A margin still
+        // negative at the curve's last point stays negative.
+        let last = samples.len() - 1;
+        let mut start = 0.0f64;
+        for (i, w) in samples.windows(2).enumerate() {
+            let ((t0, m0), (t1, m1)) = (w[0], w[1]);
+            if m0 >= 0.0 && m1 >= 0.0 {
+                continue;
+            }
+            let crossing = |from: f64, to: f64| t0 + from / (from - to) * (t1 - t0);
+            let neg_from = if m0 < 0.0 { t0 } else { crossing(m0, m1) };
+            let neg_to = match (m1 < 0.0, i + 1 == last) {
+                (true, true) => f64::INFINITY,
+                (true, false) => t1,
+                (false, _) => crossing(m0, m1),
+            };
+            if neg_from > start + horizon {
+                break;
+            }
+            start = start.max(neg_to);
+        }
+        if start.is_infinite() {
             // Short even when kvroute's requests have finished: others hold the blocks; wait
             // as long again as the curve lasted, at least.
-            let (t_last, _) = samples[release.len()];
-            return t_last.max(f64::MIN_POSITIVE) * 2.0;
-        };
-        // k > 0: the margin at now is negative.
-        let ((t0, m0), (t1, m1)) = (samples[k - 1], samples[k]);
-        t0 + (-m0) / (m1 - m0) * (t1 - t0)
+            return samples[last].0.max(f64::MIN_POSITIVE) * 2.0;
+        }
+        start
     }
 }

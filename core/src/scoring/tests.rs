@@ -110,6 +110,26 @@ fn a_queued_holder_loses_to_an_idle_replica_once_its_queue_outweighs_the_hit() {
 }
 
 #[test]
+fn a_holder_part_way_through_its_queue_keeps_the_hit() {
+    // The holder has one large prefill pending (60,000 tokens: 2 s at 30k tokens/s), enough to
+    // give a 300-block hit away while none of it is done. Once most of it is computed, what is
+    // left ahead is short and the hit stays.
+    let cfg = ScoringConfig::default();
+    let idle = cand(1, 0, 0);
+    let fresh = queued(cand(0, 300, 0), 60_000, 1);
+    let d = choose(&cfg, &req(320), &[fresh, idle], 5).expect("decision");
+    assert_eq!(d.reason, DecisionReason::LoadOverPrefix);
+    let mut nearly_done = queued(cand(0, 300, 0), 60_000, 1);
+    nearly_done.load.pending_prefill_done_tokens = 58_000;
+    let d = choose(&cfg, &req(320), &[nearly_done, idle], 5).expect("decision");
+    assert_eq!((d.replica, d.reason), (0, DecisionReason::PrefixHit));
+    assert_eq!(d.candidates[0].terms.ahead_tokens, 2_000);
+    // The mean size of what kvroute sends there (for the engine's other waiting requests) is
+    // still the whole pending request's.
+    assert_eq!(nearly_done.load.mean_routed_uncached_tokens(), Some(60_000));
+}
+
+#[test]
 fn no_prefix_goes_where_the_wait_is_shortest() {
     let cfg = ScoringConfig::default();
     let cands = [
@@ -200,6 +220,23 @@ fn tie_break_prefers_the_one_with_fewer_in_flight() {
     for seed in 0..32 {
         let d = choose(&cfg, &req(10), &[cand(0, 0, 0), busy], seed).expect("decision");
         assert_eq!(d.replica, 0, "seed {seed}");
+    }
+}
+
+#[test]
+fn the_idle_one_of_three_tied_wins_every_draw() {
+    // Two replicas each with a short prefill queued (well under a step), one idle: their
+    // predictions tie within a step, and the idle one must win whatever the seed.
+    let cfg = ScoringConfig::default();
+    let cands = [
+        queued(cand(0, 0, 0), 16, 1),
+        queued(cand(1, 0, 0), 16, 1),
+        cand(2, 0, 0),
+    ];
+    for seed in 0..64 {
+        let d = choose(&cfg, &req(10), &cands, seed).expect("decision");
+        assert_eq!(d.tied, 3, "seed {seed}: {d:?}");
+        assert_eq!(d.replica, 2, "seed {seed}");
     }
 }
 
@@ -423,7 +460,7 @@ fn on_an_idle_fleet_siblings_wait_for_the_prefix_being_built_when_rebuilding_it_
 fn within_a_step_the_candidate_computing_less_wins_before_load_breaks_the_tie() {
     // Replica 1 holds 2 blocks more than replica 0 and has 3 requests in flight more; their costs
     // differ by far less than a step. The one computing less wins; only equal work goes to the
-    // power of two choices.
+    // load tie-break.
     let cfg = ScoringConfig::default();
     let cands = [cand(0, 10, 0), cand(1, 12, 3)];
     for seed in 0..16 {
@@ -599,4 +636,36 @@ fn a_holder_whose_kv_runs_out_gives_the_request_to_a_replica_with_room() {
     // With its blocks coming back soon, the holder keeps its hit.
     let d = choose(&cfg, &req(450), &[full_until(0, 375, 0.2), roomy], 3).expect("decision");
     assert_eq!(d.replica, 0, "{:#?}", d.candidates);
+}
+
+#[test]
+fn a_holder_whose_batch_outgrows_its_kv_before_the_first_token_gives_the_request_away() {
+    // Seen at 18 req/s on shared-prefix: the holder had 113 free blocks at its last reading, room
+    // for the hit's 75 new ones, but 180 sequences decoding add ~190 blocks a second and none of
+    // kvroute's requests there finish for 12 s. Read just now, the request's first token comes
+    // before the blocks run out: it keeps its hit. Read half a second ago, the engine is already
+    // out of blocks (it preempts and admits nothing): the request would wait ~12 s there.
+    let cfg = ScoringConfig::default();
+    let holder = |age_s: f32| {
+        let mut c = full_until(0, 375, 12.0);
+        c.load.kv_usage = 1.0 - 113.0 / 32_768.0;
+        c.load.kv_usage_age_s = age_s;
+        c
+    };
+    let mut roomy = full_until(1, 0, 12.0);
+    roomy.load.kv_usage = 0.9;
+    let fresh = choose(&cfg, &req(450), &[holder(0.0), roomy], 3).expect("decision");
+    assert_eq!(fresh.replica, 0, "{:#?}", fresh.candidates);
+    assert_eq!(fresh.candidates[0].terms.kv_pressure_s, 0.0);
+    let old = choose(&cfg, &req(450), &[holder(0.5), roomy], 3).expect("decision");
+    assert_eq!(old.replica, 1, "{:#?}", old.candidates);
+    assert!(
+        old.candidates[0].terms.kv_pressure_s > 10.0,
+        "{:#?}",
+        old.candidates
+    );
+    // A margin that runs out only after the first token is not this request's wait.
+    let mut late = holder(0.0);
+    late.load.kv_usage = 1.0 - 600.0 / 32_768.0;
+    assert_eq!(predict(&cfg, &req(450), &late).kv_pressure_s, 0.0);
 }
