@@ -107,6 +107,7 @@ async fn route_handler(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let started = std::time::Instant::now();
     let req: RouteRequest = match parse_json(&body) {
         Ok(r) => r,
         Err(resp) => {
@@ -125,7 +126,9 @@ async fn route_handler(
     let header_session = headers
         .get(state.policy_state.session_header.as_str())
         .and_then(|v| v.to_str().ok());
-    match route(&state, &req, header_session) {
+    let decided = route(&state, &req, header_session);
+    state.metrics.route_duration.observe(started.elapsed());
+    match decided {
         Ok(r) => Json(r).into_response(),
         Err(e) => {
             let status = e.status();

@@ -71,6 +71,11 @@ pub struct Config {
     /// Largest accepted HTTP request body, in bytes.
     #[serde(default = "default_max_body_bytes")]
     pub max_body_bytes: usize,
+    /// Threads of the HTTP API's own runtime (route decisions, completions, metrics), apart from
+    /// the event streams' runtime so a decision never waits in a run queue behind event intake.
+    /// Default 2; 1 ..= 64.
+    #[serde(default = "default_api_threads")]
+    pub api_threads: usize,
     /// The block index.
     #[serde(default)]
     pub index: IndexSection,
@@ -117,6 +122,9 @@ fn default_stale_after_ms() -> u64 {
 }
 fn default_max_body_bytes() -> usize {
     16 * 1024 * 1024
+}
+fn default_api_threads() -> usize {
+    2
 }
 
 /// `[index]`.
@@ -510,6 +518,9 @@ impl Config {
         self.listen
             .parse::<SocketAddr>()
             .map_err(|e| invalid("listen", format!("{:?} is not IP:port ({e})", self.listen)))?;
+        if !(1..=64).contains(&self.api_threads) {
+            return Err(invalid("api_threads", "must be 1 ..= 64"));
+        }
         if self.index.max_bytes < 1024 * 1024 {
             return Err(invalid(
                 "index.max_bytes",
@@ -899,6 +910,17 @@ events = ["tcp://127.0.0.1:5557"]
         assert_eq!(cfg.listen, "127.0.0.1:8190");
         assert_eq!(cfg.models[0].replicas[0].route_endpoint(), "127.0.0.1:8001");
         assert_eq!(cfg.index.max_bytes, 1 << 30);
+    }
+
+    #[test]
+    fn api_threads_out_of_range_is_refused() {
+        for n in ["0", "65"] {
+            let text = format!("api_threads = {n}\n{MINIMAL}");
+            let err = Config::parse(&text, "t").unwrap_err().to_string();
+            assert!(err.contains("api_threads"), "{err}");
+        }
+        let cfg = Config::parse(&format!("api_threads = 1\n{MINIMAL}"), "t").expect("valid");
+        assert_eq!(cfg.api_threads, 1);
     }
 
     #[test]

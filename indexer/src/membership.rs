@@ -73,8 +73,6 @@ pub struct StreamStats {
     /// blocks count for the ones they stand for): prefill a prefix-aware router would have served
     /// from cache.
     pub fleet_repeat_blocks: AtomicU64,
-    /// Recent GPU removals, to tell recomputation after eviction from new work.
-    pub removals: Mutex<crate::reuse::RecentRemovals>,
     /// Connections made.
     pub connects: AtomicU64,
     /// Hash self-check candidates seen (for sampling).

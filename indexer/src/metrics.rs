@@ -209,6 +209,7 @@ pub fn render(state: &AppState) -> String {
     }
     replica_rates(&mut out, state, &replicas, p);
     ttft_accuracy(&mut out, state, p);
+    route_duration(&mut out, state, p);
     token_agreement(&mut out, state, p);
     let full = format!("{p}_replica_healthy");
     header(
@@ -617,6 +618,26 @@ fn token_agreement(out: &mut String, state: &AppState, p: &str) {
     for (model, v) in &rows {
         let _ = writeln!(out, "{full}{{model=\"{model}\"}} {}", u8::from(v.mismatch));
     }
+}
+
+/// How long route decisions took inside the indexer.
+fn route_duration(out: &mut String, state: &AppState, p: &str) {
+    let full = format!("{p}_route_duration_seconds");
+    header(
+        out,
+        &full,
+        "histogram",
+        "Time /v1/route took inside the indexer, from its received body to its decision (parsing included; refusals of a well-formed body included).",
+    );
+    let (counts, sum) = state.metrics.route_duration.cumulative();
+    let bounds = crate::state::ROUTE_DURATION_BUCKETS
+        .iter()
+        .map(|b| b.to_string());
+    for (le, c) in bounds.chain(["+Inf".to_string()]).zip(&counts) {
+        let _ = writeln!(out, "{full}_bucket{{le=\"{le}\"}} {c}");
+    }
+    let _ = writeln!(out, "{full}_sum {sum}");
+    let _ = writeln!(out, "{full}_count {}", counts.last().copied().unwrap_or(0));
 }
 
 /// Observed / predicted TTFT per replica, as a histogram of the ratio.

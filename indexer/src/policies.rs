@@ -49,13 +49,9 @@ impl RoutePolicy for KvPolicy {
         }
         if let Some(first) = chosen.streams().first() {
             let ttl = l.state.config.index.predicted_ttl_ms;
-            if let Err(e) = l
-                .state
+            l.state
                 .index
-                .insert_predicted(first.index_id, usable, now_ms(), ttl)
-            {
-                tracing::debug!(error = %e, "predicted entries not written");
-            }
+                .insert_predicted(first.index_id, usable, now_ms(), ttl);
         }
     }
 
@@ -73,12 +69,9 @@ impl RoutePolicy for KvPolicy {
         }
         if let Some(first) = r.replica.streams().first() {
             let ttl = state.config.index.predicted_ttl_ms;
-            if let Err(e) = state
+            state
                 .index
-                .insert_predicted(first.index_id, r.keys, now_ms(), ttl)
-            {
-                tracing::debug!(error = %e, "peer's predicted entries not written");
-            }
+                .insert_predicted(first.index_id, r.keys, now_ms(), ttl);
         }
     }
 }

@@ -7,6 +7,8 @@ use std::collections::{HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
+use crate::index::IdBuildHasher;
+
 /// `[reuse]`: how recomputation after eviction is recognised.
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -15,7 +17,9 @@ pub struct ReuseConfig {
     /// as recomputed (default 60).
     #[serde(default = "default_recompute_window_s")]
     pub recompute_window_s: f64,
-    /// Removals remembered per stream (default 65,536: 1.5 MiB at most per stream).
+    /// Removals remembered per model, all its replicas together (default 262,144: about
+    /// 10 MiB); more removals within one window are followed on a hash sample
+    /// ([`RecentRemovals`]).
     #[serde(default = "default_max_tracked_removals")]
     pub max_tracked_removals: usize,
     /// (session, block) pairs remembered to tell reuse within one session from reuse across
@@ -43,7 +47,7 @@ fn default_recompute_window_s() -> f64 {
     60.0
 }
 fn default_max_tracked_removals() -> usize {
-    65_536
+    262_144
 }
 fn default_max_session_blocks() -> usize {
     262_144
@@ -75,46 +79,128 @@ impl ReuseConfig {
     }
 }
 
-/// The most recent GPU removals of one stream, by engine block hash, bounded (oldest forgotten
-/// first).
+/// One model's recent GPU removals, by (stream, engine block hash), to recognise a block its
+/// stream stores again within the recompute window.
+///
+/// Bounded twice: entries older than the window are forgotten, and the whole model's fleet
+/// keeps at most `max_tracked_removals` of them. A fleet that removes more than that within one
+/// window is followed on a hash sample (fixed-size SHARDS, Waldspurger et al., FAST'15): when the
+/// table is full the sample halves and the entries outside it are dropped; each sampled
+/// recomputation then stands for 1/rate. A bound per stream would grow with the fleet (100
+/// replicas x 65,536 removals was 150 MiB); this one does not.
 #[derive(Debug, Default)]
 pub struct RecentRemovals {
-    at_ms: HashMap<u64, u64>,
+    /// Sampled (stream, hash) key -> its [`Removal`].
+    at: HashMap<u64, Removal, IdBuildHasher>,
+    /// Keys in removal order, with their times (stale ones dropped lazily).
     order: VecDeque<(u64, u64)>,
+    /// One key in `2^shift` is followed now.
+    shift: u32,
+}
+
+/// One remembered removal.
+#[derive(Debug, Clone, Copy)]
+struct Removal {
+    at_ms: u64,
+    /// The sample it stands for: one in `2^shift` keys. Set when it is remembered, raised when
+    /// the sample shrinks around it; a later widening of the sample leaves it, since the removals
+    /// of the narrower period that it stands for were not remembered.
+    shift: u32,
+}
+
+/// The sampled key of `hash` removed from `stream`: uniform over 64 bits whatever the hashes.
+fn removal_key(stream: u32, hash: u64) -> u64 {
+    use kvroute_core::rng::mix;
+    mix(hash ^ mix(u64::from(stream)))
+}
+
+/// Whether `key` is in the sample of one key in `2^shift`.
+fn in_sample(key: u64, shift: u32) -> bool {
+    shift == 0 || key >> (64 - shift) == 0
 }
 
 impl RecentRemovals {
-    /// Remembers that `hash` was removed at `now_ms`.
-    pub fn removed(&mut self, cfg: &ReuseConfig, hash: u64, now_ms: u64) {
-        if cfg.max_tracked_removals == 0 {
+    /// Remembers that `stream` removed `hash` at `now_ms`.
+    pub fn removed(&mut self, cfg: &ReuseConfig, stream: u32, hash: u64, now_ms: u64) {
+        let cap = cfg.max_tracked_removals;
+        if cap == 0 {
             return;
         }
-        self.at_ms.insert(hash, now_ms);
-        self.order.push_back((hash, now_ms));
-        while self.order.len() > cfg.max_tracked_removals {
-            if let Some((h, t)) = self.order.pop_front() {
-                if self.at_ms.get(&h) == Some(&t) {
-                    self.at_ms.remove(&h);
-                }
+        self.forget_older_than(now_ms.saturating_sub(cfg.window_ms()));
+        // Widen the sample again once the table is well under its bound (hysteresis).
+        if self.shift > 0 && self.at.len() < cap / 4 {
+            self.shift -= 1;
+        }
+        let key = removal_key(stream, hash);
+        if !in_sample(key, self.shift) {
+            return;
+        }
+        let shift = self.shift;
+        self.at.insert(
+            key,
+            Removal {
+                at_ms: now_ms,
+                shift,
+            },
+        );
+        self.order.push_back((key, now_ms));
+        while self.at.len() > cap && self.shift < 63 {
+            self.narrow();
+        }
+        if self.order.len() > 2 * cap + 16 {
+            let at = &self.at;
+            self.order
+                .retain(|(k, t)| at.get(k).is_some_and(|r| r.at_ms == *t));
+        }
+    }
+
+    /// Halves the sample: drops the keys outside it; the ones left stand for twice as many.
+    fn narrow(&mut self) {
+        self.shift += 1;
+        let shift = self.shift;
+        self.at.retain(|&k, r| {
+            r.shift = r.shift.max(shift);
+            in_sample(k, shift)
+        });
+        self.order.retain(|&(k, _)| in_sample(k, shift));
+    }
+
+    /// How many recomputed blocks storing `hash` on `stream` at `now_ms` stands for: 0 when it
+    /// was not removed within the window (or is outside the sample), else the inverse sampling
+    /// rate of its removal (1 while the fleet's removals fit the bound).
+    pub fn stored_again(&mut self, cfg: &ReuseConfig, stream: u32, hash: u64, now_ms: u64) -> u64 {
+        match self.at.remove(&removal_key(stream, hash)) {
+            Some(r) if now_ms.saturating_sub(r.at_ms) <= cfg.window_ms() => 1 << r.shift,
+            _ => 0,
+        }
+    }
+
+    /// Drops the removals before `oldest_ms`.
+    fn forget_older_than(&mut self, oldest_ms: u64) {
+        while let Some(&(k, t)) = self.order.front() {
+            if t >= oldest_ms {
+                break;
+            }
+            self.order.pop_front();
+            if self.at.get(&k).is_some_and(|r| r.at_ms == t) {
+                self.at.remove(&k);
             }
         }
     }
 
-    /// Whether storing `hash` at `now_ms` recomputes a block removed within the window.
-    pub fn stored_again(&mut self, cfg: &ReuseConfig, hash: u64, now_ms: u64) -> bool {
-        self.at_ms
-            .remove(&hash)
-            .is_some_and(|t| now_ms.saturating_sub(t) <= cfg.window_ms())
-    }
-
     /// Removals remembered.
     pub fn len(&self) -> usize {
-        self.at_ms.len()
+        self.at.len()
     }
 
     /// True when nothing is remembered.
     pub fn is_empty(&self) -> bool {
-        self.at_ms.is_empty()
+        self.at.is_empty()
+    }
+
+    /// The sampling rate's exponent now: one removal in `2^shift` is followed.
+    pub fn sample_shift(&self) -> u32 {
+        self.shift
     }
 }
 
@@ -230,40 +316,89 @@ mod tests {
     }
 
     #[test]
-    fn a_block_stored_again_soon_after_its_removal_is_recomputed() {
+    fn a_block_stored_again_soon_after_its_removal_on_the_same_stream_is_recomputed() {
         let cfg = ReuseConfig {
             recompute_window_s: 10.0,
             max_tracked_removals: 4,
             ..ReuseConfig::default()
         };
         let mut r = RecentRemovals::default();
-        r.removed(&cfg, 1, 1_000);
-        r.removed(&cfg, 2, 1_000);
-        assert!(r.stored_again(&cfg, 1, 5_000));
-        assert!(!r.stored_again(&cfg, 1, 5_000), "counted once");
-        assert!(!r.stored_again(&cfg, 2, 12_000), "outside the window");
-        assert!(!r.stored_again(&cfg, 3, 1_000), "never removed");
+        r.removed(&cfg, 0, 1, 1_000);
+        r.removed(&cfg, 0, 2, 1_000);
+        assert_eq!(r.stored_again(&cfg, 1, 1, 5_000), 0, "another stream");
+        assert_eq!(r.stored_again(&cfg, 0, 1, 5_000), 1);
+        assert_eq!(r.stored_again(&cfg, 0, 1, 5_000), 0, "counted once");
+        assert_eq!(r.stored_again(&cfg, 0, 2, 12_000), 0, "outside the window");
+        assert_eq!(r.stored_again(&cfg, 0, 3, 1_000), 0, "never removed");
     }
 
     #[test]
-    fn removals_are_bounded_oldest_first() {
+    fn removals_older_than_the_window_are_forgotten() {
         let cfg = ReuseConfig {
-            recompute_window_s: 60.0,
-            max_tracked_removals: 3,
+            recompute_window_s: 1.0,
             ..ReuseConfig::default()
         };
         let mut r = RecentRemovals::default();
-        for h in 0..10 {
-            r.removed(&cfg, h, h);
+        for h in 0..1_000 {
+            r.removed(&cfg, 7, h, 0);
         }
-        assert_eq!(r.len(), 3);
-        assert!(!r.stored_again(&cfg, 6, 20));
-        assert!(r.stored_again(&cfg, 9, 20));
-        // A hash removed twice keeps its latest time and is not dropped by its older entry.
-        r.removed(&cfg, 7, 30);
-        r.removed(&cfg, 7, 31);
-        r.removed(&cfg, 20, 32);
-        assert!(r.stored_again(&cfg, 7, 40));
+        assert_eq!(r.len(), 1_000);
+        r.removed(&cfg, 7, 5_000, 1_001);
+        assert_eq!(r.len(), 1, "only the removal within the window is kept");
+        assert_eq!(r.stored_again(&cfg, 7, 5_000, 1_500), 1);
+    }
+
+    #[test]
+    fn a_fleet_removing_more_than_the_bound_is_sampled_and_estimates_its_recomputations() {
+        let cfg = ReuseConfig {
+            recompute_window_s: 60.0,
+            max_tracked_removals: 1_000,
+            ..ReuseConfig::default()
+        };
+        let mut r = RecentRemovals::default();
+        // 100 streams remove 160 blocks each (16,000 within the window, 16x the bound); then
+        // half of every stream's blocks are stored again.
+        for stream in 0..100u32 {
+            for b in 0..160u64 {
+                r.removed(&cfg, stream, b.wrapping_mul(0x9E37_79B9_7F4A_7C15), 1_000);
+                assert!(r.len() <= 1_000, "{} remembered", r.len());
+            }
+        }
+        assert!(r.sample_shift() >= 4, "shift {}", r.sample_shift());
+        let mut estimated = 0;
+        for stream in 0..100u32 {
+            for b in 0..80u64 {
+                estimated +=
+                    r.stored_again(&cfg, stream, b.wrapping_mul(0x9E37_79B9_7F4A_7C15), 2_000);
+            }
+        }
+        assert!(
+            (6_800..=9_200).contains(&estimated),
+            "{estimated} recomputations estimated of 8,000"
+        );
+    }
+
+    #[test]
+    fn the_sample_widens_again_once_the_burst_left_the_window() {
+        let cfg = ReuseConfig {
+            recompute_window_s: 10.0,
+            max_tracked_removals: 1_000,
+            ..ReuseConfig::default()
+        };
+        let mut r = RecentRemovals::default();
+        for b in 0..16_000u64 {
+            r.removed(&cfg, 0, b, 0);
+        }
+        assert!(r.sample_shift() >= 4);
+        // After the window, a trickle of removals: each remembered, each worth one block.
+        for b in 100_000..100_200u64 {
+            r.removed(&cfg, 1, b, 20_000);
+        }
+        assert_eq!(r.sample_shift(), 0);
+        let estimated: u64 = (100_000..100_200u64)
+            .map(|b| r.stored_again(&cfg, 1, b, 21_000))
+            .sum();
+        assert!((170..=240).contains(&estimated), "{estimated} of 200");
     }
 
     #[test]
@@ -274,7 +409,8 @@ mod tests {
             ..ReuseConfig::default()
         };
         let mut r = RecentRemovals::default();
-        r.removed(&cfg, 1, 0);
+        r.removed(&cfg, 0, 1, 0);
         assert!(r.is_empty());
+        assert_eq!(r.stored_again(&cfg, 0, 1, 0), 0);
     }
 }

@@ -41,16 +41,30 @@ pub async fn serve(config: Config, policy: Policy, listen: Option<String>) -> an
         .parse()
         .with_context(|| format!("--listen {listen:?} is not IP:port"))?;
     let state = start(config, policy)?;
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("cannot listen on {addr}"))?;
+    let listener =
+        std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
+    listener
+        .set_nonblocking(true)
+        .context("setting the listener non-blocking")?;
     let local = listener.local_addr()?;
-    tracing::info!(listen = %local, policy = policy.as_str(), replicas = state.fleet.all().len(), "kvroute-indexer serving");
+    tracing::info!(listen = %local, policy = policy.as_str(), replicas = state.fleet.all().len(), api_threads = state.config.api_threads, "kvroute-indexer serving");
     // Tests and scripts read this line to learn an ephemeral port.
     println!("listening on {local}");
-    axum::serve(listener, api::router(state.clone()))
-        .with_graceful_shutdown(shutdown_signal())
-        .await
+    let api = api_runtime(state.config.api_threads)?;
+    let router = api::router(state.clone());
+    let served = api
+        .spawn(async move {
+            // Registered with the API runtime's reactor: its connections are driven there.
+            let listener = tokio::net::TcpListener::from_std(listener)?;
+            axum::serve(listener, router)
+                .with_graceful_shutdown(shutdown_signal())
+                .await
+        })
+        .await;
+    // In-flight handlers are done (graceful shutdown); nothing is left to wait for.
+    api.shutdown_background();
+    served
+        .context("the HTTP server's task failed")?
         .context("HTTP server failed")?;
     if state.config.snapshot.is_some() {
         match snapshot::save(&state).await {
@@ -59,6 +73,17 @@ pub async fn serve(config: Config, policy: Policy, listen: Option<String>) -> an
         }
     }
     Ok(())
+}
+
+/// The HTTP API's runtime, on threads of its own (`kvroute-api`): the event streams' hundreds of
+/// tasks run on the main runtime, and a route decision must not queue behind them.
+fn api_runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .thread_name("kvroute-api")
+        .enable_all()
+        .build()
+        .context("starting the HTTP API's runtime")
 }
 
 /// Ctrl-C or SIGTERM, logged.

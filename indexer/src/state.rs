@@ -36,6 +36,9 @@ pub struct ModelRuntime {
     /// The model's fleet seen as one cache, fed with every replica's stores (assess's
     /// prediction of a prefix-aware router's hit rate).
     pub fleet_cache: Mutex<crate::reuse::FleetCache>,
+    /// Recent GPU removals of every replica of the model, to tell recomputation after eviction
+    /// from new work.
+    pub removals: Mutex<crate::reuse::RecentRemovals>,
     /// Whether the filter and the engines agree with the indexer on this model's tokens.
     pub agreement: Mutex<crate::agreement::Agreement>,
     /// Held by one decision at a time, from reading the fleet to recording the choice: two
@@ -100,6 +103,50 @@ pub struct Metrics {
     pub scrape_failures: AtomicU64,
     /// Observed / predicted time to first token, per replica name.
     pub ttft_accuracy: Mutex<BTreeMap<String, TtftAccuracy>>,
+    /// How long `/v1/route` took, from its received body to its decision.
+    pub route_duration: DurationHistogram,
+}
+
+/// Upper bounds of the route duration buckets, seconds.
+pub const ROUTE_DURATION_BUCKETS: [f64; 12] = [
+    50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 250e-3,
+];
+
+/// A latency histogram with lock-free counters ([`ROUTE_DURATION_BUCKETS`]).
+#[derive(Debug, Default)]
+pub struct DurationHistogram {
+    /// Per bucket (not cumulative), then the overflow.
+    counts: [AtomicU64; ROUTE_DURATION_BUCKETS.len() + 1],
+    /// Sum of the observations, nanoseconds.
+    sum_ns: AtomicU64,
+}
+
+impl DurationHistogram {
+    /// Records one observation.
+    pub fn observe(&self, d: std::time::Duration) {
+        let s = d.as_secs_f64();
+        let i = ROUTE_DURATION_BUCKETS
+            .iter()
+            .position(|b| s <= *b)
+            .unwrap_or(ROUTE_DURATION_BUCKETS.len());
+        self.counts[i].fetch_add(1, Ordering::Relaxed);
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.sum_ns.fetch_add(ns, Ordering::Relaxed);
+    }
+
+    /// Cumulative counts per bucket bound (the last is `+Inf`), and the sum in seconds.
+    pub fn cumulative(&self) -> (Vec<u64>, f64) {
+        let mut total = 0;
+        let counts = self
+            .counts
+            .iter()
+            .map(|c| {
+                total += c.load(Ordering::Relaxed);
+                total
+            })
+            .collect();
+        (counts, self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9)
+    }
 }
 
 /// Upper bounds of the observed / predicted TTFT ratio buckets.
@@ -194,6 +241,9 @@ pub struct AppState {
     pub admin_token: Option<String>,
     /// The decisions shared with peer gateways (`[peers]`).
     pub peers: Option<crate::peers::PeerLink>,
+    /// The runtime the state was built on, where event streams run (`None` outside one): a
+    /// replica added through the API gets its subscribers there, not on the API's runtime.
+    pub background: Option<tokio::runtime::Handle>,
 }
 
 /// Wall-clock unix time in ms (0 before 1970).
@@ -234,6 +284,7 @@ impl AppState {
                         m.tokenizer_options.clone().unwrap_or_default(),
                     ),
                     fleet_cache: Mutex::new(crate::reuse::FleetCache::default()),
+                    removals: Mutex::new(crate::reuse::RecentRemovals::default()),
                     agreement: Mutex::new(crate::agreement::Agreement::default()),
                     deciding: Mutex::new(()),
                 }),
@@ -272,6 +323,7 @@ impl AppState {
             reuse_counted_from_ms: std::sync::atomic::AtomicU64::new(unix_ms()),
             admin_token,
             peers,
+            background: tokio::runtime::Handle::try_current().ok(),
         }))
     }
 

@@ -68,7 +68,10 @@ fn spawn_streams(state: &Arc<AppState>, replica: &Arc<Replica>, streams: &[Arc<S
                 Sequencer::resume(st.last_seq, st.last_fingerprint)
             },
         };
-        tasks.push(tokio::spawn(ctx.run()));
+        tasks.push(match &state.background {
+            Some(rt) => rt.spawn(ctx.run()),
+            None => tokio::spawn(ctx.run()),
+        });
     }
 }
 

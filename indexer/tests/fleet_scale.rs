@@ -231,6 +231,30 @@ async fn metrics_server(replica: usize) -> u16 {
     port
 }
 
+/// The upper bound of the bucket holding quantile `q` of the Prometheus histogram `name` in
+/// `text` (no labels), seconds; infinity when it is the overflow bucket.
+fn histogram_quantile(text: &str, name: &str, q: f64) -> f64 {
+    let prefix = format!("{name}_bucket{{le=\"");
+    let buckets: Vec<(f64, f64)> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix(&prefix))
+        .filter_map(|rest| {
+            let (le, count) = rest.split_once("\"} ")?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, count.trim().parse().ok()?))
+        })
+        .collect();
+    let total = buckets.last().map_or(0.0, |b| b.1);
+    buckets
+        .iter()
+        .find(|(_, c)| *c >= q * total)
+        .map_or(f64::NAN, |b| b.0)
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i.min(sorted.len() - 1)]
@@ -421,36 +445,63 @@ async fn one_indexer_follows_100_replicas_of_30k_blocks() {
         }));
     }
     let route_url = format!("{base}/v1/route");
+    let health_url = format!("{base}/healthz");
     let bytes: Vec<Vec<u8>> = bodies
         .iter()
         .map(|b| serde_json::to_vec(b).expect("body"))
         .collect();
-    let mut lat = Vec::with_capacity(ROUTE_SAMPLES);
-    for i in 0..ROUTE_SAMPLES + 200 {
-        let body = bytes[i % bytes.len()].clone();
-        let t = Instant::now();
-        let r = c
-            .post(&route_url)
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
+    // The client runs on its own thread and runtime: the churn's publishing tasks on this test's
+    // runtime must not delay it (the indexer's own histogram is read as well).
+    let client = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("client runtime");
+        rt.block_on(async move {
+            let c = procs::client();
+            let mut lat = Vec::with_capacity(ROUTE_SAMPLES);
+            let mut floor = Vec::with_capacity(ROUTE_SAMPLES);
+            for i in 0..ROUTE_SAMPLES + 200 {
+                // The control: the same client's round trip to `/healthz`, which does nothing.
+                let t = Instant::now();
+                let r = c.get(&health_url).send().await.expect("healthz");
+                assert!(r.status().is_success());
+                r.bytes().await.expect("healthz body");
+                if i >= 200 {
+                    floor.push(t.elapsed());
+                }
+                let body = bytes[i % bytes.len()].clone();
+                let t = Instant::now();
+                let r = c
+                    .post(&route_url)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await
+                    .expect("route request");
+                assert_eq!(r.status(), 200);
+                let answer: Value = r.json().await.expect("route answer");
+                if i >= 200 {
+                    lat.push(t.elapsed());
+                }
+                assert!(
+                    answer["replica"].is_string() || answer["endpoint"].is_string(),
+                    "{answer}"
+                );
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            (lat, floor)
+        })
+    });
+    let (mut lat, mut floor) =
+        tokio::task::spawn_blocking(move || client.join().expect("route client"))
             .await
-            .expect("route request");
-        assert_eq!(r.status(), 200);
-        let answer: Value = r.json().await.expect("route answer");
-        if i >= 200 {
-            lat.push(t.elapsed());
-        }
-        assert!(
-            answer["replica"].is_string() || answer["endpoint"].is_string(),
-            "{answer}"
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+            .expect("route client thread");
     stop_tx.send(true).expect("stop churn");
     let (steps, late, churn_wall, _replicas) = churner.await.expect("churn task");
     let (rss_end, hwm) = rss(pid);
     lat.sort();
+    floor.sort();
     let text = procs::get_text(&c, &metrics_url).await;
     println!(
         "churn: {CHURN_BLOCKS_PER_S} blocks/s stored + {CHURN_BLOCKS_PER_S} evicted per replica in {STEPS_PER_S} batches/s ({} stored blocks/s fleet-wide); {steps} steps in {:.1} s ({late} late); indexer CPU {churn_cpu:.3} cores over {CHURN_S} s; gaps {:.0}, replays {:.0}",
@@ -465,6 +516,20 @@ async fn one_indexer_follows_100_replicas_of_30k_blocks() {
         percentile(&lat, 0.90).as_secs_f64() * 1e6,
         percentile(&lat, 0.99).as_secs_f64() * 1e6,
         lat.last().expect("samples").as_secs_f64() * 1e6,
+    );
+    println!(
+        "control: the same client's GET /healthz between them: p50 {:.0} us, p90 {:.0} us, p99 {:.0} us, max {:.0} us",
+        percentile(&floor, 0.50).as_secs_f64() * 1e6,
+        percentile(&floor, 0.90).as_secs_f64() * 1e6,
+        percentile(&floor, 0.99).as_secs_f64() * 1e6,
+        floor.last().expect("samples").as_secs_f64() * 1e6,
+    );
+    let inside = |q| histogram_quantile(&text, "kvroute_indexer_route_duration_seconds", q) * 1e6;
+    println!(
+        "route inside the indexer (its route_duration_seconds histogram, bucket bounds, 200 warm-up calls included): p50 <= {:.0} us, p90 <= {:.0} us, p99 <= {:.0} us",
+        inside(0.50),
+        inside(0.90),
+        inside(0.99),
     );
     println!(
         "indexer RSS: {:.1} MiB at the end, peak (VmHWM) {:.1} MiB",

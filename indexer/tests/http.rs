@@ -177,6 +177,20 @@ async fn complete_releases_in_flight_and_compares_hits() {
         metrics.contains("kvroute_indexer_decisions_total{reason=\"prefix_hit\",policy=\"kv\"} 1")
     );
     assert!(metrics.contains("kvroute_indexer_index_entries "));
+    // Every route decision is timed: the histogram's count is its +Inf bucket, and not zero.
+    let value = |prefix: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{prefix} missing:\n{metrics}"))
+    };
+    let count = value("kvroute_indexer_route_duration_seconds_count ");
+    assert!(count >= 1.0, "{count}");
+    assert_eq!(
+        value("kvroute_indexer_route_duration_seconds_bucket{le=\"+Inf\"} "),
+        count
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,7 +3,12 @@
 //!
 //! # Locking contract
 //!
-//! * One mutex guards the whole [`KvIndex`]; only this module takes it. Every operation below holds
+//! * One **fair** mutex guards the whole [`KvIndex`]; only this module takes it. Waiters get it in
+//!   the order they came: a route decision that arrives while the event streams apply a burst of
+//!   batches (every replica's engine step lands at once) waits for the batch being applied and
+//!   the ones queued before it, not for the whole burst, as it did behind an unfair mutex whose
+//!   writers took it back before the woken reader ran (route p99 2-3 ms with 100 replicas;
+//!   docs/performance.md). Every operation below holds
 //!   it for its own duration and never across an `.await`, an I/O call or a callback into other
 //!   code, except the `then` closures, which run **under** it on purpose.
 //! * Lock order: **index, then a replica's own locks** (a stream's `state`, the replica's
@@ -12,11 +17,18 @@
 //!   together; no code may hold a replica's lock while calling into this handle.
 //! * A `then` closure must be short and must not call back into this handle (the mutex is not
 //!   reentrant: that would deadlock).
-//! * A poisoned mutex (a panic while holding it) is taken over rather than propagated: every
-//!   operation leaves the index consistent between events, and an indexer that stopped routing
-//!   would be worse than one serving the last consistent state.
+//! * A route decision takes the index once: its lookup. The predicted entries it then writes
+//!   ([`SharedIndex::insert_predicted`]) wait in a short queue under a lock of their own and are
+//!   written by the next holder of the index, before anything else it does, so every later lookup
+//!   sees them; a decision no longer queues a second time behind the event streams.
+//!   Lock order: index, then that queue.
+//! * The mutex is not poisoned by a panic while holding it: every operation leaves the index
+//!   consistent between events, and an indexer that stopped routing would be worse than one
+//!   serving the last consistent state.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
+
+use parking_lot::{FairMutex, FairMutexGuard};
 
 use kvroute_core::events::KvEvent;
 use kvroute_core::router_key::RouterKey;
@@ -42,19 +54,46 @@ pub struct BatchOutcome {
 
 /// The index behind its lock (see the module's locking contract).
 pub struct SharedIndex {
-    inner: Mutex<KvIndex>,
+    inner: FairMutex<KvIndex>,
+    /// Predictions not yet written into the index (see the locking contract).
+    pending: Mutex<Vec<Prediction>>,
+}
+
+/// Decisions whose predictions may wait for the next holder of the index; beyond this many, a
+/// decision writes its own under the index lock.
+const MAX_PENDING_PREDICTIONS: usize = 256;
+
+/// One decision's predicted entries ([`KvIndex::insert_predicted`]'s arguments).
+struct Prediction {
+    replica: ReplicaId,
+    keys: Vec<RouterKey>,
+    now_ms: u64,
+    ttl_ms: u64,
 }
 
 impl SharedIndex {
     /// An empty index.
     pub fn new(cfg: IndexConfig) -> Self {
         SharedIndex {
-            inner: Mutex::new(KvIndex::new(cfg)),
+            inner: FairMutex::new(KvIndex::new(cfg)),
+            pending: Mutex::new(Vec::new()),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, KvIndex> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    /// The index, with every queued prediction written.
+    fn lock(&self) -> FairMutexGuard<'_, KvIndex> {
+        let mut idx = self.inner.lock();
+        let queued = std::mem::take(&mut *self.lock_pending());
+        for p in queued {
+            if let Err(e) = idx.insert_predicted(p.replica, &p.keys, p.now_ms, p.ttl_ms) {
+                tracing::debug!(error = %e, "predicted entries not written");
+            }
+        }
+        idx
+    }
+
+    fn lock_pending(&self) -> std::sync::MutexGuard<'_, Vec<Prediction>> {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Longest cached prefix of `keys` per replica.
@@ -65,15 +104,35 @@ impl SharedIndex {
         self.lock().lookup(keys, now_ms)
     }
 
-    /// [`KvIndex::insert_predicted`].
+    /// [`KvIndex::insert_predicted`], written before the index's next use by anyone (queued
+    /// while fewer than [`MAX_PENDING_PREDICTIONS`] decisions wait, else written now). Errors
+    /// are logged at debug: a prediction is an optimisation.
     pub fn insert_predicted(
         &self,
         replica: ReplicaId,
         keys: &[RouterKey],
         now_ms: u64,
         ttl_ms: u64,
-    ) -> Result<usize, IndexError> {
-        self.lock().insert_predicted(replica, keys, now_ms, ttl_ms)
+    ) {
+        if keys.is_empty() {
+            return;
+        }
+        {
+            let mut pending = self.lock_pending();
+            if pending.len() < MAX_PENDING_PREDICTIONS {
+                pending.push(Prediction {
+                    replica,
+                    keys: keys.to_vec(),
+                    now_ms,
+                    ttl_ms,
+                });
+                return;
+            }
+        }
+        let mut idx = self.lock();
+        if let Err(e) = idx.insert_predicted(replica, keys, now_ms, ttl_ms) {
+            tracing::debug!(error = %e, "predicted entries not written");
+        }
     }
 
     /// Applies `events` from one stream, then runs `then` under the same lock (the caller records
@@ -148,5 +207,41 @@ impl SharedIndex {
     /// Entries held per stream.
     pub fn entries_by_stream(&self) -> Vec<(ReplicaId, u64)> {
         self.lock().replicas()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_core::events::{BlockStored, WireBlockHash};
+
+    fn keys(n: u64) -> Vec<RouterKey> {
+        (1..=n)
+            .map(|i| RouterKey(i * 0x9E37_79B9_7F4A_7C15))
+            .collect()
+    }
+
+    #[test]
+    fn queued_predictions_are_written_before_the_next_lookup_sees_the_index() {
+        let idx = SharedIndex::new(IndexConfig::default());
+        // Replica 0 is registered by an event; its predictions are queued, not written yet.
+        let stored = KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![WireBlockHash::Int(7)],
+            parent_block_hash: None,
+            token_ids: vec![1; 16],
+            block_size: 16,
+            ..BlockStored::default()
+        });
+        let (out, ()) = idx.apply_batch(0, &[stored], |_| ());
+        assert_eq!(out.applied, 1);
+        for _ in 0..MAX_PENDING_PREDICTIONS + 10 {
+            idx.insert_predicted(0, &keys(4), 1_000, 10_000);
+        }
+        // The decision past the bound wrote the queue and its own; the nine after it wait.
+        assert_eq!(idx.lock_pending().len(), 9);
+        let found = idx.lookup(&keys(4), 1_001);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].predicted, 4);
+        assert!(idx.lock_pending().is_empty());
     }
 }

@@ -4,7 +4,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvroute_core::events::{decode_batch, learned_block_size, BlockStored, KvEvent, Medium};
 
@@ -25,7 +25,13 @@ pub struct Applier {
     replica: Arc<Replica>,
     stream: Arc<Stream>,
     model: Arc<ModelRuntime>,
+    /// The model's fleet capacity in KV blocks and when it was read (read at most once per
+    /// [`CAPACITY_REFRESH`], not per batch: it changes with scrapes, every second at most).
+    capacity: std::sync::Mutex<Option<(Instant, u64)>>,
 }
+
+/// How long a read of the fleet's KV capacity is used.
+const CAPACITY_REFRESH: Duration = Duration::from_secs(1);
 
 impl Applier {
     /// The applier of `stream` (a rank of `replica`, serving `model`).
@@ -40,6 +46,7 @@ impl Applier {
             replica,
             stream,
             model,
+            capacity: std::sync::Mutex::new(None),
         }
     }
 
@@ -149,21 +156,20 @@ impl Applier {
         let mut recomputed = 0u64;
         let mut fleet_repeats = 0u64;
         let mut fleet = None;
-        let mut removals = lock(&self.stream.stats.removals);
+        let stream = self.stream.index_id;
+        let mut removals = lock(&self.model.removals);
         for ev in events {
             match ev {
                 KvEvent::BlockRemoved(r) if on_gpu(r.medium) => {
                     for h in &r.block_hashes {
-                        removals.removed(cfg, h.as_u64(), now_ms);
+                        removals.removed(cfg, stream, h.as_u64(), now_ms);
                     }
                 }
                 KvEvent::BlockStored(s)
                     if on_gpu(s.medium) && !hash_block(s, self.model.block_size()) =>
                 {
                     for h in &s.block_hashes {
-                        if removals.stored_again(cfg, h.as_u64(), now_ms) {
-                            recomputed += 1;
-                        }
+                        recomputed += removals.stored_again(cfg, stream, h.as_u64(), now_ms);
                     }
                     // Every KV cache group stores the same blocks: the fleet cache sees group 0's.
                     if s.group_idx.unwrap_or(0) == 0 {
@@ -192,8 +198,22 @@ impl Applier {
             .fetch_add(fleet_repeats, Ordering::Relaxed);
     }
 
-    /// The KV blocks of every replica of this model, as their metrics report them (0: unknown).
+    /// The KV blocks of every replica of this model, as their metrics report them (0: unknown),
+    /// read again after [`CAPACITY_REFRESH`].
     fn fleet_capacity_blocks(&self) -> u64 {
+        let now = Instant::now();
+        let mut cached = lock(&self.capacity);
+        match *cached {
+            Some((at, blocks)) if now.duration_since(at) < CAPACITY_REFRESH => blocks,
+            _ => {
+                let blocks = self.read_fleet_capacity_blocks();
+                *cached = Some((now, blocks));
+                blocks
+            }
+        }
+    }
+
+    fn read_fleet_capacity_blocks(&self) -> u64 {
         self.state
             .fleet
             .of_model(&self.model.name)
