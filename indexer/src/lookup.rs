@@ -47,6 +47,9 @@ pub fn exact_matches(
     keys: &[RouterKey],
 ) -> Vec<MatchedBlocks> {
     let found = state.index.lookup(keys, now_ms());
+    if found.is_empty() {
+        return vec![MatchedBlocks::default(); replicas.len()];
+    }
     replicas
         .iter()
         .map(|r| {

@@ -210,7 +210,12 @@ impl Replica {
 
     /// Index ids of all ranks.
     pub fn index_ids(&self) -> Vec<u32> {
-        self.streams().iter().map(|s| s.index_id).collect()
+        self.streams
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|s| s.index_id)
+            .collect()
     }
 
     /// Routable: not draining and its metrics endpoint answers (unknown counts as healthy).
@@ -224,12 +229,17 @@ impl Replica {
     /// judged by its own engine's load (vLLM's `engine="<rank>"` label), so an idle rank next to a
     /// busy one is not stale; without per-engine metrics the replica's total counts.
     pub fn stale(&self, stale_after: Duration) -> bool {
-        let (total, by_engine) = {
+        let streams = self.streams();
+        // Each rank's engine busy or not, read at once (not a copy of the per-engine map).
+        let busy: Vec<bool> = {
             let s = lock(&self.scraped);
-            (s.running + s.waiting, s.busy_by_engine.clone())
+            let total = s.running + s.waiting;
+            streams
+                .iter()
+                .map(|st| s.busy_by_engine.get(&st.rank).copied().unwrap_or(total) > 0.0)
+                .collect()
         };
-        self.streams().iter().any(|st| {
-            let busy = by_engine.get(&st.rank).copied().unwrap_or(total) > 0.0;
+        streams.iter().zip(busy).any(|(st, busy)| {
             let s = lock(&st.state);
             if !s.connected {
                 return true;
