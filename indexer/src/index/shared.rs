@@ -217,7 +217,7 @@ mod tests {
 
     fn keys(n: u64) -> Vec<RouterKey> {
         (1..=n)
-            .map(|i| RouterKey(i * 0x9E37_79B9_7F4A_7C15))
+            .map(|i| RouterKey(i.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
             .collect()
     }
 
