@@ -178,17 +178,14 @@ async fn complete_releases_in_flight_and_compares_hits() {
     );
     assert!(metrics.contains("kvroute_indexer_index_entries "));
     // Every route decision is timed: the histogram's count is its +Inf bucket, and not zero.
-    let value = |prefix: &str| -> f64 {
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(prefix))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or_else(|| panic!("{prefix} missing:\n{metrics}"))
+    let value = |series: &str| {
+        kvroute_testkit::prom::series_value(&metrics, series)
+            .unwrap_or_else(|| panic!("{series} missing:\n{metrics}"))
     };
-    let count = value("kvroute_indexer_route_duration_seconds_count ");
+    let count = value("kvroute_indexer_route_duration_seconds_count");
     assert!(count >= 1.0, "{count}");
     assert_eq!(
-        value("kvroute_indexer_route_duration_seconds_bucket{le=\"+Inf\"} "),
+        value("kvroute_indexer_route_duration_seconds_bucket{le=\"+Inf\"}"),
         count
     );
 }
