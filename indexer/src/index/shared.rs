@@ -59,8 +59,7 @@ pub struct SharedIndex {
     pending: Mutex<Vec<Prediction>>,
 }
 
-/// Decisions whose predictions may wait for the next holder of the index; beyond this many, a
-/// decision writes its own under the index lock.
+/// Decisions whose predictions may wait for the next holder of the index at once.
 const MAX_PENDING_PREDICTIONS: usize = 256;
 
 /// One decision's predicted entries ([`KvIndex::insert_predicted`]'s arguments).
@@ -104,9 +103,9 @@ impl SharedIndex {
         self.lock().lookup(keys, now_ms)
     }
 
-    /// [`KvIndex::insert_predicted`], written before the index's next use by anyone (queued
-    /// while fewer than [`MAX_PENDING_PREDICTIONS`] decisions wait, else written now). Errors
-    /// are logged at debug: a prediction is an optimisation.
+    /// [`KvIndex::insert_predicted`], written before the index's next use by anyone. The
+    /// decision that fills the queue to [`MAX_PENDING_PREDICTIONS`] takes the index itself, which
+    /// writes the queue. Errors are logged at debug: a prediction is an optimisation.
     pub fn insert_predicted(
         &self,
         replica: ReplicaId,
@@ -117,21 +116,18 @@ impl SharedIndex {
         if keys.is_empty() {
             return;
         }
-        {
+        let full = {
             let mut pending = self.lock_pending();
-            if pending.len() < MAX_PENDING_PREDICTIONS {
-                pending.push(Prediction {
-                    replica,
-                    keys: keys.to_vec(),
-                    now_ms,
-                    ttl_ms,
-                });
-                return;
-            }
-        }
-        let mut idx = self.lock();
-        if let Err(e) = idx.insert_predicted(replica, keys, now_ms, ttl_ms) {
-            tracing::debug!(error = %e, "predicted entries not written");
+            pending.push(Prediction {
+                replica,
+                keys: keys.to_vec(),
+                now_ms,
+                ttl_ms,
+            });
+            pending.len() >= MAX_PENDING_PREDICTIONS
+        };
+        if full {
+            drop(self.lock());
         }
     }
 
@@ -237,8 +233,8 @@ mod tests {
         for _ in 0..MAX_PENDING_PREDICTIONS + 10 {
             idx.insert_predicted(0, &keys(4), 1_000, 10_000);
         }
-        // The decision past the bound wrote the queue and its own; the nine after it wait.
-        assert_eq!(idx.lock_pending().len(), 9);
+        // The decision that filled the queue wrote it; the ten after it wait.
+        assert_eq!(idx.lock_pending().len(), 10);
         let found = idx.lookup(&keys(4), 1_001);
         assert_eq!(found.len(), 1, "{found:?}");
         assert_eq!(found[0].predicted, 4);
