@@ -25,6 +25,15 @@
 //! that slows down is re-learned in a few half-lives. The prior counts as `prior_weight` windows'
 //! worth of data that never fades, so it decides only until data arrives.
 //!
+//! A replica is scored with its own windows, and the windows of every replica of its model
+//! ([`RatePool`]) as their prior (weighing `pool_weight` windows), faded by their age when read.
+//! Replicas of one deployment mostly run the same engine on the same hardware: a replica without
+//! windows of its own (new, or idle) is scored like its measured siblings, not like the
+//! configured prior, and one biased by its own traffic (a burst of prefills sharing steps reads
+//! slower than the engine is) returns to the model's rates once its windows age, instead of
+//! keeping that reading while the router, believing it, sends it nothing. A replica on a slower
+//! GPU is still seen as such once its own windows outweigh the pool's.
+//!
 use serde::{Deserialize, Serialize};
 
 use crate::scoring::ReplicaRates;
@@ -48,6 +57,9 @@ pub struct CalibrationConfig {
     /// Engine seconds per wall second: 1 for a real engine; `kvroute-sim --time-scale S` reports
     /// model time, `S` times faster than the wall. Default 1.
     pub engine_time_scale: f64,
+    /// Weight of the model's pooled rates in each replica's estimate, in windows of a 2,048-token
+    /// prefill / `min_tokens` gaps. Default 2; a large value scores every replica alike.
+    pub pool_weight: f64,
 }
 
 impl Default for CalibrationConfig {
@@ -60,6 +72,7 @@ impl Default for CalibrationConfig {
             outlier_factor: 8.0,
             bound_factor: 20.0,
             engine_time_scale: 1.0,
+            pool_weight: 2.0,
         }
     }
 }
@@ -78,6 +91,12 @@ impl CalibrationConfig {
             if !(v.is_finite() && v > above) {
                 return Err((field, format!("must be a number > {above}, got {v}")));
             }
+        }
+        if !(self.pool_weight.is_finite() && self.pool_weight >= 0.0) {
+            return Err((
+                "pool_weight",
+                format!("must be a number >= 0, got {}", self.pool_weight),
+            ));
         }
         for (field, v) in [
             ("min_prefills", self.min_prefills),
@@ -198,9 +217,91 @@ impl FadedRatio {
         Fold::Folded
     }
 
-    /// The ratio, with `prior` weighing `prior_den` of denominator.
-    fn value(&self, prior: f64, prior_den: f64) -> f64 {
-        (self.num + prior * prior_den) / (capped(self.den, self.cap) + prior_den)
+    /// Its folded sums (numerator, capped denominator), faded by the time since the last fold.
+    fn faded_now(&self, cfg: &CalibrationConfig) -> (f64, f64) {
+        let age_s = self.age_s * cfg.engine_time_scale;
+        let keep = 0.5f64.powf(age_s / cfg.half_life_s);
+        (self.num * keep, capped(self.den, self.cap) * keep)
+    }
+}
+
+/// `(num + prior * weight) / (den + weight)`, or `prior` when there is no weight at all.
+fn with_prior(sums: (f64, f64), prior: f64, weight: f64) -> f64 {
+    let den = sums.1 + weight;
+    if den > 0.0 {
+        (sums.0 + prior * weight) / den
+    } else {
+        prior
+    }
+}
+
+/// Rates from sums of windows (engine time) after `prior` (wall time), weighing `weight`
+/// windows of a 2,048-token prefill / `min_tokens` gaps, within `bound_factor` of `bound`.
+fn blend(
+    cfg: &CalibrationConfig,
+    prior: ReplicaRates,
+    weight: f64,
+    bound: ReplicaRates,
+    (prefill, step): ((f64, f64), (f64, f64)),
+    kv_capacity_blocks: u32,
+) -> ReplicaRates {
+    let scale = cfg.engine_time_scale;
+    let k = cfg.bound_factor;
+    let rate0 = prior.prefill_tokens_per_s / scale;
+    let rate = with_prior(prefill, rate0, weight * 2048.0 / rate0) * scale;
+    let step = with_prior(step, prior.decode_step_s * scale, weight * cfg.min_tokens) / scale;
+    ReplicaRates {
+        prefill_tokens_per_s: rate.clamp(
+            bound.prefill_tokens_per_s / k,
+            bound.prefill_tokens_per_s * k,
+        ),
+        decode_step_s: step.clamp(bound.decode_step_s / k, bound.decode_step_s * k),
+        kv_capacity_blocks,
+    }
+}
+
+/// The windows of every replica of one model, each faded by its age, summed.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RatePool {
+    prefill: (f64, f64),
+    step: (f64, f64),
+}
+
+impl RatePool {
+    /// Adds one replica's windows.
+    pub fn add(&mut self, cfg: &CalibrationConfig, c: &ReplicaCalibration) {
+        let (prefill, step) = c.faded_now(cfg);
+        self.prefill = (self.prefill.0 + prefill.0, self.prefill.1 + prefill.1);
+        self.step = (self.step.0 + step.0, self.step.1 + step.1);
+    }
+
+    /// The model's rates: its replicas' windows after the configured `prior`.
+    pub fn model_rates(&self, cfg: &CalibrationConfig, prior: ReplicaRates) -> ReplicaRates {
+        let sums = (self.prefill, self.step);
+        blend(cfg, prior, cfg.prior_weight, prior, sums, 0)
+    }
+
+    /// The rates of one replica of the model (`None`: not calibrated yet): its own windows,
+    /// faded by their age, after the model's rates weighing `pool_weight`.
+    pub fn replica_rates(
+        &self,
+        cfg: &CalibrationConfig,
+        prior: ReplicaRates,
+        own: Option<&ReplicaCalibration>,
+    ) -> ReplicaRates {
+        let model = self.model_rates(cfg, prior);
+        let Some(own) = own else {
+            return model;
+        };
+        let sums = own.faded_now(cfg);
+        blend(
+            cfg,
+            model,
+            cfg.pool_weight,
+            prior,
+            sums,
+            own.kv_capacity_blocks,
+        )
     }
 }
 
@@ -321,20 +422,27 @@ impl ReplicaCalibration {
     /// The rates to score with, wall time: learned where data arrived, the prior elsewhere,
     /// within `bound_factor` of the prior.
     pub fn rates(&self, cfg: &CalibrationConfig) -> ReplicaRates {
-        let scale = cfg.engine_time_scale;
-        let k = cfg.bound_factor;
-        let rate0 = self.prior.prefill_tokens_per_s;
-        let step0 = self.prior.decode_step_s;
-        // The prior weighs `prior_weight` windows of a 2,048-token prefill / `min_tokens` gaps.
-        let prefill_den = cfg.prior_weight * 2048.0 / (rate0 / scale);
-        let rate = self.prefill.value(rate0 / scale, prefill_den) * scale;
-        let step_den = cfg.prior_weight * cfg.min_tokens;
-        let step = self.step.value(step0 * scale, step_den) / scale;
-        ReplicaRates {
-            prefill_tokens_per_s: rate.clamp(rate0 / k, rate0 * k),
-            decode_step_s: step.clamp(step0 / k, step0 * k),
-            kv_capacity_blocks: self.kv_capacity_blocks,
-        }
+        let prefill = (self.prefill.num, capped(self.prefill.den, self.prefill.cap));
+        let step = (self.step.num, capped(self.step.den, self.step.cap));
+        let sums = (prefill, step);
+        blend(
+            cfg,
+            self.prior,
+            cfg.prior_weight,
+            self.prior,
+            sums,
+            self.kv_capacity_blocks,
+        )
+    }
+
+    /// Its sums (prefill, step), faded by the time since each last folded a window.
+    fn faded_now(&self, cfg: &CalibrationConfig) -> ((f64, f64), (f64, f64)) {
+        (self.prefill.faded_now(cfg), self.step.faded_now(cfg))
+    }
+
+    /// KV blocks of the replica (its metrics', else the prior's).
+    pub fn kv_capacity_blocks(&self) -> u32 {
+        self.kv_capacity_blocks
     }
 }
 

@@ -7,9 +7,7 @@ use std::sync::Arc;
 
 use kvroute_core::hashing::usable_hit_blocks;
 use kvroute_core::router_key::RouterKey;
-use kvroute_core::scoring::{
-    Candidate, Decision, Load, MatchedBlocks, ReplicaRates, RequestShape, ScoringConfig,
-};
+use kvroute_core::scoring::{Candidate, Decision, Load, MatchedBlocks, ReplicaRates, RequestShape};
 
 use crate::membership::{lock, Replica};
 use crate::state::{AppState, ModelRuntime};
@@ -79,15 +77,19 @@ pub fn now_ms() -> u64 {
         .as_millis() as u64
 }
 
-/// A replica's rates: calibrated from its metrics, or the configured priors.
-pub fn replica_rates(
-    cfg: &ScoringConfig,
-    r: &Replica,
-    calibration: &kvroute_core::calibration::CalibrationConfig,
-) -> ReplicaRates {
-    lock(&r.calibration)
-        .as_ref()
-        .map_or_else(|| cfg.prior_rates(), |c| c.rates(calibration))
+/// The rates `r` is scored with: its own calibration after its model's (all its replicas'
+/// windows), after the configured priors; its own KV capacity.
+pub fn replica_rates(state: &AppState, r: &Replica) -> ReplicaRates {
+    let pool = state
+        .models
+        .get(&r.model)
+        .map(|m| *lock(&m.rates))
+        .unwrap_or_default();
+    pool.replica_rates(
+        &state.config.calibration,
+        state.config.scoring.prior_rates(),
+        lock(&r.calibration).as_ref(),
+    )
 }
 
 /// Everything the policies may look at: the replicas of the model, in order, as candidates.
@@ -152,12 +154,11 @@ impl Lookup<'_> {
                         // Requests in flight are on average half way through their output.
                         remaining_output_tokens: get(&r.remaining_output_tokens) as u64 / 2,
                         arrival_rate_per_s: self.arrival_rate_per_replica,
-                        kv_release: state.load.kv_release(r, |r| {
-                            replica_rates(&state.config.scoring, r, &state.config.calibration)
-                                .decode_step_s
-                        }),
+                        kv_release: state
+                            .load
+                            .kv_release(r, |r| replica_rates(state, r).decode_step_s),
                     },
-                    rates: replica_rates(&state.config.scoring, r, &state.config.calibration),
+                    rates: replica_rates(state, r),
                     healthy: r.healthy(),
                     stale: r.stale(stale_after),
                 }

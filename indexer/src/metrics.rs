@@ -525,8 +525,7 @@ fn replica_rates(out: &mut String, state: &AppState, replicas: &[Arc<Replica>], 
         .iter()
         .map(|r| {
             let windows = lock(&r.calibration).as_ref().map_or(0, |c| c.windows());
-            let rates =
-                crate::route::replica_rates(&state.config.scoring, r, &state.config.calibration);
+            let rates = crate::route::replica_rates(state, r);
             (r, rates, windows)
         })
         .collect();

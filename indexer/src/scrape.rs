@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvroute_core::calibration::{EngineTotals, ReplicaCalibration};
+use kvroute_core::calibration::{EngineTotals, RatePool, ReplicaCalibration};
 use kvroute_core::prometheus;
 
 pub use crate::membership::EngineReuse;
@@ -175,7 +175,8 @@ async fn scrape_one(state: Arc<AppState>, replica: Arc<Replica>, timeout: Durati
     }
 }
 
-/// Feeds one scrape to the replica's calibration (a restart starts it again from the priors).
+/// Feeds one scrape to the replica's calibration (a restart starts it again from the priors),
+/// then sums its model's replicas again (the prior of each one's rates).
 fn calibrate(
     state: &AppState,
     replica: &Replica,
@@ -183,13 +184,27 @@ fn calibrate(
     elapsed_s: f64,
     restarted: bool,
 ) {
-    let mut cal = lock(&replica.calibration);
-    let cal =
-        cal.get_or_insert_with(|| ReplicaCalibration::new(state.config.scoring.prior_rates()));
-    if restarted {
-        cal.reset();
+    let cfg = &state.config.calibration;
+    {
+        let mut cal = lock(&replica.calibration);
+        let cal =
+            cal.get_or_insert_with(|| ReplicaCalibration::new(state.config.scoring.prior_rates()));
+        if restarted {
+            cal.reset();
+        }
+        cal.observe(cfg, totals, elapsed_s);
     }
-    cal.observe(&state.config.calibration, totals, elapsed_s);
+    let Some(model) = state.models.get(&replica.model) else {
+        return;
+    };
+    // One calibration lock at a time: a scrape of a sibling may hold its own.
+    let mut pool = RatePool::default();
+    for r in state.fleet.of_model(&replica.model) {
+        if let Some(c) = lock(&r.calibration).as_ref() {
+            pool.add(cfg, c);
+        }
+    }
+    *lock(&model.rates) = pool;
 }
 
 #[cfg(test)]

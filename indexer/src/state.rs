@@ -41,6 +41,9 @@ pub struct ModelRuntime {
     pub removals: Mutex<crate::reuse::RecentRemovals>,
     /// Whether the filter and the engines agree with the indexer on this model's tokens.
     pub agreement: Mutex<crate::agreement::Agreement>,
+    /// The calibration windows of all its replicas, summed at every scrape: the prior of each
+    /// replica's rates.
+    pub rates: Mutex<kvroute_core::calibration::RatePool>,
     /// Held by one decision at a time, from reading the fleet to recording the choice: two
     /// siblings of a new prefix decided at once would each miss the other's predicted blocks.
     pub deciding: Mutex<()>,
@@ -285,6 +288,7 @@ impl AppState {
                     ),
                     fleet_cache: Mutex::new(crate::reuse::FleetCache::default()),
                     removals: Mutex::new(crate::reuse::RecentRemovals::default()),
+                    rates: Mutex::default(),
                     agreement: Mutex::new(crate::agreement::Agreement::default()),
                     deciding: Mutex::new(()),
                 }),

@@ -282,3 +282,108 @@ fn the_prefill_time_bound_counts_every_engine() {
     let r = cal.rates(&cfg);
     assert!(within(r.prefill_tokens_per_s, 30_000.0, 0.05), "{r:?}");
 }
+
+/// `n` calibrations, one per engine, each driven for `seconds` (scraped every 0.5 s).
+fn driven(
+    cfg: &CalibrationConfig,
+    engines: &mut [Engine],
+    seconds: f64,
+) -> Vec<ReplicaCalibration> {
+    engines
+        .iter_mut()
+        .map(|e| {
+            let mut cal = ReplicaCalibration::new(prior());
+            drive(&mut cal, cfg, e, seconds);
+            cal
+        })
+        .collect()
+}
+
+fn pool_of(cfg: &CalibrationConfig, cals: &[&ReplicaCalibration]) -> RatePool {
+    let mut pool = RatePool::default();
+    for c in cals {
+        pool.add(cfg, c);
+    }
+    pool
+}
+
+#[test]
+fn a_replica_without_windows_is_scored_like_its_measured_siblings() {
+    let cfg = CalibrationConfig::default();
+    let nothing = RatePool::default().replica_rates(&cfg, prior(), None);
+    assert_eq!(nothing.prefill_tokens_per_s, 30_000.0);
+
+    let busy = driven(&cfg, &mut [Engine::new(10_000.0, 0.02)], 30.0);
+    // A sibling scraped as often, which ran nothing.
+    let mut idle = ReplicaCalibration::new(prior());
+    for _ in 0..60 {
+        idle.observe(&cfg, &EngineTotals::default(), 0.5);
+    }
+    // Alone, it would be the prior, three times faster than the sibling measured.
+    assert_eq!(idle.rates(&cfg).prefill_tokens_per_s, 30_000.0);
+    let pool = pool_of(&cfg, &[&busy[0], &idle]);
+    let measured = busy[0].rates(&cfg);
+    for own in [Some(&idle), None] {
+        let r = pool.replica_rates(&cfg, prior(), own);
+        assert!(
+            within(r.prefill_tokens_per_s, measured.prefill_tokens_per_s, 0.03)
+                && within(r.decode_step_s, measured.decode_step_s, 0.03),
+            "{r:?} vs {measured:?}"
+        );
+    }
+}
+
+#[test]
+fn a_slower_replica_is_seen_as_such_once_its_windows_outweigh_the_pool() {
+    let cfg = CalibrationConfig::default();
+    let mut engines = [
+        Engine::new(20_000.0, 0.01),
+        Engine::new(20_000.0, 0.01),
+        Engine::new(20_000.0, 0.01),
+        Engine::new(10_000.0, 0.02),
+    ];
+    let cals = driven(&cfg, &mut engines, 30.0);
+    let pool = pool_of(&cfg, &cals.iter().collect::<Vec<_>>());
+    let scored: Vec<ReplicaRates> = cals
+        .iter()
+        .map(|c| pool.replica_rates(&cfg, prior(), Some(c)))
+        .collect();
+    // Each as its own windows say (the pool moves it by a few percent at most)...
+    for (r, cal) in scored.iter().zip(&cals) {
+        let own = cal.rates(&cfg);
+        assert!(
+            within(r.prefill_tokens_per_s, own.prefill_tokens_per_s, 0.05)
+                && within(r.decode_step_s, own.decode_step_s, 0.05),
+            "{r:?} vs {own:?}"
+        );
+    }
+    // ... so the slow one stays about half as fast as its siblings.
+    assert!(
+        scored[3].prefill_tokens_per_s < 0.65 * scored[0].prefill_tokens_per_s
+            && scored[3].decode_step_s > 1.7 * scored[0].decode_step_s,
+        "{scored:?}"
+    );
+}
+
+#[test]
+fn a_replica_that_stopped_measuring_returns_to_the_model_rates() {
+    let cfg = CalibrationConfig::default();
+    let mut old = ReplicaCalibration::new(prior());
+    let mut slow = Engine::new(10_000.0, 0.02);
+    drive(&mut old, &cfg, &mut slow, 30.0);
+    // Two minutes without traffic (the router believed it slow): its scrapes go on, its windows
+    // age.
+    for _ in 0..240 {
+        old.observe(&cfg, &slow.totals, 0.5);
+    }
+    let recent = driven(&cfg, &mut [Engine::new(20_000.0, 0.01)], 150.0);
+    let pool = pool_of(&cfg, &[&old, &recent[0]]);
+    let want = recent[0].rates(&cfg).prefill_tokens_per_s;
+    // On its own windows, unfaded, it would stay at the reading that starved it.
+    assert!(old.rates(&cfg).prefill_tokens_per_s < 0.7 * want);
+    let r = pool.replica_rates(&cfg, prior(), Some(&old));
+    assert!(
+        within(r.prefill_tokens_per_s, want, 0.10),
+        "{r:?} vs {want}"
+    );
+}

@@ -51,12 +51,7 @@ pub fn read_replicas(state: &AppState) -> Vec<ReplicaReading> {
                 duplicated_blocks: sum(|s| &s.duplicated_blocks),
                 recomputed_blocks: sum(|s| &s.recomputed_blocks),
                 fleet_repeat_blocks: sum(|s| &s.fleet_repeat_blocks),
-                prefill_tokens_per_s: replica_rates(
-                    &state.config.scoring,
-                    r,
-                    &state.config.calibration,
-                )
-                .prefill_tokens_per_s,
+                prefill_tokens_per_s: replica_rates(state, r).prefill_tokens_per_s,
             }
         })
         .collect()
