@@ -290,18 +290,7 @@ impl RatePool {
         own: Option<&ReplicaCalibration>,
     ) -> ReplicaRates {
         let model = self.model_rates(cfg, prior);
-        let Some(own) = own else {
-            return model;
-        };
-        let sums = own.faded_now(cfg);
-        blend(
-            cfg,
-            model,
-            cfg.pool_weight,
-            prior,
-            sums,
-            own.kv_capacity_blocks,
-        )
+        own.map_or(model, |own| own.rates_after(cfg, prior, model))
     }
 }
 
@@ -430,6 +419,25 @@ impl ReplicaCalibration {
             self.prior,
             cfg.prior_weight,
             self.prior,
+            sums,
+            self.kv_capacity_blocks,
+        )
+    }
+
+    /// Its rates after its model's (`model`, from [`RatePool::model_rates`]): its own windows,
+    /// faded by their age, after `model` weighing `pool_weight`; within `bound_factor` of `prior`.
+    pub fn rates_after(
+        &self,
+        cfg: &CalibrationConfig,
+        prior: ReplicaRates,
+        model: ReplicaRates,
+    ) -> ReplicaRates {
+        let sums = self.faded_now(cfg);
+        blend(
+            cfg,
+            model,
+            cfg.pool_weight,
+            prior,
             sums,
             self.kv_capacity_blocks,
         )

@@ -80,16 +80,28 @@ pub fn now_ms() -> u64 {
 /// The rates `r` is scored with: its own calibration after its model's (all its replicas'
 /// windows), after the configured priors; its own KV capacity.
 pub fn replica_rates(state: &AppState, r: &Replica) -> ReplicaRates {
+    replica_rates_after(state, r, model_rates(state, &r.model))
+}
+
+/// The rates of `model` (all its replicas' windows after the configured priors).
+pub fn model_rates(state: &AppState, model: &str) -> ReplicaRates {
     let pool = state
         .models
-        .get(&r.model)
+        .get(model)
         .map(|m| *lock(&m.rates))
         .unwrap_or_default();
-    pool.replica_rates(
+    pool.model_rates(
         &state.config.calibration,
         state.config.scoring.prior_rates(),
-        lock(&r.calibration).as_ref(),
     )
+}
+
+/// [`replica_rates`] with its model's rates already read (once per decision, not per replica).
+fn replica_rates_after(state: &AppState, r: &Replica, model: ReplicaRates) -> ReplicaRates {
+    let prior = state.config.scoring.prior_rates();
+    lock(&r.calibration).as_ref().map_or(model, |own| {
+        own.rates_after(&state.config.calibration, prior, model)
+    })
 }
 
 /// Everything the policies may look at: the replicas of the model, in order, as candidates.
@@ -122,6 +134,11 @@ impl Lookup<'_> {
         let stale_after = state.stale_after();
         let bs = u64::from(self.keys.block_size);
         let now = std::time::Instant::now();
+        let model = self
+            .replicas
+            .first()
+            .map(|r| model_rates(state, &r.model))
+            .unwrap_or_else(|| state.config.scoring.prior_rates());
         self.replicas
             .iter()
             .enumerate()
@@ -158,7 +175,7 @@ impl Lookup<'_> {
                             .load
                             .kv_release(r, |r| replica_rates(state, r).decode_step_s),
                     },
-                    rates: replica_rates(state, r),
+                    rates: replica_rates_after(state, r, model),
                     healthy: r.healthy(),
                     stale: r.stale(stale_after),
                 }

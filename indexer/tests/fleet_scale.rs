@@ -260,11 +260,92 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[i.min(sorted.len() - 1)]
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[test]
 #[ignore = "measurement (~2 min); run with --release --ignored --nocapture"]
-async fn one_indexer_follows_100_replicas_of_30k_blocks() {
-    let ticks = clock_ticks();
+fn one_indexer_follows_100_replicas_of_30k_blocks() {
+    // The 100 replicas' publishers and `/metrics` servers stand for 100 other machines: their
+    // threads run at a lower priority, so that on this shared CPU they take what the indexer and
+    // the route client leave. The indexer and the client are started from this thread, at the
+    // default priority (a process or thread inherits its creator's).
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .on_thread_start(|| {
+            if let Err(e) = kvroute_testkit::process::lower_this_threads_priority(10) {
+                eprintln!("replica threads keep the default priority: {e}");
+            }
+        })
+        .enable_all()
+        .build()
+        .expect("replicas' runtime");
     let dir = procs::TempDir::new("fleet-scale");
+    let (replicas, cfg_path) = rt.block_on(start_replicas(&dir.0));
+    let (idx, base) = procs::start_indexer(&cfg_path, &dir.0, &[]);
+    let (jobs, job) = std::sync::mpsc::channel::<RouteJob>();
+    let client = std::thread::spawn(move || {
+        let job = job.recv().expect("a route job");
+        route_client(job)
+    });
+    rt.block_on(measure(replicas, idx, base, jobs, client));
+}
+
+/// What the route client sends, and where.
+struct RouteJob {
+    route_url: String,
+    health_url: String,
+    bodies: Vec<Vec<u8>>,
+}
+
+/// `ROUTE_SAMPLES` sequential route calls (after 200 warm-up ones), each after a `/healthz`
+/// control; returns both latencies.
+fn route_client(job: RouteJob) -> (Vec<Duration>, Vec<Duration>) {
+    let RouteJob {
+        route_url,
+        health_url,
+        bodies,
+    } = job;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("client runtime");
+    rt.block_on(async move {
+        let c = procs::client();
+        let mut lat = Vec::with_capacity(ROUTE_SAMPLES);
+        let mut floor = Vec::with_capacity(ROUTE_SAMPLES);
+        for i in 0..ROUTE_SAMPLES + 200 {
+            // The control: the same client's round trip to `/healthz`, which does nothing.
+            let t = Instant::now();
+            let r = c.get(&health_url).send().await.expect("healthz");
+            assert!(r.status().is_success());
+            r.bytes().await.expect("healthz body");
+            if i >= 200 {
+                floor.push(t.elapsed());
+            }
+            let body = bodies[i % bodies.len()].clone();
+            let t = Instant::now();
+            let r = c
+                .post(&route_url)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .expect("route request");
+            assert_eq!(r.status(), 200);
+            let answer: Value = r.json().await.expect("route answer");
+            if i >= 200 {
+                lat.push(t.elapsed());
+            }
+            assert!(
+                answer["replica"].is_string() || answer["endpoint"].is_string(),
+                "{answer}"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        (lat, floor)
+    })
+}
+
+/// The replicas' publishers and metrics servers, and the indexer's configuration for them.
+async fn start_replicas(dir: &std::path::Path) -> (Vec<Replica>, std::path::PathBuf) {
     let mut replicas = Vec::with_capacity(REPLICAS);
     let mut cfg = format!("[[models]]\nname = \"m\"\nblock_size = {BS}\n");
     for i in 0..REPLICAS {
@@ -288,9 +369,19 @@ async fn one_indexer_follows_100_replicas_of_30k_blocks() {
         });
     }
     // Defaults otherwise: scrape_interval_ms 1000, index.max_bytes 1 GiB (not reached here).
-    let cfg_path = dir.0.join("indexer.toml");
+    let cfg_path = dir.join("indexer.toml");
     std::fs::write(&cfg_path, &cfg).expect("write config");
-    let (idx, base) = procs::start_indexer(&cfg_path, &dir.0, &[]);
+    (replicas, cfg_path)
+}
+
+async fn measure(
+    mut replicas: Vec<Replica>,
+    idx: procs::Proc,
+    base: String,
+    jobs: std::sync::mpsc::Sender<RouteJob>,
+    client: std::thread::JoinHandle<(Vec<Duration>, Vec<Duration>)>,
+) {
+    let ticks = clock_ticks();
     let pid = idx.pid();
     let c = procs::client();
     let connected = procs::poll(Duration::from_secs(60), || {
@@ -450,49 +541,12 @@ async fn one_indexer_follows_100_replicas_of_30k_blocks() {
         .iter()
         .map(|b| serde_json::to_vec(b).expect("body"))
         .collect();
-    // The client runs on its own thread and runtime: the churn's publishing tasks on this test's
-    // runtime must not delay it (the indexer's own histogram is read as well).
-    let client = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("client runtime");
-        rt.block_on(async move {
-            let c = procs::client();
-            let mut lat = Vec::with_capacity(ROUTE_SAMPLES);
-            let mut floor = Vec::with_capacity(ROUTE_SAMPLES);
-            for i in 0..ROUTE_SAMPLES + 200 {
-                // The control: the same client's round trip to `/healthz`, which does nothing.
-                let t = Instant::now();
-                let r = c.get(&health_url).send().await.expect("healthz");
-                assert!(r.status().is_success());
-                r.bytes().await.expect("healthz body");
-                if i >= 200 {
-                    floor.push(t.elapsed());
-                }
-                let body = bytes[i % bytes.len()].clone();
-                let t = Instant::now();
-                let r = c
-                    .post(&route_url)
-                    .header("content-type", "application/json")
-                    .body(body)
-                    .send()
-                    .await
-                    .expect("route request");
-                assert_eq!(r.status(), 200);
-                let answer: Value = r.json().await.expect("route answer");
-                if i >= 200 {
-                    lat.push(t.elapsed());
-                }
-                assert!(
-                    answer["replica"].is_string() || answer["endpoint"].is_string(),
-                    "{answer}"
-                );
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-            (lat, floor)
-        })
-    });
+    jobs.send(RouteJob {
+        route_url,
+        health_url,
+        bodies: bytes,
+    })
+    .expect("route client waiting");
     let (mut lat, mut floor) =
         tokio::task::spawn_blocking(move || client.join().expect("route client"))
             .await

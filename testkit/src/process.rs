@@ -218,3 +218,48 @@ pub fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
     }
     panic!("timed out after {timeout:?} waiting for {what}");
 }
+
+/// Lowers the calling thread's scheduling priority to the nice value `nice` (on Linux the nice
+/// value is per thread; threads and processes it creates inherit it). For threads that stand for
+/// other machines (a test's simulated replicas) on a CPU shared with the process measured.
+pub fn lower_this_threads_priority(nice: i32) -> std::io::Result<()> {
+    // SAFETY: gettid has no arguments and cannot fail; setpriority reads only its arguments.
+    let rc = unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, nice)
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn this_threads_nice() -> i32 {
+        // SAFETY: as in `lower_this_threads_priority`; -1 is a valid nice value, so errno is
+        // cleared first to tell it from an error.
+        unsafe {
+            *libc::__errno_location() = 0;
+            let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+            libc::getpriority(libc::PRIO_PROCESS, tid)
+        }
+    }
+
+    #[test]
+    fn only_the_calling_thread_and_its_children_are_lowered() {
+        let before = this_threads_nice();
+        let (own, child) = std::thread::spawn(move || {
+            lower_this_threads_priority(before + 5).expect("lower");
+            let child = std::thread::spawn(this_threads_nice).join().expect("child");
+            (this_threads_nice(), child)
+        })
+        .join()
+        .expect("thread");
+        assert_eq!((own, child), (before + 5, before + 5));
+        assert_eq!(this_threads_nice(), before);
+    }
+}
