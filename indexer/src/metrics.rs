@@ -533,7 +533,7 @@ fn replica_rates(out: &mut String, state: &AppState, replicas: &[Arc<Replica>], 
     let series: [(&str, &str, Get); 3] = [
         (
             "replica_prefill_tokens_per_second",
-            "Prefill throughput the replica is scored with (calibrated from its metrics, else the prior).",
+            "Prefill throughput the replica is scored with (its metrics after its model's, else the prior).",
             |r, _| r.prefill_tokens_per_s,
         ),
         (

@@ -31,7 +31,7 @@ pub struct ReplicaReading {
     pub recomputed_blocks: u64,
     /// GPU blocks it stored that the fleet, seen as one cache, still held.
     pub fleet_repeat_blocks: u64,
-    /// Its prefill rate (calibrated from its metrics, else the prior), tokens per second.
+    /// Its prefill rate (its metrics after its model's, else the prior), tokens per second.
     pub prefill_tokens_per_s: f64,
 }
 
