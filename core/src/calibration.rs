@@ -280,18 +280,6 @@ impl RatePool {
         let sums = (self.prefill, self.step);
         blend(cfg, prior, cfg.prior_weight, prior, sums, 0)
     }
-
-    /// The rates of one replica of the model (`None`: not calibrated yet): its own windows,
-    /// faded by their age, after the model's rates weighing `pool_weight`.
-    pub fn replica_rates(
-        &self,
-        cfg: &CalibrationConfig,
-        prior: ReplicaRates,
-        own: Option<&ReplicaCalibration>,
-    ) -> ReplicaRates {
-        let model = self.model_rates(cfg, prior);
-        own.map_or(model, |own| own.rates_after(cfg, prior, model))
-    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -446,11 +434,6 @@ impl ReplicaCalibration {
     /// Its sums (prefill, step), faded by the time since each last folded a window.
     fn faded_now(&self, cfg: &CalibrationConfig) -> ((f64, f64), (f64, f64)) {
         (self.prefill.faded_now(cfg), self.step.faded_now(cfg))
-    }
-
-    /// KV blocks of the replica (its metrics', else the prior's).
-    pub fn kv_capacity_blocks(&self) -> u32 {
-        self.kv_capacity_blocks
     }
 }
 

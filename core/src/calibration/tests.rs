@@ -299,6 +299,16 @@ fn driven(
         .collect()
 }
 
+/// What the indexer scores a replica with: its own windows (if any) after the pool's rates.
+fn scored(
+    cfg: &CalibrationConfig,
+    pool: &RatePool,
+    own: Option<&ReplicaCalibration>,
+) -> ReplicaRates {
+    let model = pool.model_rates(cfg, prior());
+    own.map_or(model, |c| c.rates_after(cfg, prior(), model))
+}
+
 fn pool_of(cfg: &CalibrationConfig, cals: &[&ReplicaCalibration]) -> RatePool {
     let mut pool = RatePool::default();
     for c in cals {
@@ -310,7 +320,7 @@ fn pool_of(cfg: &CalibrationConfig, cals: &[&ReplicaCalibration]) -> RatePool {
 #[test]
 fn a_replica_without_windows_is_scored_like_its_measured_siblings() {
     let cfg = CalibrationConfig::default();
-    let nothing = RatePool::default().replica_rates(&cfg, prior(), None);
+    let nothing = scored(&cfg, &RatePool::default(), None);
     assert_eq!(nothing.prefill_tokens_per_s, 30_000.0);
 
     let busy = driven(&cfg, &mut [Engine::new(10_000.0, 0.02)], 30.0);
@@ -324,7 +334,7 @@ fn a_replica_without_windows_is_scored_like_its_measured_siblings() {
     let pool = pool_of(&cfg, &[&busy[0], &idle]);
     let measured = busy[0].rates(&cfg);
     for own in [Some(&idle), None] {
-        let r = pool.replica_rates(&cfg, prior(), own);
+        let r = scored(&cfg, &pool, own);
         assert!(
             within(r.prefill_tokens_per_s, measured.prefill_tokens_per_s, 0.03)
                 && within(r.decode_step_s, measured.decode_step_s, 0.03),
@@ -344,10 +354,7 @@ fn a_slower_replica_is_seen_as_such_once_its_windows_outweigh_the_pool() {
     ];
     let cals = driven(&cfg, &mut engines, 30.0);
     let pool = pool_of(&cfg, &cals.iter().collect::<Vec<_>>());
-    let scored: Vec<ReplicaRates> = cals
-        .iter()
-        .map(|c| pool.replica_rates(&cfg, prior(), Some(c)))
-        .collect();
+    let scored: Vec<ReplicaRates> = cals.iter().map(|c| scored(&cfg, &pool, Some(c))).collect();
     // Each as its own windows say (the pool moves it by a few percent at most)...
     for (r, cal) in scored.iter().zip(&cals) {
         let own = cal.rates(&cfg);
@@ -381,7 +388,7 @@ fn a_replica_that_stopped_measuring_returns_to_the_model_rates() {
     let want = recent[0].rates(&cfg).prefill_tokens_per_s;
     // On its own windows, unfaded, it would stay at the reading that starved it.
     assert!(old.rates(&cfg).prefill_tokens_per_s < 0.7 * want);
-    let r = pool.replica_rates(&cfg, prior(), Some(&old));
+    let r = scored(&cfg, &pool, Some(&old));
     assert!(
         within(r.prefill_tokens_per_s, want, 0.10),
         "{r:?} vs {want}"
