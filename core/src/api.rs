@@ -18,16 +18,20 @@ pub use crate::request::TokenizerDigest;
 use crate::scoring::{CostTerms, Load, ReplicaRates};
 
 /// Version of this contract. Raise it with any change an older peer would misread.
-pub const CONTRACT_VERSION: u32 = 2;
+pub const CONTRACT_VERSION: u32 = 3;
 
 /// [`CONTRACT_VERSION`] as a header value.
-pub const CONTRACT_VERSION_STR: &str = "2";
+pub const CONTRACT_VERSION_STR: &str = "3";
 
 /// The header that carries [`CONTRACT_VERSION`], on requests and answers.
 pub const CONTRACT_HEADER: &str = "x-kvroute-contract";
 
 /// Longest `callout_id` and `decision_id` either side accepts, in bytes.
 pub const MAX_ID_BYTES: usize = 128;
+
+/// Most completion reports one exchange carries (a `/v1/complete` batch, or a route call's
+/// `completed`); the indexer refuses more.
+pub const MAX_REPORTS_PER_CALL: usize = 1024;
 
 /// What a received [`CONTRACT_HEADER`] value means for this side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,6 +107,11 @@ pub struct RouteRequest {
     /// the hit reported at completion is not compared with the prediction.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub partial: bool,
+    /// Ends of the caller's earlier requests, held back to ride on this call instead of one
+    /// `/v1/complete` exchange each (at most [`MAX_REPORTS_PER_CALL`]). The indexer applies them
+    /// before it decides, whatever it then answers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub completed: Vec<CompleteReport>,
 }
 
 /// Prompt tokens the chosen replica holds, per medium.
@@ -179,7 +188,8 @@ pub struct CandidateExplain {
     pub terms: Option<CostTerms>,
 }
 
-/// Body of `POST /v1/complete`: how a routed request ended (by `decision_id`), or the abandonment
+/// One report of `POST /v1/complete` (whose body is one report, or a JSON array of them, see
+/// [`parse_complete_reports`]): how a routed request ended (by `decision_id`), or the abandonment
 /// of a route call whose answer never reached its request (by `callout_id`, `abandoned: true`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -211,6 +221,31 @@ pub struct CompleteReport {
     /// balancer chose another replica.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upstream: Option<String>,
+}
+
+/// Why a `POST /v1/complete` body was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum CompleteBodyError {
+    /// Not a report nor an array of reports.
+    #[error("invalid JSON body: {0}")]
+    Json(#[from] serde_json::Error),
+    /// More than [`MAX_REPORTS_PER_CALL`] reports.
+    #[error("{0} reports in one call, at most {MAX_REPORTS_PER_CALL} are accepted")]
+    TooMany(usize),
+}
+
+/// Parses a `POST /v1/complete` body: one [`CompleteReport`] object, or a JSON array of at most
+/// [`MAX_REPORTS_PER_CALL`] of them (a filter's held reports sent together).
+pub fn parse_complete_reports(body: &[u8]) -> Result<Vec<CompleteReport>, CompleteBodyError> {
+    let reports = if body.trim_ascii_start().starts_with(b"[") {
+        serde_json::from_slice::<Vec<CompleteReport>>(body)?
+    } else {
+        vec![serde_json::from_slice::<CompleteReport>(body)?]
+    };
+    if reports.len() > MAX_REPORTS_PER_CALL {
+        return Err(CompleteBodyError::TooMany(reports.len()));
+    }
+    Ok(reports)
 }
 
 /// Answer of `GET /v1/models/{model}/tokenizer`: what the filter needs to tokenise and key
@@ -554,5 +589,50 @@ mod tests {
         let a: RouteAnswer = serde_json::from_str(r#"{"endpoint":"127.0.0.1:1"}"#).expect("parse");
         assert_eq!(a.endpoint, "127.0.0.1:1");
         assert!(a.decision_id.is_empty());
+    }
+
+    #[test]
+    fn complete_bodies_are_one_report_or_an_array_of_them() {
+        let one = parse_complete_reports(br#"{"decision_id":"d1","cached_tokens":16}"#)
+            .expect("one report");
+        assert_eq!(one.len(), 1);
+        assert_eq!(one[0].decision_id.as_deref(), Some("d1"));
+        let many = parse_complete_reports(
+            br#" [{"decision_id":"d1"},{"callout_id":"c2","abandoned":true}]"#,
+        )
+        .expect("an array");
+        assert_eq!(many.len(), 2);
+        assert!(many[1].abandoned);
+        assert!(parse_complete_reports(b"[]").expect("empty").is_empty());
+        assert!(matches!(
+            parse_complete_reports(br#"[{"decision_id":"d1","surprise":1}]"#),
+            Err(CompleteBodyError::Json(_))
+        ));
+        let too_many = format!("[{}]", vec!["{}"; MAX_REPORTS_PER_CALL + 1].join(","));
+        assert!(matches!(
+            parse_complete_reports(too_many.as_bytes()),
+            Err(CompleteBodyError::TooMany(n)) if n == MAX_REPORTS_PER_CALL + 1
+        ));
+    }
+
+    #[test]
+    fn route_requests_carry_held_reports_only_when_there_are_some() {
+        let bare = RouteRequest {
+            model: "m".into(),
+            ..RouteRequest::default()
+        };
+        assert!(!serde_json::to_string(&bare)
+            .expect("json")
+            .contains("completed"));
+        let carrying = RouteRequest {
+            completed: vec![CompleteReport {
+                decision_id: Some("d1".into()),
+                ..CompleteReport::default()
+            }],
+            ..bare
+        };
+        let back: RouteRequest =
+            serde_json::from_slice(&serde_json::to_vec(&carrying).expect("json")).expect("parse");
+        assert_eq!(back, carrying);
     }
 }

@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 
+use kvroute_core::api::MAX_REPORTS_PER_CALL;
 use kvroute_core::hashing::ExtraKeyStyle;
 use kvroute_core::request::{
     TokenizerOptions, DEFAULT_MAX_PROMPT_TOKENS, MAX_PROMPT_BYTES_PER_TOKEN,
@@ -129,6 +130,12 @@ pub struct FilterConfig {
     pub debug_headers: bool,
     /// Report each routed request's end to the indexer (`POST /v1/complete`).
     pub report_completion: bool,
+    /// Longest a completion report is held to ride on a later route call (ms) before it is sent
+    /// by itself (with any others held); 0 sends each at once. Another worker or gateway sees a
+    /// request that ended as running until then (the deciding one applies them first).
+    pub complete_hold_ms: u64,
+    /// Most completion reports held; a full queue is sent at once.
+    pub max_held_completions: usize,
     /// Client header whose value is forwarded to the indexer as the request's session (used by the
     /// indexer's `--policy session`; ignored by `kv`). Empty disables it.
     pub session_header: String,
@@ -173,6 +180,8 @@ impl Default for FilterConfig {
             inject_kv_cache_report_mode: false,
             debug_headers: false,
             report_completion: true,
+            complete_hold_ms: 250,
+            max_held_completions: 64,
             session_header: "x-session-id".into(),
             max_response_scan_bytes: 1024 * 1024,
             models: BTreeMap::new(),
@@ -293,6 +302,24 @@ impl FilterConfig {
             return Err(invalid(
                 "token_check.max_prompt_tokens",
                 format!("must be at most {MAX_SANE_MODEL_MAX_LENGTH}"),
+            ));
+        }
+        if self.complete_hold_ms > MAX_TIMEOUT_MS {
+            return Err(invalid(
+                "complete_hold_ms",
+                format!(
+                    "must be in 0..={MAX_TIMEOUT_MS}, got {}",
+                    self.complete_hold_ms
+                ),
+            ));
+        }
+        if self.max_held_completions == 0 || self.max_held_completions > MAX_REPORTS_PER_CALL {
+            return Err(invalid(
+                "max_held_completions",
+                format!(
+                    "must be in 1..={MAX_REPORTS_PER_CALL}, got {}",
+                    self.max_held_completions
+                ),
             ));
         }
         if self.max_models == 0 {

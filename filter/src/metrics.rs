@@ -24,10 +24,13 @@ pub enum Counter {
     StripFailedRejected,
     /// The body was rewritten with `kv_cache_report_mode`.
     BodyRewritten,
-    /// `POST /v1/complete` issued.
+    /// A completion report was issued (alone or in a `/v1/complete` batch) or delivered on a
+    /// route call.
     CompleteSent,
-    /// `POST /v1/complete` could not be issued.
+    /// A completion report could not be issued.
     CompleteFailed,
+    /// A completion report rode on a route call (also counted in `CompleteSent`).
+    CompleteCarried,
     /// A request ended before its route answer was used or before its response ended (client
     /// left, stream reset); reported to the indexer as abandoned.
     Abandoned,
@@ -46,7 +49,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    const ALL: [Counter; 17] = [
+    const ALL: [Counter; 18] = [
         Counter::Requests,
         Counter::Routed,
         Counter::Shadowed,
@@ -57,6 +60,7 @@ impl Counter {
         Counter::BodyRewritten,
         Counter::CompleteSent,
         Counter::CompleteFailed,
+        Counter::CompleteCarried,
         Counter::Abandoned,
         Counter::TokenizerLoaded,
         Counter::TokenizerLoadFailed,
@@ -78,6 +82,7 @@ impl Counter {
             Counter::BodyRewritten => "kvroute.body_rewritten",
             Counter::CompleteSent => "kvroute.complete_sent",
             Counter::CompleteFailed => "kvroute.complete_failed",
+            Counter::CompleteCarried => "kvroute.complete_carried",
             Counter::Abandoned => "kvroute.abandoned",
             Counter::TokenizerLoaded => "kvroute.tokenizer_loaded",
             Counter::TokenizerLoadFailed => "kvroute.tokenizer_load_failed",

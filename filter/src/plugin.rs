@@ -10,12 +10,13 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvroute_core::api::{
-    check_contract, AgreementReport, ContractCheck, TokenizerBundle, CONTRACT_HEADER,
-    CONTRACT_VERSION_STR, TOKENIZER_FORM_COMPACT,
+    check_contract, AgreementReport, CompleteReport, ContractCheck, TokenizerBundle,
+    CONTRACT_HEADER, CONTRACT_VERSION_STR, TOKENIZER_FORM_COMPACT,
 };
 use serde_json::Value;
 
 use crate::agreement::send_report;
+use crate::completions::{send_reports, HeldReports};
 use crate::config::{ConfigError, FilterConfig, TokenizerSource};
 use crate::hlog;
 use crate::loaded_model::LoadedModel;
@@ -24,8 +25,9 @@ use crate::models::{log_name, Lookup, ModelRegistry, RegistryPolicy};
 use crate::protocol::percent_encode;
 use crate::seam::{CallId, CallReply, Callout, Host};
 
-/// How often the host should call [`Plugin::on_tick`].
-pub const TICK: Duration = Duration::from_millis(200);
+/// How often the host should call [`Plugin::on_tick`] (tokenizer fetches due, completion reports
+/// held past `complete_hold_ms`).
+pub const TICK: Duration = Duration::from_millis(50);
 
 /// Why a plugin configuration was refused.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +47,8 @@ pub struct Plugin {
     models: Mutex<ModelRegistry<LoadedModel>>,
     /// Tokenizer fetches in flight: callout -> model name.
     fetches: Mutex<HashMap<CallId, String>>,
+    /// Completion reports waiting to ride on the next route call.
+    held: Mutex<HeldReports>,
 }
 
 impl std::fmt::Debug for Plugin {
@@ -84,6 +88,7 @@ impl Plugin {
             .collect();
         let plugin = Self {
             models: Mutex::new(ModelRegistry::new(policy, configured)),
+            held: Mutex::new(HeldReports::new(cfg.max_held_completions)),
             cfg,
             fetches: Mutex::new(HashMap::new()),
         };
@@ -102,13 +107,48 @@ impl Plugin {
         self.fetches.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn held(&self) -> MutexGuard<'_, HeldReports> {
+        // Every method leaves the queue consistent.
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes a request's end report: held for the next route call, or returned with everything
+    /// held when it must go now (`complete_hold_ms` 0, or the queue is full).
+    pub fn report_end(&self, report: CompleteReport, now_ms: u64) -> Option<Vec<CompleteReport>> {
+        if self.cfg.complete_hold_ms == 0 {
+            return Some(vec![report]);
+        }
+        self.held().hold(report, now_ms)
+    }
+
+    /// The held reports, for a route call to carry.
+    pub fn take_held(&self) -> Vec<CompleteReport> {
+        self.held().take()
+    }
+
+    /// Reports a route call may not have delivered, held again; returns everything held when it
+    /// must go now (the queue is full).
+    pub fn give_back(
+        &self,
+        reports: Vec<CompleteReport>,
+        now_ms: u64,
+    ) -> Option<Vec<CompleteReport>> {
+        self.held().give_back(reports, now_ms)
+    }
+
     /// Can `model` be routed now? Asking for an unknown model schedules its fetch.
     pub fn lookup(&self, model: &str, now_ms: u64) -> Lookup<LoadedModel> {
         self.models().lookup(model, now_ms)
     }
 
-    /// Starts the tokenizer fetches that are due.
+    /// Sends the completion reports held too long, and starts the tokenizer fetches that are due.
     pub fn on_tick(&self, host: &mut impl Host) {
+        let overdue = self
+            .held()
+            .take_due(host.now_millis(), self.cfg.complete_hold_ms);
+        send_reports(host, &self.cfg, &overdue, |h, call| {
+            h.dispatch(call).map(|_| ())
+        });
         let due = self.models().due_fetches(host.now_millis());
         for model in due {
             let source = self

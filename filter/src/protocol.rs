@@ -183,11 +183,11 @@ pub struct Completion<'a> {
     pub upstream: Option<&'a str>,
 }
 
-/// The body of `POST /v1/complete` for a routed request. Without a `decision_id` it carries only
+/// The completion report of a routed request. Without a `decision_id` it carries only
 /// `request_id`, `endpoint` and `cached_tokens`, which indexers from before decision ids accept.
-pub fn complete_body(c: &Completion<'_>) -> Vec<u8> {
+pub fn complete_report(c: &Completion<'_>) -> CompleteReport {
     let keyed = c.decision_id.is_some();
-    let report = CompleteReport {
+    CompleteReport {
         decision_id: c.decision_id.map(str::to_string),
         callout_id: None,
         ttft_us: c.ttft_us.filter(|_| keyed),
@@ -196,21 +196,19 @@ pub fn complete_body(c: &Completion<'_>) -> Vec<u8> {
         endpoint: Some(c.endpoint.to_string()),
         cached_tokens: c.cached_tokens,
         upstream: c.upstream.filter(|_| keyed).map(str::to_string),
-    };
-    serde_json::to_vec(&report).unwrap_or_default()
+    }
 }
 
-/// The body of `POST /v1/complete` abandoning a route call whose answer never reached the
-/// request (the client left while it was pending, or the call failed after the indexer may have
-/// counted it): the indexer releases that decision, or does not count it when it arrives later.
-pub fn abandon_body(callout_id: &str, request_id: &str) -> Vec<u8> {
-    let report = CompleteReport {
+/// The report abandoning a route call whose answer never reached the request (the client left
+/// while it was pending, or the call failed after the indexer may have counted it): the indexer
+/// releases that decision, or does not count it when it arrives later.
+pub fn abandon_report(callout_id: &str, request_id: &str) -> CompleteReport {
+    CompleteReport {
         callout_id: Some(callout_id.to_string()),
         request_id: Some(request_id.to_string()),
         abandoned: true,
         ..CompleteReport::default()
-    };
-    serde_json::to_vec(&report).unwrap_or_default()
+    }
 }
 
 /// A route call id unique per VM: the VM's start time (ns) and a sequence number.
@@ -458,7 +456,7 @@ mod tests {
     }
 
     #[test]
-    fn complete_body_has_the_contract_fields() {
+    fn completion_reports_have_the_contract_fields() {
         let legacy = Completion {
             decision_id: None,
             request_id: "r",
@@ -468,7 +466,7 @@ mod tests {
             abandoned: true,
             upstream: None,
         };
-        let v: Value = serde_json::from_slice(&complete_body(&legacy)).unwrap();
+        let v: Value = serde_json::to_value(complete_report(&legacy)).unwrap();
         assert_eq!(
             v,
             json!({"request_id":"r","endpoint":"127.0.0.1:1"}),
@@ -480,13 +478,13 @@ mod tests {
             ttft_us: Some(250_000),
             ..legacy
         };
-        let v: Value = serde_json::from_slice(&complete_body(&keyed)).unwrap();
+        let v: Value = serde_json::to_value(complete_report(&keyed)).unwrap();
         assert_eq!(
             v,
             json!({"decision_id":"ab-1","request_id":"r","endpoint":"127.0.0.1:1",
                    "cached_tokens":16,"ttft_us":250000,"abandoned":true})
         );
-        let v: Value = serde_json::from_slice(&abandon_body("c1-2", "r")).unwrap();
+        let v: Value = serde_json::to_value(abandon_report("c1-2", "r")).unwrap();
         assert_eq!(
             v,
             json!({"callout_id":"c1-2","request_id":"r","abandoned":true})

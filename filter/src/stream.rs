@@ -13,9 +13,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvroute_core::api::{CONTRACT_HEADER, CONTRACT_VERSION_STR};
+use kvroute_core::api::{CompleteReport, CONTRACT_HEADER, CONTRACT_VERSION_STR};
 use serde_json::Value;
 
+use crate::completions::send_reports;
 use crate::config::{Mode, OversizedBody};
 use crate::hlog;
 use crate::loaded_model::{endpoint_for_path, PrepareError};
@@ -24,7 +25,7 @@ use crate::models::Lookup;
 use crate::online_check::OnlineCheck;
 use crate::plugin::Plugin;
 use crate::protocol::{
-    abandon_body, callout_id, complete_body, inject_kv_cache_report_mode, max_tokens_of,
+    abandon_report, callout_id, complete_report, inject_kv_cache_report_mode, max_tokens_of,
     parse_route_answer, request_id, route_may_be_counted, Completion, FailOpen, RouteRequest,
 };
 use crate::seam::{Body, CallId, CallReply, Callout, Flow, Headers, HostError, StreamHost};
@@ -111,6 +112,9 @@ pub struct Stream {
     shadow: bool,
     /// Where the proxy really sent a shadowed request (`upstream.address`).
     upstream: Option<String>,
+    /// Earlier requests' completion reports riding on this stream's route call, until its
+    /// answer shows they reached the indexer.
+    carried: Vec<CompleteReport>,
 }
 
 impl Stream {
@@ -138,6 +142,7 @@ impl Stream {
             check: None,
             shadow: false,
             upstream: None,
+            carried: Vec::new(),
         }
     }
 
@@ -300,6 +305,7 @@ impl Stream {
             return;
         };
         self.phase = Phase::Passthrough;
+        self.settle_carried(host, &plugin, reply);
         match self.apply_route(host, &plugin, reply, started_ms) {
             Ok(()) if self.shadow => host.increment(Counter::Shadowed.into()),
             Ok(()) => host.increment(Counter::Routed.into()),
@@ -556,26 +562,32 @@ impl Stream {
             session: self.session.clone(),
             shadow: plugin.cfg.mode == Mode::Shadow,
             partial: prepared.partial,
+            completed: plugin.take_held(),
             ..RouteRequest::default()
         };
         self.shadow = route.shadow;
-        let payload = serde_json::to_vec(&route).map_err(|_| FailOpen::HostcallError)?;
+        let payload = serde_json::to_vec(&route);
+        self.carried = route.completed;
+        let Ok(payload) = payload else {
+            self.give_back_carried(host, plugin);
+            return Err(FailOpen::HostcallError);
+        };
         let headers = indexer_headers(plugin, "/v1/route");
-        let call = host
-            .dispatch(&Callout {
-                cluster: &plugin.cfg.indexer_cluster,
-                headers: &headers,
-                body: Some(&payload),
-                timeout: Duration::from_millis(plugin.cfg.route_timeout_ms),
-            })
-            .map_err(|e| {
-                hlog!(host, Warn, "kvroute: route callout not dispatched: {e}");
-                if e == HostError::UnknownCluster {
-                    FailOpen::IndexerUnavailable
-                } else {
-                    FailOpen::HostcallError
-                }
-            })?;
+        let dispatched = host.dispatch(&Callout {
+            cluster: &plugin.cfg.indexer_cluster,
+            headers: &headers,
+            body: Some(&payload),
+            timeout: Duration::from_millis(plugin.cfg.route_timeout_ms),
+        });
+        let call = dispatched.map_err(|e| {
+            hlog!(host, Warn, "kvroute: route callout not dispatched: {e}");
+            self.give_back_carried(host, plugin);
+            if e == HostError::UnknownCluster {
+                FailOpen::IndexerUnavailable
+            } else {
+                FailOpen::HostcallError
+            }
+        })?;
         self.phase = Phase::AwaitingRoute {
             call,
             started_ms: host.now_millis(),
@@ -670,12 +682,15 @@ impl Stream {
     }
 
     /// Reports the request's end once: a completion (abandoned when the response did not end) of
-    /// the decision applied, or the abandonment of a route call whose answer was never used.
+    /// the decision applied, or the abandonment of a route call whose answer was never used. The
+    /// report is held to ride on a later route call (see [`crate::completions`]).
     fn report_end(&mut self, host: &mut impl StreamHost, plugin: &Plugin) {
+        // A route call still pending when the stream goes may not deliver what it carries.
+        self.give_back_carried(host, plugin);
         if self.reported || !plugin.cfg.report_completion {
             return;
         }
-        let body = if let Some(endpoint) = &self.routed_to {
+        let report = if let Some(endpoint) = &self.routed_to {
             let cached = self
                 .scanner
                 .as_ref()
@@ -687,7 +702,7 @@ impl Stream {
             if self.shadow && self.upstream.is_none() {
                 self.upstream = host.upstream_address();
             }
-            complete_body(&Completion {
+            complete_report(&Completion {
                 decision_id: self.decision_id.as_deref(),
                 request_id: &self.request_id,
                 endpoint,
@@ -698,25 +713,36 @@ impl Stream {
             })
         } else if let Some(callout) = &self.unanswered_callout {
             host.increment(Counter::Abandoned.into());
-            abandon_body(callout, &self.request_id)
+            abandon_report(callout, &self.request_id)
         } else {
             return;
         };
         self.reported = true;
-        let headers = indexer_headers(plugin, "/v1/complete");
-        // The stream dies right after this call: the report must outlive it.
-        let sent = host.dispatch_detached(&Callout {
-            cluster: &plugin.cfg.indexer_cluster,
-            headers: &headers,
-            body: Some(&body),
-            timeout: Duration::from_millis(plugin.cfg.complete_timeout_ms),
-        });
-        match sent {
-            Ok(()) => host.increment(Counter::CompleteSent.into()),
-            Err(e) => {
-                host.increment(Counter::CompleteFailed.into());
-                hlog!(host, Debug, "kvroute: completion report not sent: {e}");
-            }
+        if let Some(due) = plugin.report_end(report, host.now_millis()) {
+            // The stream dies right after this call: the reports must outlive it.
+            send_reports(host, &plugin.cfg, &due, |h, call| h.dispatch_detached(call));
+        }
+    }
+
+    /// The route call's answer came: reports it carried reached the indexer when the answer is
+    /// the indexer's (it applies them before deciding, whatever it answers); otherwise (a reset,
+    /// Envoy's timeout or its own error) they are held again, to go with a later call.
+    fn settle_carried(&mut self, host: &mut impl StreamHost, plugin: &Plugin, reply: &CallReply) {
+        if reply.contract.is_none() {
+            self.give_back_carried(host, plugin);
+            return;
+        }
+        for _ in std::mem::take(&mut self.carried) {
+            host.increment(Counter::CompleteSent.into());
+            host.increment(Counter::CompleteCarried.into());
+        }
+    }
+
+    /// Holds the carried reports again (sending everything held when that fills the queue).
+    fn give_back_carried(&mut self, host: &mut impl StreamHost, plugin: &Plugin) {
+        let carried = std::mem::take(&mut self.carried);
+        if let Some(due) = plugin.give_back(carried, host.now_millis()) {
+            send_reports(host, &plugin.cfg, &due, |h, call| h.dispatch_detached(call));
         }
     }
 }

@@ -807,3 +807,161 @@ fn the_online_check_asks_for_token_ids_strips_them_and_reports_a_mismatch() {
     assert_eq!(host.fail_open_count(FailOpen::TokenMismatch), 1);
     assert_eq!(host.request_body, body, "not rewritten");
 }
+
+/// A route answer with its own `decision_id`.
+fn route_answer_for(decision_id: &str) -> CallReply {
+    let mut answer = route_answer("10.0.0.7:8000");
+    let mut body: Value = serde_json::from_slice(&answer.body).expect("json");
+    body["decision_id"] = json!(decision_id);
+    answer.body = body.to_string().into_bytes();
+    answer
+}
+
+/// One request routed by `plugin` to a decision `decision_id`, answered and ended.
+fn run_routed(plugin: &Arc<Plugin>, decision_id: &str) -> FakeHost {
+    let mut host = FakeHost::post(CHAT, &[], &chat_body("short"));
+    let mut stream = Stream::new(1, Some(Arc::clone(plugin)));
+    assert_eq!(send_request(&mut stream, &mut host), Flow::Pause);
+    let id = host.last_call().id;
+    stream.on_call_reply(&mut host, id, &route_answer_for(decision_id));
+    respond(&mut stream, &mut host, "text/event-stream", &[SSE_USAGE]);
+    stream.on_stream_end(&mut host);
+    host
+}
+
+/// The decision ids a route call carried.
+fn carried_ids(route: &Value) -> Vec<String> {
+    route["completed"]
+        .as_array()
+        .map(|reports| {
+            reports
+                .iter()
+                .map(|r| r["decision_id"].as_str().unwrap_or("?").to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn holding_plugin(extra: Value) -> Arc<Plugin> {
+    let mut config = json!({"models": {"qwen3": {}}, "complete_hold_ms": 250});
+    if let (Some(c), Some(e)) = (config.as_object_mut(), extra.as_object()) {
+        c.extend(e.clone());
+    }
+    plugin_with_qwen3(config)
+}
+
+#[test]
+fn a_completion_report_rides_on_the_next_route_call() {
+    let plugin = holding_plugin(json!({}));
+    let first = run_routed(&plugin, "d-first");
+    assert!(first.detached_calls().is_empty(), "held, not sent alone");
+    assert_eq!(first.count("kvroute.complete_sent"), 0);
+
+    let mut host = FakeHost::post(CHAT, &[], &chat_body("short"));
+    let mut stream = Stream::new(2, Some(Arc::clone(&plugin)));
+    send_request(&mut stream, &mut host);
+    let route = host.last_call().clone();
+    let r = route.json();
+    assert_eq!(carried_ids(&r), ["d-first"]);
+    assert_eq!(r["completed"][0]["cached_tokens"], 288, "the whole report");
+    stream.on_call_reply(&mut host, route.id, &route_answer_for("d-second"));
+    assert_eq!(host.count("kvroute.complete_sent"), 1, "delivered");
+    assert_eq!(host.count("kvroute.complete_carried"), 1);
+    // Carried once: the next call carries only what ended since.
+    let third = run_routed(&plugin, "d-third");
+    assert_eq!(carried_ids(&third.calls[0].json()), Vec::<String>::new());
+}
+
+#[test]
+fn a_report_no_route_call_took_goes_by_itself_after_the_hold_time() {
+    let plugin = holding_plugin(json!({}));
+    let mut host = run_routed(&plugin, "d-1");
+    let before = host.calls.len();
+    host.advance_ms(240);
+    plugin.on_tick(&mut host);
+    assert_eq!(host.calls.len(), before, "still held at 240 ms");
+    host.advance_ms(10);
+    plugin.on_tick(&mut host);
+    let sent = host.last_call().clone();
+    assert_eq!(sent.header(":path"), Some("/v1/complete"));
+    assert_eq!(
+        sent.json()["decision_id"],
+        "d-1",
+        "one report, as an object"
+    );
+    assert_eq!(host.count("kvroute.complete_sent"), 1);
+    plugin.on_tick(&mut host);
+    assert_eq!(host.calls.len(), before + 1, "sent once");
+}
+
+#[test]
+fn reports_a_failed_route_call_carried_are_held_again() {
+    let plugin = holding_plugin(json!({}));
+    run_routed(&plugin, "d-1");
+    // The next route call carries d-1 and gets no answer from the indexer (a reset).
+    let mut host = FakeHost::post(CHAT, &[], &chat_body("short"));
+    let mut stream = Stream::new(2, Some(Arc::clone(&plugin)));
+    send_request(&mut stream, &mut host);
+    let route = host.last_call().clone();
+    assert_eq!(carried_ids(&route.json()), ["d-1"]);
+    stream.on_call_reply(&mut host, route.id, &CallReply::default());
+    assert_eq!(host.count("kvroute.complete_sent"), 0);
+    stream.on_stream_end(&mut host);
+    assert!(
+        host.detached_calls().is_empty(),
+        "its abandonment is held too"
+    );
+    // A client that leaves while its route call is pending gives back what the call carried.
+    let mut host = FakeHost::post(CHAT, &[], &chat_body("short"));
+    let mut leaving = Stream::new(3, Some(Arc::clone(&plugin)));
+    send_request(&mut leaving, &mut host);
+    assert_eq!(carried_ids(&host.last_call().json()), ["d-1", "?"]);
+    leaving.on_stream_end(&mut host);
+    // Both abandonments (the reset call's, the leaving client's) are held, behind d-1.
+    let mut host = FakeHost::post(CHAT, &[], &chat_body("short"));
+    let mut stream = Stream::new(4, Some(Arc::clone(&plugin)));
+    send_request(&mut stream, &mut host);
+    let r = host.last_call().json();
+    let carried = r["completed"].as_array().expect("carried").clone();
+    assert_eq!(carried.len(), 3, "{carried:?}");
+    assert_eq!(carried[0]["decision_id"], "d-1", "the oldest first");
+    assert!(carried[1..]
+        .iter()
+        .all(|c| c["abandoned"] == true && c["callout_id"].is_string()));
+}
+
+#[test]
+fn a_full_queue_of_reports_is_sent_at_once_in_one_batch() {
+    let plugin = holding_plugin(json!({"max_held_completions": 2}));
+    // Two requests routed, then both end: nothing routed in between to carry the first.
+    let mut running: Vec<(FakeHost, Stream)> = ["d-1", "d-2"]
+        .iter()
+        .enumerate()
+        .map(|(i, id)| {
+            let mut host = FakeHost::post(CHAT, &[], &chat_body("short"));
+            let mut stream = Stream::new(i as u64, Some(Arc::clone(&plugin)));
+            send_request(&mut stream, &mut host);
+            let call = host.last_call().id;
+            stream.on_call_reply(&mut host, call, &route_answer_for(id));
+            respond(&mut stream, &mut host, "text/event-stream", &[SSE_USAGE]);
+            (host, stream)
+        })
+        .collect();
+    let (host, stream) = &mut running[0];
+    stream.on_stream_end(host);
+    assert!(host.detached_calls().is_empty(), "one held");
+    let (host, stream) = &mut running[1];
+    stream.on_stream_end(host);
+    let batch = host.detached_calls();
+    assert_eq!(batch.len(), 1, "the second fills the queue");
+    assert_eq!(batch[0].header(":path"), Some("/v1/complete"));
+    let ids: Vec<Value> = batch[0]
+        .json()
+        .as_array()
+        .expect("an array")
+        .iter()
+        .map(|r| r["decision_id"].clone())
+        .collect();
+    assert_eq!(ids, [json!("d-1"), json!("d-2")]);
+    assert_eq!(host.count("kvroute.complete_sent"), 2);
+}

@@ -13,8 +13,8 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 
 use kvroute_core::api::{
-    check_contract, AgreementReport, CompleteReport, ContractCheck, TokenizerBundle,
-    CONTRACT_HEADER, CONTRACT_VERSION,
+    check_contract, parse_complete_reports, AgreementReport, CompleteReport, ContractCheck,
+    TokenizerBundle, CONTRACT_HEADER, CONTRACT_VERSION, MAX_REPORTS_PER_CALL,
 };
 
 use crate::agreement::AgreementEvent;
@@ -108,13 +108,32 @@ async fn route_handler(
     body: Bytes,
 ) -> Response {
     let started = std::time::Instant::now();
-    let req: RouteRequest = match parse_json(&body) {
+    let mut req: RouteRequest = match parse_json(&body) {
         Ok(r) => r,
         Err(resp) => {
             state.metrics.count_route_error(400);
             return resp.into_response();
         }
     };
+    if req.completed.len() > MAX_REPORTS_PER_CALL {
+        state.metrics.count_route_error(400);
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "{} completion reports carried, at most {MAX_REPORTS_PER_CALL} are accepted",
+                req.completed.len()
+            ),
+        );
+    }
+    // The caller's earlier requests ended before this one is decided, whatever the answer.
+    let carried = std::mem::take(&mut req.completed);
+    if let Some((n, why)) = apply_completions(&state, &carried) {
+        tracing::debug!(
+            refused = n,
+            first = why,
+            "carried completion reports refused"
+        );
+    }
     if !req.shadow && state.shadow_only.load(Ordering::Relaxed) {
         state.metrics.count_route_error(400);
         return error(
@@ -142,22 +161,50 @@ async fn route_handler(
 }
 
 async fn complete_handler(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
-    let req: CompleteReport = match parse_json(&body) {
+    let reports = match parse_complete_reports(&body) {
         Ok(r) => r,
-        Err(resp) => return resp.into_response(),
+        Err(e) => return error(StatusCode::BAD_REQUEST, e.to_string()),
     };
+    // Every valid report is applied, even beside invalid ones; the first problem is answered.
+    let refused = apply_completions(&state, &reports);
+    match refused {
+        None => StatusCode::NO_CONTENT.into_response(),
+        Some((n, why)) => error(
+            StatusCode::BAD_REQUEST,
+            format!("{n} of {} reports refused; the first: {why}", reports.len()),
+        ),
+    }
+}
+
+/// Applies reports in order; returns how many were refused and why the first was.
+fn apply_completions(
+    state: &AppState,
+    reports: &[CompleteReport],
+) -> Option<(usize, &'static str)> {
+    let (mut refused, mut first) = (0, None);
+    for report in reports {
+        if let Err(why) = apply_completion(state, report) {
+            refused += 1;
+            first.get_or_insert(why);
+        }
+    }
+    first.map(|why| (refused, why))
+}
+
+/// Applies one report: releases its decision (or abandoned route call) and records what the
+/// engine reported against what was predicted.
+fn apply_completion(state: &AppState, req: &CompleteReport) -> Result<(), &'static str> {
     let m = &state.metrics;
     let Some(decision_id) = req.decision_id.as_deref() else {
         if let (Some(callout), true) = (req.callout_id.as_deref(), req.abandoned) {
             m.completions_abandoned.fetch_add(1, Ordering::Relaxed);
             if let Some(p) = state.load.abandon_callout(callout) {
-                share_end(&state, &p);
+                share_end(state, &p);
             }
-            return StatusCode::NO_CONTENT.into_response();
+            return Ok(());
         }
         m.completions_missing_id.fetch_add(1, Ordering::Relaxed);
-        return error(
-            StatusCode::BAD_REQUEST,
+        return Err(
             "missing decision_id (the route answer's; a filter older than this indexer sends \
              only request_id, and its decisions end at their deadline)",
         );
@@ -174,7 +221,7 @@ async fn complete_handler(State(state): State<Arc<AppState>>, body: Bytes) -> Re
         if outcome == crate::shadow::ShadowOutcome::Unknown {
             m.completions_unknown.fetch_add(1, Ordering::Relaxed);
         }
-        return StatusCode::NO_CONTENT.into_response();
+        return Ok(());
     }
     m.completions.fetch_add(1, Ordering::Relaxed);
     if req.abandoned {
@@ -184,44 +231,41 @@ async fn complete_handler(State(state): State<Arc<AppState>>, body: Bytes) -> Re
         .load
         .parse_id(decision_id)
         .and_then(|id| state.load.completed(id));
-    match done {
-        Some(p) => {
-            share_end(&state, &p);
-            if let Some(us) = req.ttft_us.filter(|_| !req.abandoned) {
-                m.record_ttft(&p.replica.name, us as f64 / 1e6, p.predicted_ttft_s);
-            }
-            // Beside the "route decision" line of the same `decision_id`: what the prediction
-            // became, to judge a decision (a prefix given away, say) by its outcome.
-            tracing::debug!(
-                target: "kvroute_indexer::route",
-                %decision_id,
-                replica = %p.replica.name,
-                predicted_ttft_s = p.predicted_ttft_s,
-                observed_ttft_s = req.ttft_us.map(|us| us as f64 / 1e6),
-                predicted_tokens = p.predicted_tokens,
-                cached_tokens = req.cached_tokens,
-                abandoned = req.abandoned,
-                "decision outcome"
-            );
-            if p.partial {
-                m.hit_prediction_partial.fetch_add(1, Ordering::Relaxed);
-            } else if let Some(reported) = req.cached_tokens.filter(|_| !req.abandoned) {
-                m.predicted_hit_tokens
-                    .fetch_add(p.predicted_tokens, Ordering::Relaxed);
-                m.reported_hit_tokens.fetch_add(reported, Ordering::Relaxed);
-                let c = match reported.cmp(&p.predicted_tokens) {
-                    std::cmp::Ordering::Equal => &m.hit_exact,
-                    std::cmp::Ordering::Greater => &m.hit_under_predicted,
-                    std::cmp::Ordering::Less => &m.hit_over_predicted,
-                };
-                c.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        None => {
-            m.completions_unknown.fetch_add(1, Ordering::Relaxed);
-        }
+    let Some(p) = done else {
+        m.completions_unknown.fetch_add(1, Ordering::Relaxed);
+        return Ok(());
+    };
+    share_end(state, &p);
+    if let Some(us) = req.ttft_us.filter(|_| !req.abandoned) {
+        m.record_ttft(&p.replica.name, us as f64 / 1e6, p.predicted_ttft_s);
     }
-    StatusCode::NO_CONTENT.into_response()
+    // Beside the "route decision" line of the same `decision_id`: what the prediction became,
+    // to judge a decision (a prefix given away, say) by its outcome.
+    tracing::debug!(
+        target: "kvroute_indexer::route",
+        %decision_id,
+        replica = %p.replica.name,
+        predicted_ttft_s = p.predicted_ttft_s,
+        observed_ttft_s = req.ttft_us.map(|us| us as f64 / 1e6),
+        predicted_tokens = p.predicted_tokens,
+        cached_tokens = req.cached_tokens,
+        abandoned = req.abandoned,
+        "decision outcome"
+    );
+    if p.partial {
+        m.hit_prediction_partial.fetch_add(1, Ordering::Relaxed);
+    } else if let Some(reported) = req.cached_tokens.filter(|_| !req.abandoned) {
+        m.predicted_hit_tokens
+            .fetch_add(p.predicted_tokens, Ordering::Relaxed);
+        m.reported_hit_tokens.fetch_add(reported, Ordering::Relaxed);
+        let c = match reported.cmp(&p.predicted_tokens) {
+            std::cmp::Ordering::Equal => &m.hit_exact,
+            std::cmp::Ordering::Greater => &m.hit_under_predicted,
+            std::cmp::Ordering::Less => &m.hit_over_predicted,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+    Ok(())
 }
 
 /// Tells the peer gateways that a decision ended (no-op without `[peers]`).

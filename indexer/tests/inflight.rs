@@ -142,3 +142,56 @@ async fn colliding_request_ids_and_abandoned_callouts() {
         assert!(m.contains(line), "{line} in\n{m}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reports_carried_by_a_route_call_are_applied_before_it_is_decided() {
+    let (_p0, _p1, state, base) = fleet().await;
+    let c = reqwest::Client::new();
+    let route = |callout: &str, completed: Value| {
+        json!({"model": "m", "token_ids": (1..=9).collect::<Vec<u32>>(),
+               "callout_id": callout, "max_tokens": 16, "completed": completed})
+    };
+    let (s, a) = post(&c, format!("{base}/v1/route"), route("c-a", json!([]))).await;
+    assert_eq!(s, 200, "{a}");
+    let (_, b) = post(&c, format!("{base}/v1/route"), route("c-b", json!([]))).await;
+    assert_eq!(in_flight(&state), 2);
+    // C carries A's end: A is released, C counted.
+    let (s, cc) = post(
+        &c,
+        format!("{base}/v1/route"),
+        route(
+            "c-c",
+            json!([{"decision_id": a["decision_id"], "cached_tokens": 0}]),
+        ),
+    )
+    .await;
+    assert_eq!(s, 200, "{cc}");
+    assert_eq!(in_flight(&state), 2, "A ended, C began");
+    // A refused route still applies what it carried: B's end rides on a call for an unknown
+    // model.
+    let unknown = json!({"model": "nope", "token_ids": [1, 2, 3],
+                         "completed": [{"decision_id": b["decision_id"]}]});
+    let (s, _) = post(&c, format!("{base}/v1/route"), unknown).await;
+    assert_eq!(s, 404);
+    assert_eq!(in_flight(&state), 1, "B ended");
+    // A batch applies its valid reports and names the refused ones.
+    let (s, err) = post(
+        &c,
+        format!("{base}/v1/complete"),
+        json!([{"request_id": "no-id"}, {"decision_id": cc["decision_id"]}]),
+    )
+    .await;
+    assert_eq!(s, 400);
+    assert!(
+        err["error"].as_str().is_some_and(|e| e.contains("1 of 2")),
+        "{err}"
+    );
+    assert_eq!(in_flight(&state), 0, "C ended despite its neighbour");
+    // Too many reports on one call: refused whole.
+    let many: Vec<Value> = (0..=kvroute_core::api::MAX_REPORTS_PER_CALL)
+        .map(|i| json!({"decision_id": format!("x-{i}")}))
+        .collect();
+    let (s, err) = post(&c, format!("{base}/v1/route"), route("c-d", json!(many))).await;
+    assert_eq!(s, 400, "{err}");
+    assert_eq!(in_flight(&state), 0, "nothing decided");
+}

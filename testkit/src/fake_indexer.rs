@@ -156,15 +156,25 @@ impl FakeIndexer {
             .collect()
     }
 
-    /// `POST /v1/complete` bodies received so far.
+    /// Completion reports received so far: sent alone or in a `/v1/complete` batch, or carried
+    /// by a route call (`completed`), in arrival order.
     pub fn completions(&self) -> Vec<Value> {
-        self.server
-            .requests
-            .lock()
-            .expect("lock")
-            .iter()
-            .filter(|r| r.path == "/v1/complete")
-            .map(|r| serde_json::from_slice(&r.body).unwrap_or(Value::Null))
-            .collect()
+        let requests = self.server.requests.lock().expect("lock");
+        let mut reports = Vec::new();
+        for r in requests.iter() {
+            let body: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
+            match (r.path.as_str(), body) {
+                ("/v1/complete", Value::Array(batch)) => reports.extend(batch),
+                ("/v1/complete", one) => reports.push(one),
+                ("/v1/route", mut route) => {
+                    if let Some(Value::Array(carried)) = route.get_mut("completed").map(Value::take)
+                    {
+                        reports.extend(carried);
+                    }
+                }
+                _ => {}
+            }
+        }
+        reports
     }
 }
