@@ -162,6 +162,10 @@ pub struct BenchOptions {
     /// e.g. `--index kv_cache_group=0` to index group 0 only).
     #[arg(long, value_parser = parse_index_setting)]
     pub index: Vec<String>,
+    /// A setting of the filter's configuration, `key=value` with a number or true/false
+    /// (repeatable; e.g. `--filter complete_hold_ms=0`), for the kv lines' Envoy.
+    #[arg(long, value_parser = parse_filter_setting)]
+    pub filter: Vec<(String, serde_json::Value)>,
     /// The replicas' KV cache groups (`kvroute-sim --kv-cache-layout`: `full`, `gemma3`,
     /// `gpt-oss`, or a list such as `sliding_window:512,full_attention`).
     #[arg(long, default_value = "full")]
@@ -569,6 +573,7 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
                 ],
                 scoring: opts.scoring.clone(),
                 index: opts.index.clone(),
+                filter: opts.filter.clone(),
             };
             let work_dir = out_dir.join(format!("{replicas}x{gpu_blocks}"));
             let mut stack = Stack::new(
@@ -1267,6 +1272,20 @@ fn parse_index_setting(s: &str) -> std::result::Result<String, String> {
 /// `key=value` -> a TOML line `key = value` of the `[table]` table (the value must be a number
 /// or a boolean).
 fn parse_setting(s: &str, table: &str) -> std::result::Result<String, String> {
+    let (key, value) = split_setting(s, table)?;
+    Ok(format!("{key} = {value}"))
+}
+
+/// `key=value` -> a field of the filter's JSON configuration (a number or a boolean).
+fn parse_filter_setting(s: &str) -> std::result::Result<(String, serde_json::Value), String> {
+    let (key, value) = split_setting(s, "filter")?;
+    let value: serde_json::Value =
+        serde_json::from_str(value).map_err(|e| format!("{value:?}: {e}"))?;
+    Ok((key.to_string(), value))
+}
+
+/// Splits and checks `key=value`: a plain key, a number or true/false.
+fn split_setting<'a>(s: &'a str, table: &str) -> std::result::Result<(&'a str, &'a str), String> {
     let (key, value) = s
         .split_once('=')
         .ok_or_else(|| format!("{s:?}: expected key=value"))?;
@@ -1278,7 +1297,7 @@ fn parse_setting(s: &str, table: &str) -> std::result::Result<String, String> {
     if value.parse::<f64>().is_err() && value != "true" && value != "false" {
         return Err(format!("{value:?}: expected a number or true/false"));
     }
-    Ok(format!("{key} = {value}"))
+    Ok((key, value))
 }
 
 #[cfg(test)]
@@ -1336,6 +1355,28 @@ mod tests {
         let mut all = vec!["bench", "routing"];
         all.extend_from_slice(args);
         <Cli as clap::Parser>::try_parse_from(all).map(|c| c.opts)
+    }
+
+    #[test]
+    fn filter_settings_become_json_fields() {
+        let o = parse(&[
+            "--filter",
+            "complete_hold_ms=0",
+            "--filter",
+            "debug_headers=true",
+        ])
+        .expect("parse");
+        assert_eq!(
+            o.filter,
+            [
+                ("complete_hold_ms".to_string(), serde_json::json!(0)),
+                ("debug_headers".to_string(), serde_json::json!(true)),
+            ]
+        );
+        assert!(
+            parse(&["--filter", "mode=shadow"]).is_err(),
+            "numbers and booleans only"
+        );
     }
 
     #[test]

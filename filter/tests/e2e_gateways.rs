@@ -127,6 +127,7 @@ fn a_killed_gateway_loses_no_retried_request_and_comes_back_warm() {
         sim_args: Vec::new(),
         scoring: Vec::new(),
         index: Vec::new(),
+        filter: Vec::new(),
     };
     let dir = scratch("gateways");
     let mut stack = Stack::new(&layout, cfg, bins, dir.clone(), true).expect("stack");

@@ -58,6 +58,8 @@ pub struct StackConfig {
     pub scoring: Vec<String>,
     /// Extra `key = value` lines for the indexer's `[index]` table.
     pub index: Vec<String>,
+    /// Extra fields of the filter's configuration (docs/filter.md), as `(name, value)`.
+    pub filter: Vec<(String, serde_json::Value)>,
 }
 
 /// The ports of one replica.
@@ -705,6 +707,9 @@ impl Stack {
         let template = fs::read_to_string(&self.envoy_template)
             .with_context(|| format!("reading {}", self.envoy_template.display()))?;
         let mut plugin = json!({"models": {self.cfg.model.as_str(): {}}});
+        for (name, value) in &self.cfg.filter {
+            plugin[name.as_str()] = value.clone();
+        }
         if shadow {
             plugin["mode"] = json!("shadow");
         }

@@ -109,6 +109,7 @@ pub fn run(layout: &Layout, opts: &DemoOptions) -> Result<()> {
         sim_args: Vec::new(),
         scoring: Vec::new(),
         index: Vec::new(),
+        filter: Vec::new(),
     };
     let mut stack = Stack::new(
         layout,

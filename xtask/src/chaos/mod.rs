@@ -80,6 +80,7 @@ pub fn run(layout: &Layout, opts: &ChaosOptions) -> Result<()> {
         sim_args: Vec::new(),
         scoring: Vec::new(),
         index: Vec::new(),
+        filter: Vec::new(),
     };
     let model = cfg.model.clone();
     let profile = opts.prepare.profile();
