@@ -121,7 +121,9 @@ fn assert_fails_open(s: &Stack, body: &[u8], reason: &str) {
 fn every_indexer_failure_fails_open_to_the_fallback_cluster() {
     let s = stack(
         "fail-open-indexer",
-        json!({"route_timeout_ms": 1000, "debug_headers": true, "models": {"qwen3": {}}}),
+        // Reports held long enough that every one but the last rides on the next route call.
+        json!({"route_timeout_ms": 1000, "debug_headers": true, "models": {"qwen3": {}},
+               "complete_hold_ms": 5000}),
         TokenizerMode::Serve,
     );
     s.envoy.wait_tokenizers(1);
@@ -147,11 +149,20 @@ fn every_indexer_failure_fails_open_to_the_fallback_cluster() {
                           "stream_options": {"include_usage": true}});
     let r = post_json(s.envoy.port, "/v1/completions", &streamed, &[]);
     assert_eq!(r.status, 200);
-    // Every routed request's end reached the indexer (issued on the root context's behalf, so
-    // it survives the stream), with the engine's cached_tokens from the JSON body or SSE tail.
+    // Every routed request's end reached the indexer (carried by the next route call, or the
+    // last one sent on the plugin's tick, so it survives the stream), with the engine's
+    // cached_tokens from the JSON body or SSE tail.
     wait_for("4 completion reports", Duration::from_secs(10), || {
         s.indexer.completions().len() >= 4
     });
+    let carried: usize = s
+        .indexer
+        .route_calls()
+        .iter()
+        .filter_map(|c| c["completed"].as_array().map(Vec::len))
+        .sum();
+    assert!(carried >= 1, "reports ride on later route calls");
+    assert_eq!(s.envoy.kv("complete_carried"), carried as u64);
     let routed_ids: Vec<Value> = s
         .indexer
         .route_calls()

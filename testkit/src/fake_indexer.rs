@@ -4,10 +4,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvroute_core::api::{RouteAnswer, RouteRequest};
+use kvroute_core::api::{RouteAnswer, RouteRequest, CONTRACT_HEADER, CONTRACT_VERSION_STR};
 use serde_json::Value;
 
-use crate::fake_server::{Reply, TestServer};
+use crate::fake_server::{Reply, Request, TestServer};
 use crate::paths::model_dir;
 
 /// The model's tokenizer files as the indexer serves them (the whole `tokenizer.json`).
@@ -65,7 +65,7 @@ impl FakeIndexer {
         let route = Arc::new(Mutex::new(route));
         let tokenizer = Arc::new(Mutex::new(tokenizer));
         let (r2, t2) = (route.clone(), tokenizer.clone());
-        let server = TestServer::start(move |req| {
+        let respond = move |req: &Request| {
             let prefix = "/v1/models/";
             if req.method == "GET" && req.path.starts_with(prefix) {
                 let (path, query) = req.path.split_once('?').unwrap_or((&req.path, ""));
@@ -84,6 +84,7 @@ impl FakeIndexer {
                         content_type: "application/json",
                         body: answer.as_ref().clone(),
                         delay: Duration::ZERO,
+                        headers: Vec::new(),
                     },
                     TokenizerMode::Unavailable => Reply::text(503, "warming up"),
                 };
@@ -128,6 +129,14 @@ impl FakeIndexer {
                 };
             }
             Reply::text(404, "no such path")
+        };
+        // Like the real indexer, every answer names the contract it speaks.
+        let server = TestServer::start(move |req| {
+            let mut reply = respond(req);
+            reply
+                .headers
+                .push((CONTRACT_HEADER, CONTRACT_VERSION_STR.to_string()));
+            reply
         });
         FakeIndexer {
             server,

@@ -22,6 +22,8 @@ pub struct Reply {
     pub content_type: &'static str,
     pub body: Vec<u8>,
     pub delay: Duration,
+    /// Headers besides `content-type` and `content-length`.
+    pub headers: Vec<(&'static str, String)>,
 }
 
 impl Reply {
@@ -31,6 +33,7 @@ impl Reply {
             content_type: "application/json",
             body: serde_json::to_vec(v).expect("a JSON body serialises"),
             delay: Duration::ZERO,
+            headers: Vec::new(),
         }
     }
     pub fn text(status: u16, t: &str) -> Reply {
@@ -39,6 +42,7 @@ impl Reply {
             content_type: "text/plain",
             body: t.as_bytes().to_vec(),
             delay: Duration::ZERO,
+            headers: Vec::new(),
         }
     }
 }
@@ -121,12 +125,16 @@ fn serve_conn(
         if !reply.delay.is_zero() {
             thread::sleep(reply.delay);
         }
-        let head = format!(
-            "HTTP/1.1 {} X\r\ncontent-type: {}\r\ncontent-length: {}\r\n\r\n",
+        let mut head = format!(
+            "HTTP/1.1 {} X\r\ncontent-type: {}\r\ncontent-length: {}\r\n",
             reply.status,
             reply.content_type,
             reply.body.len()
         );
+        for (name, value) in &reply.headers {
+            head.push_str(&format!("{name}: {value}\r\n"));
+        }
+        head.push_str("\r\n");
         let mut bytes = head.into_bytes();
         bytes.extend_from_slice(&reply.body);
         if w.write_all(&bytes).is_err() {
