@@ -8,6 +8,7 @@
 
 mod chaos;
 mod demo;
+mod disk;
 mod prepare;
 mod setup;
 mod test;

@@ -63,6 +63,11 @@ struct Outcome {
 /// Runs the check; an error names the step that failed.
 pub fn run(layout: &Layout, opts: &TestOptions) -> Result<()> {
     let started = Instant::now();
+    crate::disk::warn_if_low(
+        &layout.target_dir,
+        crate::disk::CLEAN_TEST_BYTES,
+        "xtask test",
+    );
     if opts.no_setup {
         println!(
             "xtask test: --no-setup: using {}",
