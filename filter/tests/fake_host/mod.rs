@@ -301,13 +301,8 @@ pub fn default_plugin() -> Arc<Plugin> {
     )
 }
 
-/// A configured plugin whose `qwen3` tokenizer was fetched from the (fake) indexer. Unless the
-/// configuration says otherwise, completion reports go out at once (`complete_hold_ms: 0`), each
-/// as its own detached call: the tests of holding them set it.
-pub fn plugin_with_qwen3(mut config: Value) -> Arc<Plugin> {
-    if let Some(fields) = config.as_object_mut() {
-        fields.entry("complete_hold_ms").or_insert(Value::from(0));
-    }
+/// A configured plugin whose `qwen3` tokenizer was fetched from the (fake) indexer.
+pub fn plugin_with_qwen3(config: Value) -> Arc<Plugin> {
     let mut host = FakeHost::new();
     let plugin = Plugin::configure(&host, config.to_string().as_bytes(), b"").expect("configure");
     plugin.on_tick(&mut host);
