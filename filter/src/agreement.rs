@@ -4,13 +4,13 @@
 
 use std::time::Duration;
 
-use kvroute_core::api::{AgreementReport, CONTRACT_HEADER, CONTRACT_VERSION_STR};
+use kvroute_core::api::AgreementReport;
 
 use crate::config::FilterConfig;
 use crate::hlog;
 use crate::metrics::Counter;
 use crate::models::log_name;
-use crate::protocol::percent_encode;
+use crate::protocol::{indexer_post_headers, percent_encode};
 use crate::seam::{Callout, Host, HostResult};
 
 /// Issues `POST /v1/models/{model}/agreement` with `send` (a stream's `dispatch_detached`, so the
@@ -26,13 +26,7 @@ pub fn send_report<H: Host + ?Sized>(
         return;
     };
     let path = format!("/v1/models/{}/agreement", percent_encode(model));
-    let headers = [
-        (":method", "POST"),
-        (":path", path.as_str()),
-        (":authority", cfg.indexer_authority.as_str()),
-        ("content-type", "application/json"),
-        (CONTRACT_HEADER, CONTRACT_VERSION_STR),
-    ];
+    let headers = indexer_post_headers(cfg, &path);
     let call = Callout {
         cluster: &cfg.indexer_cluster,
         headers: &headers,

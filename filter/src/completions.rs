@@ -10,11 +10,12 @@
 
 use std::time::Duration;
 
-use kvroute_core::api::{CompleteReport, CONTRACT_HEADER, CONTRACT_VERSION_STR};
+use kvroute_core::api::CompleteReport;
 
 use crate::config::FilterConfig;
 use crate::hlog;
 use crate::metrics::Counter;
+use crate::protocol::indexer_post_headers;
 use crate::seam::{Callout, Host, HostResult};
 
 /// The reports held, oldest first.
@@ -113,13 +114,7 @@ pub fn send_reports<H: Host + ?Sized>(
         return;
     }
     let body = reports_body(reports);
-    let headers = [
-        (":method", "POST"),
-        (":path", "/v1/complete"),
-        (":authority", cfg.indexer_authority.as_str()),
-        ("content-type", "application/json"),
-        (CONTRACT_HEADER, CONTRACT_VERSION_STR),
-    ];
+    let headers = indexer_post_headers(cfg, "/v1/complete");
     let call = Callout {
         cluster: &cfg.indexer_cluster,
         headers: &headers,

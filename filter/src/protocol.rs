@@ -3,8 +3,13 @@
 
 use std::net::SocketAddr;
 
-use kvroute_core::api::{check_contract, CompleteReport, ContractCheck, RouteAnswer as WireAnswer};
+use kvroute_core::api::{
+    check_contract, CompleteReport, ContractCheck, RouteAnswer as WireAnswer, CONTRACT_HEADER,
+    CONTRACT_VERSION_STR,
+};
 use serde_json::Value;
+
+use crate::config::FilterConfig;
 
 /// Why a request was not routed (each is one `fail_open.<reason>` counter).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -157,6 +162,17 @@ pub fn percent_encode(s: &str) -> String {
         }
     }
     out
+}
+
+/// Headers of a JSON `POST` to the indexer at `path`, announcing this contract.
+pub fn indexer_post_headers<'a>(cfg: &'a FilterConfig, path: &'a str) -> [(&'a str, &'a str); 5] {
+    [
+        (":method", "POST"),
+        (":path", path),
+        (":authority", cfg.indexer_authority.as_str()),
+        ("content-type", "application/json"),
+        (CONTRACT_HEADER, CONTRACT_VERSION_STR),
+    ]
 }
 
 /// Parses a status header value.

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvroute_core::api::{CompleteReport, CONTRACT_HEADER, CONTRACT_VERSION_STR};
+use kvroute_core::api::CompleteReport;
 use serde_json::Value;
 
 use crate::completions::send_reports;
@@ -25,8 +25,9 @@ use crate::models::Lookup;
 use crate::online_check::OnlineCheck;
 use crate::plugin::Plugin;
 use crate::protocol::{
-    abandon_report, callout_id, complete_report, inject_kv_cache_report_mode, max_tokens_of,
-    parse_route_answer, request_id, route_may_be_counted, Completion, FailOpen, RouteRequest,
+    abandon_report, callout_id, complete_report, indexer_post_headers, inject_kv_cache_report_mode,
+    max_tokens_of, parse_route_answer, request_id, route_may_be_counted, Completion, FailOpen,
+    RouteRequest,
 };
 use crate::seam::{Body, CallId, CallReply, Callout, Flow, Headers, HostError, StreamHost};
 use crate::usage::UsageScanner;
@@ -572,7 +573,7 @@ impl Stream {
             self.give_back_carried(host, plugin);
             return Err(FailOpen::HostcallError);
         };
-        let headers = indexer_headers(plugin, "/v1/route");
+        let headers = indexer_post_headers(&plugin.cfg, "/v1/route");
         let dispatched = host.dispatch(&Callout {
             cluster: &plugin.cfg.indexer_cluster,
             headers: &headers,
@@ -745,17 +746,6 @@ impl Stream {
             send_reports(host, &plugin.cfg, &due, |h, call| h.dispatch_detached(call));
         }
     }
-}
-
-/// Headers of a `POST` to the indexer.
-fn indexer_headers<'a>(plugin: &'a Plugin, path: &'a str) -> [(&'a str, &'a str); 5] {
-    [
-        (":method", "POST"),
-        (":path", path),
-        (":authority", plugin.cfg.indexer_authority.as_str()),
-        ("content-type", "application/json"),
-        (CONTRACT_HEADER, CONTRACT_VERSION_STR),
-    ]
 }
 
 /// Adds `kv_cache_report_mode` (when configured) and the online check's `return_token_ids` (when
