@@ -45,8 +45,12 @@ pub struct ShadowFigures {
     pub predicted_hit_rate: f64,
     /// The hit rate the balancer achieved (cached tokens / prompt tokens).
     pub actual_hit_rate: f64,
-    /// Prefill kvroute would have saved, as a share of prompt tokens.
+    /// Prefill kvroute would have saved, as a share of prompt tokens (against what the balancer
+    /// left cached).
     pub would_save_share: f64,
+    /// The same with what routing by prefix keeps cached (the fleet as one cache).
+    #[serde(default)]
+    pub would_save_retained_share: f64,
     /// Of that saving, the share within one session.
     pub within_session_share: f64,
 }
@@ -124,7 +128,9 @@ pub(crate) mod tests {
           "measured": 750, "prompt_tokens": 5400000, "predicted_hit_tokens": 3500000,
           "actual_cached_tokens": 1200000, "would_save_tokens": 2300000, "with_session": 750,
           "would_save_within_session_tokens": 0, "agreed_share": 0.253,
+          "retained_hit_tokens": 3600000, "would_save_retained_tokens": 2400000,
           "predicted_hit_rate": 0.648, "actual_hit_rate": 0.222, "would_save_share": 0.426,
+          "retained_hit_rate": 0.667, "would_save_retained_share": 0.444,
           "within_session_tokens": 0, "across_sessions_tokens": 2300000,
           "within_session_share": 0.0, "sessions_visible": true},
         "series": []}]}"#;
@@ -138,6 +144,7 @@ pub(crate) mod tests {
         let s = a.shadow.expect("shadow");
         assert_eq!(s.decisions, 750);
         assert!((s.would_save_share - 0.426).abs() < 1e-12);
+        assert!((s.would_save_retained_share - 0.444).abs() < 1e-12);
         assert!(AssessFigures::parse(REPORT, "other").is_err());
         assert!(AssessFigures::parse("{\"models\": 3}", "qwen3").is_err());
         // Without shadow decisions, no shadow section.

@@ -690,6 +690,8 @@ fn shadow_metrics(out: &mut String, state: &AppState) {
         ("shadow_actual_cached_tokens_total", "cached_tokens the engine that really served the request reported.", |t| t.actual_cached_tokens),
         ("shadow_would_save_tokens_total", "Sum of max(0, predicted - actual cached): prefill kvroute would have saved.", |t| t.would_save_tokens),
         ("shadow_would_save_within_session_tokens_total", "Of that, prefill the same session had asked for before (what session affinity alone recovers).", |t| t.would_save_within_session_tokens),
+        ("shadow_retained_hit_tokens_total", "Tokens the fleet would still have held, every shadowed request routed by prefix (the fleet as one cache).", |t| t.retained_hit_tokens),
+        ("shadow_would_save_retained_tokens_total", "Sum of max(0, retained - actual cached): prefill routing by prefix would save, with what it keeps cached.", |t| t.would_save_retained_tokens),
     ];
     let totals = state.shadow.totals();
     for (name, help, get) in rows {

@@ -227,9 +227,24 @@ impl FleetCache {
     /// unknown, followed up to the limit); returns how many stores the result stands for when
     /// the cache held the block (the inverse sampling rate), 0 otherwise.
     pub fn stored(&mut self, cfg: &ReuseConfig, hash: u64, capacity_blocks: u64) -> u64 {
+        match self.touch(cfg, hash, capacity_blocks) {
+            Some((true, weight)) => weight,
+            _ => 0,
+        }
+    }
+
+    /// Records a store of `hash` like [`FleetCache::stored`]; returns whether the cache held it
+    /// and the number of stores a followed block stands for, or `None` when the block is not in
+    /// the followed sample (nothing is known of it).
+    pub fn touch(
+        &mut self,
+        cfg: &ReuseConfig,
+        hash: u64,
+        capacity_blocks: u64,
+    ) -> Option<(bool, u64)> {
         let limit = cfg.max_fleet_blocks as u64;
         if limit == 0 {
-            return 0;
+            return None;
         }
         // Sample 1 in 2^shift blocks, the smallest shift that fits the limit.
         let capacity = if capacity_blocks == 0 {
@@ -241,7 +256,7 @@ impl FleetCache {
             .next_power_of_two()
             .trailing_zeros();
         if shift > 0 && kvroute_core::rng::mix(hash) >> (64 - shift) != 0 {
-            return 0;
+            return None;
         }
         let followed = (capacity >> shift).max(1);
         self.clock += 1;
@@ -255,11 +270,22 @@ impl FleetCache {
                 self.touched.remove(&h);
             }
         }
-        if held {
-            1 << shift
-        } else {
-            0
+        Some((held, 1 << shift))
+    }
+
+    /// Records the stores of a prompt's blocks, in prompt order, and returns how many of its
+    /// leading blocks the cache held: up to the first followed block it did not hold (blocks
+    /// outside the sample between held ones are taken as held; exact when nothing is sampled).
+    pub fn held_prefix(&mut self, cfg: &ReuseConfig, keys: &[u64], capacity_blocks: u64) -> usize {
+        let mut prefix = None;
+        for (i, &key) in keys.iter().enumerate() {
+            // Every block is stored (the request computes what was not held).
+            let held = self.touch(cfg, key, capacity_blocks);
+            if prefix.is_none() && matches!(held, Some((false, _))) {
+                prefix = Some(i);
+            }
         }
+        prefix.unwrap_or(keys.len())
     }
 
     /// Blocks followed.
@@ -412,5 +438,29 @@ mod tests {
         r.removed(&cfg, 0, 1, 0);
         assert!(r.is_empty());
         assert_eq!(r.stored_again(&cfg, 0, 1, 0), 0);
+    }
+
+    #[test]
+    fn a_prompt_finds_the_prefix_the_fleet_still_holds() {
+        let cfg = ReuseConfig::default();
+        let mut fleet = FleetCache::default();
+        assert_eq!(
+            fleet.held_prefix(&cfg, &[1, 2, 3, 4], 100),
+            0,
+            "nothing held yet"
+        );
+        assert_eq!(fleet.held_prefix(&cfg, &[1, 2, 3, 9], 100), 3);
+        assert_eq!(fleet.held_prefix(&cfg, &[1, 2, 3, 9, 10], 100), 4);
+        assert_eq!(
+            fleet.held_prefix(&cfg, &[7, 2, 3], 100),
+            0,
+            "a prefix starts at block 0"
+        );
+        // A fleet of 4 blocks keeps only the 4 most recent: the first prompt's blocks are gone.
+        let mut small = FleetCache::default();
+        small.held_prefix(&cfg, &[1, 2, 3, 4], 4);
+        small.held_prefix(&cfg, &[5, 6, 7, 8], 4);
+        assert_eq!(small.held_prefix(&cfg, &[1, 2], 4), 0);
+        assert_eq!(small.held_prefix(&cfg, &[7, 8], 4), 2);
     }
 }

@@ -310,6 +310,7 @@ fn record(
             session: lookup.session,
             keys: &keys,
             block_size: bs,
+            fleet_capacity_blocks: state.fleet_kv_capacity_blocks(&lookup.keys.model.name),
         });
         state.metrics.count_decision(&reason);
         tracing::debug!(model = %lookup.keys.model.name, replica = %chosen.name, %reason, predicted_tokens, %decision_id, "shadow decision");

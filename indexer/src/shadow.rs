@@ -11,6 +11,7 @@ use std::sync::Mutex;
 use serde::Serialize;
 
 use crate::membership::lock;
+use crate::reuse::{FleetCache, ReuseConfig};
 
 /// Prefix of shadow decision ids (routed ones have none), so a completion finds its table.
 const ID_PREFIX: char = 's';
@@ -28,6 +29,9 @@ struct Pending {
     /// Of the prompt's leading tokens, those the same session asked for before (what session
     /// affinity alone would find cached); `None` without a session.
     session_tokens: Option<u64>,
+    /// Of the prompt's leading tokens, those the model's fleet would still hold had every
+    /// shadowed request been routed by prefix (see [`ShadowBook::decided`]).
+    retained_tokens: u64,
 }
 
 /// A shadow decision to record.
@@ -47,6 +51,8 @@ pub struct NewShadow<'a> {
     pub keys: &'a [u64],
     /// Tokens per key.
     pub block_size: u32,
+    /// The model's KV blocks over all its replicas (0: unknown).
+    pub fleet_capacity_blocks: u64,
 }
 
 /// Per model, what the shadow decisions and their completions add up to.
@@ -75,6 +81,16 @@ pub struct ShadowTotals {
     /// Of `would_save_tokens`, the part within the request's own session's earlier prefix
     /// (session affinity alone would have found it).
     pub would_save_within_session_tokens: u64,
+    /// Tokens the fleet would still have held for these requests had every one been routed by
+    /// prefix (the fleet as one cache of all its replicas' blocks, fed by the requests
+    /// themselves): unlike `predicted_hit_tokens`, which reads what the current balancer left
+    /// cached, this counts what prefix routing keeps by not computing a prefix on every replica.
+    #[serde(default)]
+    pub retained_hit_tokens: u64,
+    /// Sum over requests of max(0, retained - actual): the prefill routing by prefix would save,
+    /// with what it retains.
+    #[serde(default)]
+    pub would_save_retained_tokens: u64,
 }
 
 /// Shadow decisions awaiting their completion, the session memory, and the totals.
@@ -85,6 +101,10 @@ pub struct ShadowBook {
     max_session_blocks: usize,
     inner: Mutex<Inner>,
     sessions: Mutex<SessionBlocks>,
+    /// Per model: the fleet as one cache, fed with the shadowed prompts' blocks.
+    fleets: Mutex<HashMap<String, FleetCache>>,
+    /// Bounds of those caches.
+    reuse: ReuseConfig,
     totals: Mutex<BTreeMap<String, ShadowTotals>>,
     hasher: std::collections::hash_map::RandomState,
 }
@@ -113,17 +133,19 @@ pub enum ShadowOutcome {
 }
 
 impl ShadowBook {
-    /// An empty book remembering at most `max_pending` decisions and `max_session_blocks`
-    /// (session, block) pairs.
-    pub fn new(max_pending: usize, max_session_blocks: usize) -> Self {
+    /// An empty book remembering at most `max_pending` decisions and `reuse.max_session_blocks`
+    /// (session, block) pairs, following at most `reuse.max_fleet_blocks` blocks per model.
+    pub fn new(max_pending: usize, reuse: ReuseConfig) -> Self {
         let hasher = std::collections::hash_map::RandomState::new();
         let nonce = hasher.hash_one((std::process::id(), std::time::Instant::now())) as u32;
         Self {
             nonce,
             max_pending: max_pending.max(1),
-            max_session_blocks,
+            max_session_blocks: reuse.max_session_blocks,
             inner: Mutex::new(Inner::default()),
             sessions: Mutex::new(SessionBlocks::default()),
+            fleets: Mutex::new(HashMap::new()),
+            reuse,
             totals: Mutex::new(BTreeMap::new()),
             hasher,
         }
@@ -134,11 +156,19 @@ impl ShadowBook {
         decision_id.starts_with(ID_PREFIX)
     }
 
-    /// Records a decision; returns its id.
+    /// Records a decision; returns its id. Its prompt's blocks also go through the model's fleet
+    /// cache ([`FleetCache::held_prefix`]): what it still held of the prompt is what a router
+    /// by prefix would have found, with the retention that routing brings.
     pub fn decided(&self, d: NewShadow<'_>) -> String {
         let session_tokens = d
             .session
             .map(|s| u64::from(self.session_prefix(s, d.keys)) * u64::from(d.block_size));
+        let retained_blocks = lock(&self.fleets)
+            .entry(d.model.to_string())
+            .or_default()
+            .held_prefix(&self.reuse, d.keys, d.fleet_capacity_blocks);
+        let retained_tokens =
+            (retained_blocks as u64 * u64::from(d.block_size)).min(d.prompt_tokens);
         let mut inner = lock(&self.inner);
         let seq = inner.next;
         inner.next += 1;
@@ -150,6 +180,7 @@ impl ShadowBook {
                 predicted_tokens: d.predicted_tokens,
                 prompt_tokens: d.prompt_tokens,
                 session_tokens,
+                retained_tokens,
             },
         );
         inner.order.push_back(seq);
@@ -208,6 +239,8 @@ impl ShadowBook {
             t.predicted_hit_tokens += p.predicted_tokens;
             t.actual_cached_tokens += cached;
             t.would_save_tokens += would_save;
+            t.retained_hit_tokens += p.retained_tokens;
+            t.would_save_retained_tokens += p.retained_tokens.saturating_sub(cached);
             if let Some(session) = p.session_tokens {
                 t.with_session += 1;
                 t.would_save_within_session_tokens += session
@@ -280,12 +313,13 @@ mod tests {
             session,
             keys,
             block_size: 16,
+            fleet_capacity_blocks: 1_000,
         })
     }
 
     #[test]
     fn completions_count_agreement_and_what_would_be_saved() {
-        let book = ShadowBook::new(16, 1024);
+        let book = ShadowBook::new(16, ReuseConfig::default());
         let a = decide(&book, "10.0.0.1:1", 48, None, &[1, 2, 3, 4]);
         let b = decide(&book, "10.0.0.1:1", 32, None, &[1, 2, 3, 5]);
         assert!(ShadowBook::is_shadow_id(&a));
@@ -308,11 +342,17 @@ mod tests {
             "48 - 16 on the first, 0 on the second"
         );
         assert_eq!(t.with_session, 0);
+        // Routed by prefix, the fleet would have held nothing for the first and 3 blocks of
+        // the second: 48 tokens, 16 more than its engine served.
+        assert_eq!(
+            (t.retained_hit_tokens, t.would_save_retained_tokens),
+            (48, 16)
+        );
     }
 
     #[test]
     fn reuse_within_a_session_is_told_from_reuse_across_sessions() {
-        let book = ShadowBook::new(16, 1024);
+        let book = ShadowBook::new(16, ReuseConfig::default());
         let known = |_: &str| true;
         // Turn 1 of session x, then turn 2 reuses its 3 blocks; session y shares only block 1.
         let t1 = decide(&book, "r0", 0, Some("x"), &[1, 2, 3]);
@@ -329,7 +369,13 @@ mod tests {
 
     #[test]
     fn memory_is_bounded() {
-        let book = ShadowBook::new(4, 8);
+        let book = ShadowBook::new(
+            4,
+            ReuseConfig {
+                max_session_blocks: 8,
+                ..ReuseConfig::default()
+            },
+        );
         let ids: Vec<String> = (0..10)
             .map(|i| decide(&book, "r", 0, Some("s"), &[i, i + 100]))
             .collect();

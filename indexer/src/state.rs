@@ -257,6 +257,16 @@ pub fn unix_ms() -> u64 {
 }
 
 impl AppState {
+    /// The KV blocks of every replica of `model`, as their metrics report them (0: unknown).
+    pub fn fleet_kv_capacity_blocks(&self, model: &str) -> u64 {
+        self.fleet
+            .of_model(model)
+            .iter()
+            .filter_map(|r| lock(&r.scraped).totals.kv_capacity_blocks)
+            .map(u64::from)
+            .sum()
+    }
+
     /// Builds the state from a validated config (no replicas added yet).
     pub fn new(config: Config, policy: Policy) -> anyhow::Result<Arc<AppState>> {
         let mut models = HashMap::new();
@@ -301,10 +311,8 @@ impl AppState {
         });
         let policy_state = PolicyState::new(&config.policies);
         let load = LoadTracker::new(config.inflight.clone());
-        let shadow = crate::shadow::ShadowBook::new(
-            config.inflight.max_pending,
-            config.reuse.max_session_blocks,
-        );
+        let shadow =
+            crate::shadow::ShadowBook::new(config.inflight.max_pending, config.reuse.clone());
         let admin_token = config.admin_token();
         let peers = config.peers.clone().map(crate::peers::PeerLink::new);
         let http = reqwest::Client::builder()

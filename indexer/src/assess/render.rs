@@ -62,6 +62,14 @@ pub fn text(r: &Report) -> String {
                 t.would_save_tokens,
                 sh.would_save_share * 100.0
             );
+            let _ = writeln!(
+                out,
+                "  shadow, routed by prefix with what it keeps cached: hit {:.1} %, would save \
+                 {} tokens ({:.1} % of prompt tokens)",
+                sh.retained_hit_rate * 100.0,
+                t.would_save_retained_tokens,
+                sh.would_save_retained_share * 100.0
+            );
             if sh.sessions_visible {
                 let _ = writeln!(
                     out,

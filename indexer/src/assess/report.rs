@@ -113,8 +113,14 @@ pub struct ShadowReport {
     pub predicted_hit_rate: f64,
     /// Actual cached tokens / prompt tokens: the hit rate the current balancer achieved.
     pub actual_hit_rate: f64,
-    /// Would-save tokens / prompt tokens.
+    /// Would-save tokens / prompt tokens: against what the current balancer left cached.
     pub would_save_share: f64,
+    /// Retained hit tokens / prompt tokens: the hit rate routing by prefix would reach, with what
+    /// it keeps cached by not computing a prefix on every replica.
+    pub retained_hit_rate: f64,
+    /// Would-save-retained tokens / prompt tokens: the prefill routing by prefix would save, with
+    /// that retention (compare it with the hit-rate gain a switch to kvroute brings).
+    pub would_save_retained_share: f64,
     /// Of the would-save tokens, the part within one session.
     pub within_session_tokens: u64,
     /// Of the would-save tokens, the part shared across sessions.
@@ -135,6 +141,8 @@ impl ShadowReport {
             predicted_hit_rate: ratio(t.predicted_hit_tokens as f64, prompt),
             actual_hit_rate: ratio(t.actual_cached_tokens as f64, prompt),
             would_save_share: ratio(t.would_save_tokens as f64, prompt),
+            retained_hit_rate: ratio(t.retained_hit_tokens as f64, prompt),
+            would_save_retained_share: ratio(t.would_save_retained_tokens as f64, prompt),
             within_session_tokens: within,
             across_sessions_tokens: t.would_save_tokens - within,
             within_session_share: ratio(within as f64, t.would_save_tokens as f64),

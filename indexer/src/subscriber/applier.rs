@@ -206,21 +206,11 @@ impl Applier {
         match *cached {
             Some((at, blocks)) if now.duration_since(at) < CAPACITY_REFRESH => blocks,
             _ => {
-                let blocks = self.read_fleet_capacity_blocks();
+                let blocks = self.state.fleet_kv_capacity_blocks(&self.model.name);
                 *cached = Some((now, blocks));
                 blocks
             }
         }
-    }
-
-    fn read_fleet_capacity_blocks(&self) -> u64 {
-        self.state
-            .fleet
-            .of_model(&self.model.name)
-            .iter()
-            .filter_map(|r| lock(&r.scraped).totals.kv_capacity_blocks)
-            .map(u64::from)
-            .sum()
     }
 
     /// Drops this stream's index entries and sequence state; counts and logs it when `counted`
