@@ -680,7 +680,7 @@ fn ttft_accuracy(out: &mut String, state: &AppState, p: &str) {
 /// The shadow-mode totals, per model (docs/assess.md "Shadow mode").
 fn shadow_metrics(out: &mut String, state: &AppState) {
     type Get = fn(&crate::shadow::ShadowTotals) -> u64;
-    let rows: [(&str, &str, Get); 9] = [
+    let rows: [(&str, &str, Get); 11] = [
         ("shadow_decisions_total", "Shadow decisions: route requests answered without routing.", |t| t.decisions),
         ("shadow_completions_total", "Completed shadowed requests (abandoned ones excluded).", |t| t.completions),
         ("shadow_agreed_total", "Shadowed requests whose real upstream was the replica kvroute would have chosen.", |t| t.agreed),
