@@ -121,8 +121,11 @@ impl Plugin {
         self.held().hold(report, now_ms)
     }
 
-    /// The held reports, for a route call to carry.
+    /// The held reports, for a route call to carry (none when holding is off: no lock taken).
     pub fn take_held(&self) -> Vec<CompleteReport> {
+        if self.cfg.complete_hold_ms == 0 {
+            return Vec::new();
+        }
         self.held().take()
     }
 
@@ -133,6 +136,9 @@ impl Plugin {
         reports: Vec<CompleteReport>,
         now_ms: u64,
     ) -> Option<Vec<CompleteReport>> {
+        if reports.is_empty() {
+            return None;
+        }
         self.held().give_back(reports, now_ms)
     }
 
@@ -143,12 +149,14 @@ impl Plugin {
 
     /// Sends the completion reports held too long, and starts the tokenizer fetches that are due.
     pub fn on_tick(&self, host: &mut impl Host) {
-        let overdue = self
-            .held()
-            .take_due(host.now_millis(), self.cfg.complete_hold_ms);
-        send_reports(host, &self.cfg, &overdue, |h, call| {
-            h.dispatch(call).map(|_| ())
-        });
+        if self.cfg.complete_hold_ms > 0 {
+            let overdue = self
+                .held()
+                .take_due(host.now_millis(), self.cfg.complete_hold_ms);
+            send_reports(host, &self.cfg, &overdue, |h, call| {
+                h.dispatch(call).map(|_| ())
+            });
+        }
         let due = self.models().due_fetches(host.now_millis());
         for model in due {
             let source = self

@@ -741,6 +741,9 @@ impl Stream {
 
     /// Holds the carried reports again (sending everything held when that fills the queue).
     fn give_back_carried(&mut self, host: &mut impl StreamHost, plugin: &Plugin) {
+        if self.carried.is_empty() {
+            return;
+        }
         let carried = std::mem::take(&mut self.carried);
         if let Some(due) = plugin.give_back(carried, host.now_millis()) {
             send_reports(host, &plugin.cfg, &due, |h, call| h.dispatch_detached(call));
