@@ -274,18 +274,22 @@ impl FleetCache {
     }
 
     /// Records the stores of a prompt's blocks, in prompt order, and returns how many of its
-    /// leading blocks the cache held: up to the first followed block it did not hold (blocks
-    /// outside the sample between held ones are taken as held; exact when nothing is sampled).
+    /// leading blocks the cache held. Exact when every block is followed; on a sample, the held
+    /// prefix ends between the last followed block held before the first followed miss and that
+    /// miss (or the prompt's end), and the midpoint is returned.
     pub fn held_prefix(&mut self, cfg: &ReuseConfig, keys: &[u64], capacity_blocks: u64) -> usize {
-        let mut prefix = None;
+        let (mut at_least, mut at_most) = (0, None);
         for (i, &key) in keys.iter().enumerate() {
             // Every block is stored (the request computes what was not held).
             let held = self.touch(cfg, key, capacity_blocks);
-            if prefix.is_none() && matches!(held, Some((false, _))) {
-                prefix = Some(i);
+            match (at_most, held) {
+                (None, Some((true, _))) => at_least = i + 1,
+                (None, Some((false, _))) => at_most = Some(i),
+                _ => {}
             }
         }
-        prefix.unwrap_or(keys.len())
+        let at_most = at_most.unwrap_or(keys.len());
+        at_least + (at_most - at_least) / 2
     }
 
     /// Blocks followed.
@@ -462,5 +466,30 @@ mod tests {
         small.held_prefix(&cfg, &[5, 6, 7, 8], 4);
         assert_eq!(small.held_prefix(&cfg, &[1, 2], 4), 0);
         assert_eq!(small.held_prefix(&cfg, &[7, 8], 4), 2);
+    }
+
+    #[test]
+    fn on_a_sample_the_held_prefix_is_bracketed_by_followed_blocks() {
+        // 64 blocks of capacity followed on 16: 1 in 4 blocks.
+        let cfg = ReuseConfig {
+            max_fleet_blocks: 16,
+            ..ReuseConfig::default()
+        };
+        let followed = |k: u64| kvroute_core::rng::mix(k) >> 62 == 0;
+        let keys: Vec<u64> = (1..=40).collect();
+        let mut fleet = FleetCache::default();
+        fleet.held_prefix(&cfg, &keys[..20], 64);
+        // The first 20 blocks were stored, the next 20 not: the estimate lies between the last
+        // followed block among the first 20 and the first followed one after them.
+        let got = fleet.held_prefix(&cfg, &keys, 64);
+        let last_held = keys[..20]
+            .iter()
+            .rposition(|&k| followed(k))
+            .map_or(0, |i| i + 1);
+        let first_miss = (20..40).find(|&i| followed(keys[i])).unwrap_or(40);
+        assert!(
+            (last_held..=first_miss).contains(&got),
+            "{got} outside {last_held}..={first_miss}"
+        );
     }
 }

@@ -98,7 +98,6 @@ pub struct ShadowTotals {
 pub struct ShadowBook {
     nonce: u32,
     max_pending: usize,
-    max_session_blocks: usize,
     inner: Mutex<Inner>,
     sessions: Mutex<SessionBlocks>,
     /// Per model: the fleet as one cache, fed with the shadowed prompts' blocks.
@@ -141,7 +140,6 @@ impl ShadowBook {
         Self {
             nonce,
             max_pending: max_pending.max(1),
-            max_session_blocks: reuse.max_session_blocks,
             inner: Mutex::new(Inner::default()),
             sessions: Mutex::new(SessionBlocks::default()),
             fleets: Mutex::new(HashMap::new()),
@@ -163,10 +161,15 @@ impl ShadowBook {
         let session_tokens = d
             .session
             .map(|s| u64::from(self.session_prefix(s, d.keys)) * u64::from(d.block_size));
-        let retained_blocks = lock(&self.fleets)
-            .entry(d.model.to_string())
-            .or_default()
-            .held_prefix(&self.reuse, d.keys, d.fleet_capacity_blocks);
+        let retained_blocks = {
+            let mut fleets = lock(&self.fleets);
+            if !fleets.contains_key(d.model) {
+                fleets.insert(d.model.to_string(), FleetCache::default());
+            }
+            fleets.get_mut(d.model).map_or(0, |f| {
+                f.held_prefix(&self.reuse, d.keys, d.fleet_capacity_blocks)
+            })
+        };
         let retained_tokens =
             (retained_blocks as u64 * u64::from(d.block_size)).min(d.prompt_tokens);
         let mut inner = lock(&self.inner);
@@ -267,7 +270,7 @@ impl ShadowBook {
 
     /// How many leading `keys` this session asked for before; then remembers all of them.
     fn session_prefix(&self, session: &str, keys: &[u64]) -> u32 {
-        if self.max_session_blocks == 0 {
+        if self.reuse.max_session_blocks == 0 {
             return 0;
         }
         let pair = |k: u64| {
@@ -284,7 +287,7 @@ impl ShadowBook {
                 s.order.push_back(h);
             }
         }
-        while s.seen.len() > self.max_session_blocks {
+        while s.seen.len() > self.reuse.max_session_blocks {
             let Some(old) = s.order.pop_front() else {
                 break;
             };
