@@ -53,6 +53,10 @@ pub struct ShadowFigures {
     pub would_save_retained_share: f64,
     /// Of that saving, the share within one session.
     pub within_session_share: f64,
+    /// What kvroute would save beyond session affinity, as a share of the prefill session
+    /// affinity would still compute.
+    #[serde(default)]
+    pub beyond_session_affinity_share: f64,
 }
 
 /// The parts of the report read here (the JSON schema is in docs/assess.md).
@@ -117,7 +121,7 @@ pub(crate) mod tests {
 
     /// The shape `kvroute-indexer assess --json` writes (docs/assess.md), trimmed.
     pub(crate) const REPORT: &str = r#"{"window_s": 60.0,
-      "thresholds": {"low_reuse_share": 0.05, "thrash_share": 0.05, "session_share": 0.8},
+      "thresholds": {"low_reuse_share": 0.05, "thrash_share": 0.05},
       "models": [{"model": "qwen3", "block_size": 16,
         "hit_rate": 0.22, "predicted_hit_rate": 0.655, "hit_rate_without_recompute": 0.23,
         "duplicated_share": 0.56, "recomputed_share": 0.01, "duplicated_gpu_seconds_per_hour": 410.0,
@@ -132,7 +136,8 @@ pub(crate) mod tests {
           "predicted_hit_rate": 0.648, "actual_hit_rate": 0.222, "would_save_share": 0.426,
           "retained_hit_rate": 0.667, "would_save_retained_share": 0.444,
           "within_session_tokens": 0, "across_sessions_tokens": 2300000,
-          "within_session_share": 0.0, "sessions_visible": true},
+          "within_session_share": 0.0, "session_affinity_computed_tokens": 4200000,
+          "beyond_session_affinity_share": 0.548, "sessions_visible": true},
         "series": []}]}"#;
 
     #[test]
@@ -145,6 +150,7 @@ pub(crate) mod tests {
         assert_eq!(s.decisions, 750);
         assert!((s.would_save_share - 0.426).abs() < 1e-12);
         assert!((s.would_save_retained_share - 0.444).abs() < 1e-12);
+        assert!((s.beyond_session_affinity_share - 0.548).abs() < 1e-12);
         assert!(AssessFigures::parse(REPORT, "other").is_err());
         assert!(AssessFigures::parse("{\"models\": 3}", "qwen3").is_err());
         // Without shadow decisions, no shadow section.

@@ -1105,11 +1105,12 @@ fn print_line(s: &RunSummary) {
         );
         if let Some(sh) = &a.shadow {
             println!(
-                "      shadow: {} decisions, would save {:.1} % of prompt tokens with what prefix routing keeps cached ({:.1} % against what the balancer left; {:.0} % within sessions), kvroute's hit {:.1} % vs the balancer's {:.1} %",
+                "      shadow: {} decisions, would save {:.1} % of prompt tokens with what prefix routing keeps cached ({:.1} % against what the balancer left; {:.0} % within sessions, beyond session affinity {:.1} % of its prefill), kvroute's hit {:.1} % vs the balancer's {:.1} %",
                 sh.decisions,
                 sh.would_save_retained_share * 100.0,
                 sh.would_save_share * 100.0,
                 sh.within_session_share * 100.0,
+                sh.beyond_session_affinity_share * 100.0,
                 sh.predicted_hit_rate * 100.0,
                 sh.actual_hit_rate * 100.0
             );

@@ -11,11 +11,11 @@ pub fn text(r: &Report) -> String {
         out,
         "kvroute assess: {:.0} s window; thresholds: low reuse below {:.0} % of computed prompt \
          tokens computed twice, thrash above {:.0} % recomputed after eviction or any preemption, \
-         session affinity would do at or above {:.0} % of the saving within sessions",
+         session affinity would do when kvroute saves less than the low-reuse share of the \
+         prefill session affinity still computes",
         r.window_s,
         r.thresholds.low_reuse_share * 100.0,
-        r.thresholds.thrash_share * 100.0,
-        r.thresholds.session_share * 100.0
+        r.thresholds.thrash_share * 100.0
     );
     for m in &r.models {
         let _ = writeln!(out, "\nmodel {} (block size {})", m.model, m.block_size);
@@ -74,10 +74,13 @@ pub fn text(r: &Report) -> String {
                 let _ = writeln!(
                     out,
                     "  duplicated prefill by session: within one session {} tokens ({:.1} %), \
-                     across sessions {} tokens",
+                     across sessions {} tokens ({:.1} % of the {} tokens session affinity would \
+                     still compute)",
                     sh.within_session_tokens,
                     sh.within_session_share * 100.0,
-                    sh.across_sessions_tokens
+                    sh.across_sessions_tokens,
+                    sh.beyond_session_affinity_share * 100.0,
+                    sh.session_affinity_computed_tokens
                 );
             }
         }

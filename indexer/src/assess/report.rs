@@ -39,14 +39,13 @@ pub struct ReplicaReading {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Thresholds {
     /// Below this share of computed prompt tokens computed twice, reuse across replicas is too
-    /// low for prefix-aware routing to pay.
+    /// low for prefix-aware routing to pay. With sessions visible (shadow mode), the same bar
+    /// judges kvroute against session affinity: below this share of the prefill session
+    /// affinity would still compute, what kvroute adds is too little and session affinity does.
     pub low_reuse_share: f64,
     /// Above this share of computed prompt tokens recomputed after eviction (or any
     /// preemption), the engines thrash.
     pub thrash_share: f64,
-    /// With sessions visible (shadow mode), at or above this share of the prefill kvroute would
-    /// save being a session's own earlier prefix, session affinity alone would do.
-    pub session_share: f64,
 }
 
 impl Default for Thresholds {
@@ -54,7 +53,6 @@ impl Default for Thresholds {
         Thresholds {
             low_reuse_share: 0.05,
             thrash_share: 0.05,
-            session_share: 0.8,
         }
     }
 }
@@ -127,6 +125,12 @@ pub struct ShadowReport {
     pub across_sessions_tokens: u64,
     /// `within_session_tokens / would_save_tokens` (0 without savings).
     pub within_session_share: f64,
+    /// Prompt tokens session affinity would still compute: those the current balancer computed,
+    /// less the would-save part within sessions.
+    pub session_affinity_computed_tokens: u64,
+    /// `across_sessions_tokens / session_affinity_computed_tokens`: the share of session
+    /// affinity's prefill that kvroute would save on top of it (0 when it computes nothing).
+    pub beyond_session_affinity_share: f64,
     /// Whether requests carried a session (the split means something).
     pub sessions_visible: bool,
 }
@@ -136,6 +140,9 @@ impl ShadowReport {
     pub fn from_totals(t: &ShadowTotals) -> Self {
         let prompt = t.prompt_tokens as f64;
         let within = t.would_save_within_session_tokens.min(t.would_save_tokens);
+        let across = t.would_save_tokens - within;
+        let computed = t.prompt_tokens.saturating_sub(t.actual_cached_tokens);
+        let session_affinity_computed = computed.saturating_sub(within);
         ShadowReport {
             agreed_share: ratio(t.agreed as f64, t.completions as f64),
             predicted_hit_rate: ratio(t.predicted_hit_tokens as f64, prompt),
@@ -144,8 +151,10 @@ impl ShadowReport {
             retained_hit_rate: ratio(t.retained_hit_tokens as f64, prompt),
             would_save_retained_share: ratio(t.would_save_retained_tokens as f64, prompt),
             within_session_tokens: within,
-            across_sessions_tokens: t.would_save_tokens - within,
+            across_sessions_tokens: across,
             within_session_share: ratio(within as f64, t.would_save_tokens as f64),
+            session_affinity_computed_tokens: session_affinity_computed,
+            beyond_session_affinity_share: ratio(across as f64, session_affinity_computed as f64),
             sessions_visible: t.with_session > 0,
             totals: t.clone(),
         }
@@ -423,7 +432,7 @@ fn model_report(
     } else if shadow.as_ref().is_some_and(|s| {
         s.sessions_visible
             && s.would_save_share >= t.low_reuse_share
-            && s.within_session_share >= t.session_share
+            && s.beyond_session_affinity_share < t.low_reuse_share
     }) {
         Verdict::SessionAffinityWouldDo
     } else if duplicated_share < t.low_reuse_share
@@ -456,15 +465,16 @@ fn model_report(
             let prompt = sh.totals.prompt_tokens as f64;
             format!(
                 "{model}: session affinity would do. {:.0} % of the prefill kvroute would save \
-                 ({:.1} % of prompt tokens) is a session's own earlier prefix (at or above the \
-                 {:.0} % threshold): sending each session back to its replica recovers ~{:.1} % \
-                 of prompt tokens; kvroute would add ~{:.1} points more (prefixes shared across \
-                 sessions).",
+                 ({:.1} % of prompt tokens) is a session's own earlier prefix: sending each \
+                 session back to its replica recovers ~{:.1} % of prompt tokens; kvroute would \
+                 add ~{:.1} points more (prefixes shared across sessions), {:.1} % of the prefill \
+                 session affinity still computes (below the {:.0} % threshold).",
                 sh.within_session_share * 100.0,
                 sh.would_save_share * 100.0,
-                t.session_share * 100.0,
                 ratio(sh.within_session_tokens as f64, prompt) * 100.0,
-                ratio(sh.across_sessions_tokens as f64, prompt) * 100.0
+                ratio(sh.across_sessions_tokens as f64, prompt) * 100.0,
+                sh.beyond_session_affinity_share * 100.0,
+                t.low_reuse_share * 100.0
             )
         }
         Verdict::WouldSave => format!(
@@ -480,6 +490,22 @@ fn model_report(
             predicted_hit_rate * 100.0
         ),
     };
+    if let Some(sh) = shadow
+        .as_ref()
+        .filter(|s| verdict == Verdict::WouldSave && s.sessions_visible)
+    {
+        summary.push_str(&format!(
+            " Against session affinity: it would recover ~{:.1} % of prompt tokens (the \
+             sessions' own earlier prefixes); kvroute would save {:.1} % of the prefill session \
+             affinity still computes on top of that (at or above the {:.0} % threshold).",
+            ratio(
+                sh.within_session_tokens as f64,
+                sh.totals.prompt_tokens as f64
+            ) * 100.0,
+            sh.beyond_session_affinity_share * 100.0,
+            t.low_reuse_share * 100.0
+        ));
+    }
     if thrash {
         summary.push_str(&format!(
             " The engines thrash: {:.1} % of computed tokens were recomputed after an eviction \

@@ -175,21 +175,52 @@ fn with_shadow(t: ShadowTotals) -> ModelReport {
 
 #[test]
 fn reuse_within_sessions_is_judged_session_affinity() {
-    // 30 % of prompt tokens would be saved, 90 % of it a session's own earlier prefix.
-    let m = with_shadow(shadow_totals(30_000, 27_000));
+    // Of 100k prompt tokens the balancer computed 70k; kvroute would save 30k, 29k of them a
+    // session's own earlier prefix: session affinity would still compute 41k, and kvroute's
+    // 1k more is 2.4 % of that, under the 5 % bar.
+    let m = with_shadow(shadow_totals(30_000, 29_000));
     assert_eq!(m.verdict, Verdict::SessionAffinityWouldDo, "{}", m.summary);
     let sh = m.shadow.as_ref().expect("shadow section");
     assert_eq!(
         (sh.within_session_tokens, sh.across_sessions_tokens),
-        (27_000, 3_000)
+        (29_000, 1_000)
     );
+    assert_eq!(sh.session_affinity_computed_tokens, 41_000);
+    assert!((sh.beyond_session_affinity_share - 1.0 / 41.0).abs() < 1e-9);
     assert!((sh.agreed_share - 0.5).abs() < 1e-9);
     assert!(
-        m.summary.contains("~27.0 %") && m.summary.contains("~3.0 points"),
+        m.summary.contains("~29.0 %") && m.summary.contains("~1.0 points"),
         "{}",
         m.summary
     );
-    assert!(m.summary.contains("80 % threshold"), "{}", m.summary);
+    assert!(
+        m.summary.contains("2.4 %") && m.summary.contains("5 % threshold"),
+        "{}",
+        m.summary
+    );
+}
+
+#[test]
+fn a_large_share_within_sessions_still_leaves_kvroute_worth_it() {
+    // Multi-turn chat under shared system prompts: most of the saving (86 %) is within sessions,
+    // but what crosses them (the shared system prompts session affinity computes once per
+    // replica) is 15 % of the prefill session affinity still computes: kvroute pays.
+    let mut t = shadow_totals(15_700, 13_500);
+    t.actual_cached_tokens = 71_700;
+    let m = with_shadow(t);
+    assert_eq!(m.verdict, Verdict::WouldSave, "{}", m.summary);
+    let sh = m.shadow.as_ref().expect("shadow section");
+    assert!(
+        sh.within_session_share > 0.85,
+        "{}",
+        sh.within_session_share
+    );
+    assert_eq!(sh.session_affinity_computed_tokens, 28_300 - 13_500);
+    assert!(
+        m.summary.contains("Against session affinity") && m.summary.contains("14.9 %"),
+        "{}",
+        m.summary
+    );
 }
 
 #[test]
