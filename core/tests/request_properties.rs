@@ -1,7 +1,7 @@
 //! Property tests of the request path on the real Qwen3 tokenizer and chat template: OpenAI
 //! bodies biased toward real shapes (chat and completions, every role, every content shape,
 //! tools, template kwargs, junk in every field, unicode, escaped lone surrogates), raw byte
-//! mutations of valid bodies and arbitrary bytes go through `parse_body`, `tokenize_request`,
+//! mutations of valid bodies and arbitrary bytes go through `parse_body` and `RequestBody::parse` (which must agree), `tokenize_request`,
 //! `tokenize_request_capped`, `request_extras` and `router_key::request_keys`. Proves: nothing
 //! panics; a malformed body is `NotJson` and a request never yields a model-files error; when Ok,
 //! the same body gives the same ids twice (segment cache warm) and the same ids without the
@@ -15,8 +15,8 @@ use std::sync::LazyLock;
 
 use kvroute_core::hashing::ExtraKeyStyle;
 use kvroute_core::request::{
-    parse_body, request_extras, Endpoint, ModelFiles, ModelTokenizer, PromptTokens, RequestError,
-    TokenizerOptions, MAX_PROMPT_BYTES_PER_TOKEN,
+    parse_body, request_extras, Endpoint, ModelFiles, ModelTokenizer, PromptTokens, RequestBody,
+    RequestError, TokenizerOptions, MAX_PROMPT_BYTES_PER_TOKEN,
 };
 use kvroute_core::router_key::request_keys;
 use kvroute_testkit::mutate::{apply, byte_mutation};
@@ -410,17 +410,51 @@ fn no_prompt_text(e: &RequestError) {
     assert!(!shown.is_empty(), "an error with an empty message: {e:?}");
 }
 
+/// [`RequestBody`] (with its token-id fast path) gives the body and the capped ids (or error)
+/// the `Value` path gives.
+fn same_as_the_value_path(
+    endpoint: Endpoint,
+    parsed: Result<RequestBody, RequestError>,
+    body: &Value,
+    cap: usize,
+) {
+    let parsed = match parsed {
+        Ok(p) => p,
+        Err(RequestError::NotAnObject) => {
+            assert!(!body.is_object(), "an object refused as not one");
+            return;
+        }
+        Err(e) => panic!("RequestBody refused what the Value parse accepted: {e:?}"),
+    };
+    assert!(body.is_object());
+    assert_eq!(&parsed.to_value(), body, "RequestBody changed the body");
+    let fast = CACHED.tokenize_body_capped(endpoint, &parsed, cap);
+    let slow = CACHED.tokenize_request_capped(endpoint, body, cap);
+    assert_eq!(
+        fast.map_err(|e| e.to_string()),
+        slow.map_err(|e| e.to_string()),
+        "the ids (or the error) differ from the Value path's"
+    );
+}
+
 /// Runs one body through the whole request path on `endpoint` and checks every property.
 /// `block_size` and `cap` vary the key and cap checks.
 fn check(endpoint: Endpoint, bytes: &[u8], block_size: usize, cap: usize) {
+    let parsed = RequestBody::parse(bytes, endpoint);
     let body = match parse_body(bytes) {
         Ok(b) => b,
         Err(e) => {
             assert!(matches!(e, RequestError::NotJson(_)), "{e:?}");
+            assert_eq!(
+                parsed.map_err(|e| e.to_string()).err(),
+                Some(e.to_string()),
+                "RequestBody accepted what the Value parse refused"
+            );
             no_prompt_text(&e);
             return;
         }
     };
+    same_as_the_value_path(endpoint, parsed, &body, cap);
     let first = CACHED.tokenize_request(endpoint, &body);
     let again = CACHED.tokenize_request(endpoint, &body);
     let whole = UNCACHED.tokenize_request(endpoint, &body);
@@ -521,6 +555,8 @@ proptest! {
 
     #[test]
     fn completion_bodies(body in completion_body(), bs in block_size(), cap in cap()) {
+        // Whitespace between every token, as some clients send.
+        check(Endpoint::Completions, &serde_json::to_vec_pretty(&body).expect("json"), bs, cap);
         check(Endpoint::Completions, &to_bytes(&body), bs, cap);
     }
 

@@ -6,11 +6,10 @@ use std::collections::BTreeMap;
 
 use kvroute_core::hashing::ExtraKeyStyle;
 use kvroute_core::request::{
-    request_extras, Endpoint, ModelFiles, ModelTokenizer, PromptTokens, RequestError,
+    request_extras, Endpoint, ModelFiles, ModelTokenizer, PromptTokens, RequestBody, RequestError,
     DEFAULT_MAX_PROMPT_TOKENS,
 };
 use kvroute_core::router_key::request_keys;
-use serde_json::Value;
 
 use crate::config::{FilterConfig, ModelConfig};
 use kvroute_core::api::TokenizerBundle;
@@ -150,10 +149,14 @@ impl LoadedModel {
 
     /// Renders/tokenises the request (at most `max_prompt_tokens` per prompt) and computes its
     /// router keys. A batch of prompts routes by its first prompt.
-    pub fn prepare(&self, endpoint: Endpoint, body: &Value) -> Result<Prepared, PrepareError> {
+    pub fn prepare(
+        &self,
+        endpoint: Endpoint,
+        body: &RequestBody,
+    ) -> Result<Prepared, PrepareError> {
         let (tokens, whole) = match self
             .tokenizer
-            .tokenize_request_capped(endpoint, body, self.max_prompt_tokens)
+            .tokenize_body_capped(endpoint, body, self.max_prompt_tokens)
             .map_err(|e| match e {
                 RequestError::PromptTooLong { limit } => PrepareError::TooLong(limit),
                 other => PrepareError::Invalid(other.to_string()),
@@ -163,7 +166,7 @@ impl LoadedModel {
             PromptTokens::Partial(t) => (t, None),
         };
         let lookup = |name: &str| self.lora_paths.get(name).cloned();
-        let extras = request_extras(body, &lookup);
+        let extras = request_extras(body.fields(), &lookup);
         let keys = request_keys(&tokens, self.block_size, &extras, self.style);
         Ok(Prepared {
             router_keys: keys.iter().map(|k| k.0).collect(),

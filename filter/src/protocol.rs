@@ -7,6 +7,7 @@ use kvroute_core::api::{
     check_contract, CompleteReport, ContractCheck, RouteAnswer as WireAnswer, CONTRACT_HEADER,
     CONTRACT_VERSION_STR,
 };
+use kvroute_core::request::RequestBody;
 use serde_json::Value;
 
 use crate::config::FilterConfig;
@@ -249,8 +250,8 @@ pub fn route_may_be_counted(status: Option<u16>) -> bool {
 /// Adds `"vllm_xargs": {"kv_cache_report_mode": "full"}` to a JSON object body, keeping any other
 /// `vllm_xargs`. Returns `None` when the body is left as is (not an object, or `vllm_xargs` is
 /// present but not an object, or the mode is already set).
-pub fn inject_kv_cache_report_mode(raw: &[u8], parsed: &Value) -> Option<Vec<u8>> {
-    let obj = parsed.as_object()?;
+pub fn inject_kv_cache_report_mode(raw: &[u8], parsed: &RequestBody) -> Option<Vec<u8>> {
+    let obj = parsed.fields().as_object()?;
     match obj.get("vllm_xargs") {
         None => {
             // Fast path: splice before the closing brace, keeping the client's bytes.
@@ -260,7 +261,7 @@ pub fn inject_kv_cache_report_mode(raw: &[u8], parsed: &Value) -> Option<Vec<u8>
             }
             let mut out = Vec::with_capacity(raw.len() + 48);
             out.extend_from_slice(&raw[..end]);
-            if !obj.is_empty() {
+            if !obj.is_empty() || parsed.prompt_ids().is_some() {
                 out.push(b',');
             }
             out.extend_from_slice(br#""vllm_xargs":{"kv_cache_report_mode":"full"}}"#);
@@ -270,7 +271,7 @@ pub fn inject_kv_cache_report_mode(raw: &[u8], parsed: &Value) -> Option<Vec<u8>
             if x.get("kv_cache_report_mode").and_then(Value::as_str) == Some("full") {
                 return None;
             }
-            let mut copy = parsed.clone();
+            let mut copy = parsed.to_value();
             let xargs = copy.get_mut("vllm_xargs")?.as_object_mut()?;
             xargs.insert("kv_cache_report_mode".into(), Value::from("full"));
             serde_json::to_vec(&copy).ok()
@@ -432,21 +433,37 @@ mod tests {
     #[test]
     fn injection_splices_when_there_are_no_xargs() {
         let raw = br#"{"model":"m","prompt":"hi"}  "#;
-        let v: Value = serde_json::from_slice(raw).unwrap();
+        let v = RequestBody::from_value(serde_json::from_slice(raw).unwrap());
         let out = inject_kv_cache_report_mode(raw, &v).unwrap();
         let back: Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(back["vllm_xargs"], json!({"kv_cache_report_mode": "full"}));
         assert_eq!(back["prompt"], "hi");
         let raw = b"{}";
-        let v: Value = serde_json::from_slice(raw).unwrap();
+        let v = RequestBody::from_value(serde_json::from_slice(raw).unwrap());
         let out = inject_kv_cache_report_mode(raw, &v).unwrap();
         assert_eq!(out, br#"{"vllm_xargs":{"kv_cache_report_mode":"full"}}"#);
     }
 
     #[test]
+    fn injection_keeps_a_prompt_of_token_ids() {
+        use kvroute_core::request::Endpoint;
+        for raw in [
+            &br#"{"prompt":[1,2]}"#[..],
+            br#"{"prompt":[1,2],"vllm_xargs":{"a":1}}"#,
+        ] {
+            let v = RequestBody::parse(raw, Endpoint::Completions).unwrap();
+            assert!(v.prompt_ids().is_some());
+            let back: Value =
+                serde_json::from_slice(&inject_kv_cache_report_mode(raw, &v).unwrap()).unwrap();
+            assert_eq!(back["prompt"], json!([1, 2]));
+            assert_eq!(back["vllm_xargs"]["kv_cache_report_mode"], "full");
+        }
+    }
+
+    #[test]
     fn injection_keeps_other_xargs_and_leaves_odd_bodies_alone() {
         let raw = br#"{"model":"m","vllm_xargs":{"a":1}}"#;
-        let v: Value = serde_json::from_slice(raw).unwrap();
+        let v = RequestBody::from_value(serde_json::from_slice(raw).unwrap());
         let back: Value =
             serde_json::from_slice(&inject_kv_cache_report_mode(raw, &v).unwrap()).unwrap();
         assert_eq!(
@@ -454,13 +471,13 @@ mod tests {
             json!({"a": 1, "kv_cache_report_mode": "full"})
         );
         let raw = br#"{"vllm_xargs":{"kv_cache_report_mode":"full"}}"#;
-        let v: Value = serde_json::from_slice(raw).unwrap();
+        let v = RequestBody::from_value(serde_json::from_slice(raw).unwrap());
         assert!(inject_kv_cache_report_mode(raw, &v).is_none());
         let raw = br#"{"vllm_xargs":"x"}"#;
-        let v: Value = serde_json::from_slice(raw).unwrap();
+        let v = RequestBody::from_value(serde_json::from_slice(raw).unwrap());
         assert!(inject_kv_cache_report_mode(raw, &v).is_none());
         let raw = b"[1]";
-        let v: Value = serde_json::from_slice(raw).unwrap();
+        let v = RequestBody::from_value(serde_json::from_slice(raw).unwrap());
         assert!(inject_kv_cache_report_mode(raw, &v).is_none());
     }
 

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::api::CompleteReport;
+use kvroute_core::request::RequestBody;
 use serde_json::Value;
 
 use crate::completions::send_reports;
@@ -87,7 +88,7 @@ pub struct Stream {
     /// Value of the configured session header, forwarded to the indexer.
     session: Option<String>,
     /// Raw and parsed body, kept while waiting for the indexer when the body may be rewritten.
-    body: Option<(Vec<u8>, Value)>,
+    body: Option<(Vec<u8>, RequestBody)>,
     /// The replica the indexer chose (also when setting the header then failed).
     routed_to: Option<String>,
     /// What the indexer said it chose and why, shown in the debug response headers.
@@ -515,11 +516,10 @@ impl Stream {
         plugin: &Plugin,
         raw: Vec<u8>,
     ) -> Result<(), FailOpen> {
-        let body: Value = serde_json::from_slice(&raw).map_err(|_| FailOpen::NotJson)?;
-        if !body.is_object() {
-            return Err(FailOpen::NotJson);
-        }
+        let endpoint = endpoint_for_path(&self.path);
+        let body = RequestBody::parse(&raw, endpoint).map_err(|_| FailOpen::NotJson)?;
         let model = body
+            .fields()
             .get("model")
             .and_then(Value::as_str)
             .ok_or(FailOpen::NoModel)?
@@ -533,7 +533,6 @@ impl Stream {
             return Err(FailOpen::TokenMismatch);
         }
         let t0 = host.now_nanos().unwrap_or(0);
-        let endpoint = endpoint_for_path(&self.path);
         let mut prepared = loaded.prepare(endpoint, &body).map_err(|e| {
             hlog!(
                 host,
@@ -549,7 +548,14 @@ impl Stream {
         if let Some(t1) = host.now_nanos() {
             host.record(Histogram::PrepareUs, t1.saturating_sub(t0) / 1000);
         }
-        self.check = OnlineCheck::plan(plugin, &loaded, &model, endpoint, &body, &mut prepared);
+        self.check = OnlineCheck::plan(
+            plugin,
+            &loaded,
+            &model,
+            endpoint,
+            body.fields(),
+            &mut prepared,
+        );
         let callout = next_callout_id(host.now_nanos());
         let route = RouteRequest {
             model,
@@ -558,7 +564,7 @@ impl Stream {
             block_size: u32::try_from(loaded.block_size).ok(),
             request_id: Some(self.request_id.clone()),
             callout_id: Some(callout.clone()),
-            max_tokens: max_tokens_of(&body),
+            max_tokens: max_tokens_of(body.fields()),
             lora: prepared.lora,
             session: self.session.clone(),
             shadow: plugin.cfg.mode == Mode::Shadow,
@@ -759,7 +765,7 @@ fn rewrite_body(
     plugin: &Plugin,
     check: Option<&mut OnlineCheck>,
     raw: &[u8],
-    parsed: &Value,
+    parsed: &RequestBody,
 ) {
     let report_mode = plugin
         .cfg

@@ -2,10 +2,23 @@
 //! the .wasm runs): configuration precedence, LoRA and cache_salt plumbing, batch prompts.
 
 use kvroute_core::api::TokenizerBundle;
-use kvroute_core::request::{Endpoint, ModelFiles, ModelTokenizer, TokenizerOptions};
+use kvroute_core::request::{Endpoint, ModelFiles, ModelTokenizer, RequestBody, TokenizerOptions};
 use kvroute_filter::config::FilterConfig;
-use kvroute_filter::loaded_model::LoadedModel;
-use serde_json::json;
+use kvroute_filter::loaded_model::{LoadedModel, PrepareError, Prepared};
+use serde_json::{json, Value};
+
+/// `prepare` on a body sent as JSON text, parsed as the filter parses it.
+trait PrepareJson {
+    fn prepare_json(&self, endpoint: Endpoint, body: &Value) -> Result<Prepared, PrepareError>;
+}
+
+impl PrepareJson for LoadedModel {
+    fn prepare_json(&self, endpoint: Endpoint, body: &Value) -> Result<Prepared, PrepareError> {
+        let text = serde_json::to_vec(body).expect("serialises");
+        let parsed = RequestBody::parse(&text, endpoint).expect("an object");
+        self.prepare(endpoint, &parsed)
+    }
+}
 
 fn bundle(block_size: Option<u32>) -> TokenizerBundle {
     let dir = std::env::var_os("KVROUTE_MODEL_DIR")
@@ -43,7 +56,7 @@ fn chat_requests_become_the_core_tokens_and_keys() {
         {"role": "system", "content": "You are a helpful assistant. ".repeat(20)},
         {"role": "user", "content": "What is KV cache aware routing?"}]});
     let p = m
-        .prepare(Endpoint::ChatCompletions, &body)
+        .prepare_json(Endpoint::ChatCompletions, &body)
         .expect("prepare");
     // Same ids as the core tokenizer used directly (what the indexer and the sim compute).
     let files = ModelFiles {
@@ -85,13 +98,13 @@ fn configuration_overrides_the_indexer_and_extras_change_keys() {
 
     let prompt = "the quick brown fox jumps over the lazy dog ".repeat(30);
     let base = m
-        .prepare(
+        .prepare_json(
             Endpoint::Completions,
             &json!({"model": "qwen3", "prompt": prompt}),
         )
         .expect("base");
     let salted = m
-        .prepare(
+        .prepare_json(
             Endpoint::Completions,
             &json!({"model": "qwen3", "prompt": prompt, "cache_salt": "tenant-a"}),
         )
@@ -105,7 +118,7 @@ fn configuration_overrides_the_indexer_and_extras_change_keys() {
     let lora =
         LoadedModel::from_bundle(&bundle(Some(32)), c.models.get("sql-lora"), &c).expect("load");
     let l = lora
-        .prepare(
+        .prepare_json(
             Endpoint::Completions,
             &json!({"model": "sql-lora", "prompt": prompt}),
         )
@@ -118,7 +131,7 @@ fn configuration_overrides_the_indexer_and_extras_change_keys() {
 
     // A batch routes by its first prompt.
     let batch = m
-        .prepare(
+        .prepare_json(
             Endpoint::Completions,
             &json!({"model": "qwen3", "prompt": [prompt, "other"]}),
         )
@@ -126,10 +139,10 @@ fn configuration_overrides_the_indexer_and_extras_change_keys() {
     assert_eq!(batch.router_keys, base.router_keys);
     // Garbage is an error, not a panic.
     assert!(m
-        .prepare(Endpoint::Completions, &json!({"model": "qwen3"}))
+        .prepare_json(Endpoint::Completions, &json!({"model": "qwen3"}))
         .is_err());
     assert!(m
-        .prepare(
+        .prepare_json(
             Endpoint::ChatCompletions,
             &json!({"model": "qwen3", "messages": 5})
         )
@@ -154,16 +167,16 @@ fn the_prompt_cap_comes_from_config_then_indexer_then_tokenizer_config() {
     assert_eq!(m.max_prompt_tokens, 64, "the configuration wins");
 
     let fits = json!({"model": "capped", "prompt": "word ".repeat(50)});
-    assert!(m.prepare(Endpoint::Completions, &fits).is_ok());
+    assert!(m.prepare_json(Endpoint::Completions, &fits).is_ok());
     let long = json!({"model": "capped", "prompt": "word ".repeat(80)});
     assert!(matches!(
-        m.prepare(Endpoint::Completions, &long),
+        m.prepare_json(Endpoint::Completions, &long),
         Err(PrepareError::TooLong(64))
     ));
     let digits =
         json!({"model": "capped", "messages": [{"role": "user", "content": "7".repeat(900)}]});
     assert!(matches!(
-        m.prepare(Endpoint::ChatCompletions, &digits),
+        m.prepare_json(Endpoint::ChatCompletions, &digits),
         Err(PrepareError::TooLong(64))
     ));
 }

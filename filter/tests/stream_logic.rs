@@ -7,7 +7,7 @@ mod fake_host;
 use std::sync::Arc;
 
 use fake_host::*;
-use kvroute_core::request::Endpoint;
+use kvroute_core::request::{Endpoint, RequestBody};
 use kvroute_filter::models::Lookup;
 use kvroute_filter::plugin::Plugin;
 use kvroute_filter::protocol::FailOpen;
@@ -705,7 +705,7 @@ fn the_online_check_asks_for_token_ids_strips_them_and_reports_a_mismatch() {
     let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}},
         "token_check": {"sample_one_in": 1000, "first_requests": 2}}));
     let body = chat_body("short");
-    let parsed: Value = serde_json::from_slice(&body).expect("json");
+    let parsed = RequestBody::parse(&body, Endpoint::ChatCompletions).expect("json");
     let own = match plugin.lookup("qwen3", 0) {
         Lookup::Ready(m) => m
             .prepare(Endpoint::ChatCompletions, &parsed)

@@ -7,7 +7,7 @@
 //! `cargo test -p kvroute-filter --test vm_memory -- --nocapture` prints the table; the test
 //! asserts that the load peaks stay within the budget the lean VM is sized for.
 
-use kvroute_core::request::Endpoint;
+use kvroute_core::request::{Endpoint, RequestBody};
 use kvroute_filter::config::FilterConfig;
 use kvroute_filter::loaded_model::LoadedModel;
 use kvroute_testkit::counting_alloc::CountingAllocator;
@@ -100,7 +100,7 @@ fn vm_life(compact: bool) -> (f64, f64) {
                 };
                 let bytes = serde_json::to_vec(&body).expect("body");
                 drop(body);
-                let parsed: Value = serde_json::from_slice(&bytes).expect("json");
+                let parsed = RequestBody::parse(&bytes, Endpoint::ChatCompletions).expect("json");
                 model
                     .prepare(Endpoint::ChatCompletions, &parsed)
                     .expect("prepare");

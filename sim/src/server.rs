@@ -21,7 +21,7 @@ use axum::{Json, Router};
 use futures::stream::{self, Stream, StreamExt};
 use kvroute_core::hashing::BlockHasher;
 use kvroute_core::request::{
-    parse_body, request_extras, Endpoint, ModelTokenizer, PromptTokens, RequestError,
+    request_extras, Endpoint, ModelTokenizer, PromptTokens, RequestBody, RequestError,
 };
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -119,7 +119,7 @@ struct Prepared {
     prompts: Vec<Vec<u32>>,
     params: GenParams,
     lora: Option<LoraModule>,
-    body: Value,
+    body: RequestBody,
 }
 
 impl AppState {
@@ -149,11 +149,8 @@ impl AppState {
                 ));
             }
         }
-        let body = parse_body(raw).map_err(request_error)?;
-        if !body.is_object() {
-            return Err(request_error(RequestError::NotAnObject));
-        }
-        let model = match body.get("model") {
+        let body = RequestBody::parse(raw, endpoint).map_err(request_error)?;
+        let model = match body.fields().get("model") {
             None | Some(Value::Null) => self.served_names[0].clone(),
             Some(Value::String(m)) => m.clone(),
             Some(_) => {
@@ -168,13 +165,14 @@ impl AppState {
         }
         let session_header = headers.get("x-session-id").and_then(|v| v.to_str().ok());
         let chat = endpoint == Endpoint::ChatCompletions;
-        let params = openai::gen_params(&body, chat, self.default_max_tokens, session_header)?;
+        let params =
+            openai::gen_params(body.fields(), chat, self.default_max_tokens, session_header)?;
         // vLLM tokenises the whole prompt before it refuses one over max_model_len; the
         // simulator stops counting at the limit (same answer, bounded memory: a 3.9 M-digit
         // prompt would otherwise take ~1.3 GB here).
         let tokens = self
             .tokenizer
-            .tokenize_request_capped(endpoint, &body, self.max_model_len)
+            .tokenize_body_capped(endpoint, &body, self.max_model_len)
             .map_err(|e| match e {
                 RequestError::PromptTooLong { limit } => ApiError::bad_request(format!(
                     "This model's maximum context length is {limit} tokens. However, your \
@@ -231,7 +229,7 @@ impl AppState {
         prompt: &[u32],
     ) -> Result<mpsc::UnboundedReceiver<SeqOutput>, ApiError> {
         let loras = &self.loras;
-        let extras = request_extras(&prep.body, &|name: &str| {
+        let extras = request_extras(prep.body.fields(), &|name: &str| {
             loras.get(name).map(|l| l.path.clone())
         });
         let chain = RequestChainHasher::new(self.hasher.clone(), extras, self.hash_block_size);

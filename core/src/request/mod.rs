@@ -18,6 +18,7 @@
 //! rendered text's size ([`MAX_PROMPT_BYTES_PER_TOKEN`]), then while tokenising, so that the
 //! tokeniser's working set stays proportional to the cap, not to the body.
 
+mod body;
 mod bpe_tables;
 mod chat_template;
 mod digest;
@@ -31,6 +32,7 @@ mod segment_cache;
 mod segmenter;
 mod tokenizer;
 
+pub use body::{token_id_list, RequestBody};
 pub use bpe_tables::{compact_tokenizer_json, BpeTables, CompactTokenizerJson};
 pub use digest::TokenizerDigest;
 pub use error::RequestError;

@@ -785,13 +785,18 @@ fn token_ids(items: &[Value]) -> Option<Result<Vec<u32>, RequestError>> {
     )
 }
 
+/// Reads `add_special_tokens` (default true) from a `/v1/completions` body.
+pub(crate) fn completion_add_special_tokens(body: &Value) -> Result<bool, RequestError> {
+    opt_bool(body, "add_special_tokens", true)
+}
+
 /// Reads `prompt` and `add_special_tokens` (default true) from a `/v1/completions` body.
 pub(crate) fn completion_prompt(
     body: &Value,
     opts: &TokenizerOptions,
 ) -> Result<(CompletionPrompt, bool), RequestError> {
     let obj = body.as_object().ok_or(RequestError::NotAnObject)?;
-    let add_special_tokens = opt_bool(body, "add_special_tokens", true)?;
+    let add_special_tokens = completion_add_special_tokens(body)?;
     let invalid = || RequestError::InvalidField {
         field: "prompt".into(),
         reason: "must be a string, a list of token ids, or a list of strings or token-id lists"

@@ -15,7 +15,7 @@ use super::piece_encoder::PieceEncoder;
 use super::segment_cache::{SegmentCache, SegmentCacheStats, SegmentKey};
 use super::segmenter::{Piece, Segmenter};
 use super::{
-    ChatContentFormat, Endpoint, ModelFiles, PromptTokens, RequestError,
+    ChatContentFormat, Endpoint, ModelFiles, PromptTokens, RequestBody, RequestError,
     MAX_PROMPT_BYTES_PER_TOKEN, MAX_SANE_MODEL_MAX_LENGTH,
 };
 
@@ -269,6 +269,26 @@ impl ModelTokenizer {
         max_tokens: usize,
     ) -> Result<PromptTokens, RequestError> {
         self.tokenize_request_inner(endpoint, body, Some(max_tokens))
+    }
+
+    /// [`Self::tokenize_request_capped`] for a [`RequestBody`]: a completion's token-id prompt
+    /// kept as ids is taken as it is (the same ids and errors as through the `Value`).
+    pub fn tokenize_body_capped(
+        &self,
+        endpoint: Endpoint,
+        body: &RequestBody,
+        max_tokens: usize,
+    ) -> Result<PromptTokens, RequestError> {
+        match body.prompt_ids() {
+            Some(ids) if endpoint == Endpoint::Completions => {
+                // The body's other fields are checked as the `Value` path checks them.
+                let add_special_tokens = openai::completion_add_special_tokens(body.fields())?;
+                let prompt = CompletionPrompt::Ids(ids.to_vec());
+                self.completion_ids(prompt, add_special_tokens, Some(max_tokens))
+                    .map(PromptTokens::Single)
+            }
+            _ => self.tokenize_request_inner(endpoint, body.fields(), Some(max_tokens)),
+        }
     }
 
     fn tokenize_request_inner(
