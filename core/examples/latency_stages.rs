@@ -2,7 +2,9 @@
 //! ~8k- and a ~32k-token chat (the filter benchmark's prompts, `kvroute_testkit::text::
 //! chat_conversation`) split into JSON parse, chat template, added-token split + normaliser,
 //! pre-tokenisation, BPE and router keys; and the warm path (earlier turns in the segment cache,
-//! a new last turn). A measurement, not a test: it prints the minimum and median over rounds.
+//! a new last turn); and a `/v1/completions` body whose prompt is 8k or 48k token ids, through
+//! the `Value` parse and through `RequestBody`'s fast path. A measurement, not a test: it prints
+//! the minimum and median over rounds.
 //!
 //! `cargo run --release -p kvroute-core --example latency_stages [rounds] [warm]` (`warm`: only
 //! the warm path, e.g. under `perf record`).
@@ -14,7 +16,7 @@ use std::time::Instant;
 
 use kvroute_core::hashing::ExtraKeyStyle;
 use kvroute_core::request::{
-    parse_body, request_extras, Endpoint, ModelFiles, ModelTokenizer, PromptTokens,
+    parse_body, request_extras, Endpoint, ModelFiles, ModelTokenizer, PromptTokens, RequestBody,
     TokenizerOptions,
 };
 use kvroute_core::router_key::request_keys;
@@ -174,6 +176,50 @@ fn warm_stages(
     [warm, new_turn, all_cached, parse, render]
 }
 
+/// A `/v1/completions` body of `n` token ids (varied widths, as a real vocabulary gives).
+fn id_prompt_body(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    let ids: Vec<u32> = (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((x >> 33) % 151_000) as u32
+        })
+        .collect();
+    serde_json::to_vec(&serde_json::json!({"model": "qwen3", "prompt": ids, "max_tokens": 64}))
+        .expect("json")
+}
+
+/// Body to router keys for a token-id prompt: the `Value` path and the `RequestBody` path.
+fn id_prompt_stages(tk: &ModelTokenizer, bytes: &[u8]) -> [f64; 2] {
+    let keys = |ids: &[u32]| {
+        black_box(request_keys(
+            ids,
+            BLOCK_SIZE,
+            &request_extras(&serde_json::Value::Null, &|_| None),
+            ExtraKeyStyle::default(),
+        ));
+    };
+    let (value, ()) = timed(|| {
+        let body = parse_body(bytes).expect("JSON");
+        let ids = tokens_of(
+            tk.tokenize_request_capped(Endpoint::Completions, &body, 1 << 20)
+                .expect("ids"),
+        );
+        keys(&ids);
+    });
+    let (fast, ()) = timed(|| {
+        let body = RequestBody::parse(bytes, Endpoint::Completions).expect("JSON");
+        let ids = tokens_of(
+            tk.tokenize_body_capped(Endpoint::Completions, &body, 1 << 20)
+                .expect("ids"),
+        );
+        keys(&ids);
+    });
+    [value, fast]
+}
+
 fn main() {
     let rounds: usize = std::env::args()
         .nth(1)
@@ -216,6 +262,22 @@ fn main() {
         }
         println!("cold ~{}k chat ({n_tokens} tokens)", tokens / 1000);
         for (name, s) in STAGES.iter().zip(samples) {
+            let (min, med) = min_median(s);
+            println!("  {name:<44} {min:>8.3} / {med:>8.3}");
+        }
+    }
+
+    for tokens in [8000usize, 48000] {
+        let names = ["Value parse + ids + keys", "RequestBody + ids + keys"];
+        let mut samples: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+        for round in 0..rounds.max(3) as u64 * 3 {
+            let stages = id_prompt_stages(&tk, &id_prompt_body(tokens, round));
+            for (s, v) in samples.iter_mut().zip(stages) {
+                s.push(v);
+            }
+        }
+        println!("~{}k token-id completion prompt", tokens / 1000);
+        for (name, s) in names.iter().zip(samples) {
             let (min, med) = min_median(s);
             println!("  {name:<44} {min:>8.3} / {med:>8.3}");
         }
