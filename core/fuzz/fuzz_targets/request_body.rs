@@ -1,7 +1,9 @@
 //! Fuzzes the request path on the real Qwen3 tokenizer: the first byte picks the endpoint
 //! (even: chat, odd: completions), the rest is the body. Any input must parse or be `NotJson`,
 //! tokenise or be refused, never panic; what tokenises must tokenise to the same ids again (the
-//! segment cache warm), agree with the capped call, and give one router key per full block.
+//! segment cache warm), agree with the capped call, and give one router key per full block;
+//! `RequestBody::parse` (the filter's parse, with its token-id fast path) must give the same
+//! body, ids and errors as the `Value` path.
 //! Needs `KVROUTE_MODEL_DIR` (see docs/fuzzing.md).
 #![no_main]
 
@@ -10,7 +12,7 @@ mod common;
 
 use kvroute_core::hashing::ExtraKeyStyle;
 use kvroute_core::request::{
-    parse_body, request_extras, Endpoint, RequestError, MAX_PROMPT_BYTES_PER_TOKEN,
+    parse_body, request_extras, Endpoint, RequestBody, RequestError, MAX_PROMPT_BYTES_PER_TOKEN,
 };
 use kvroute_core::router_key::request_keys;
 use libfuzzer_sys::fuzz_target;
@@ -27,15 +29,32 @@ fuzz_target!(|data: &[u8]| {
     } else {
         Endpoint::Completions
     };
+    let parsed = RequestBody::parse(bytes, endpoint);
     let body = match parse_body(bytes) {
         Ok(b) => b,
         Err(e) => {
             assert!(matches!(e, RequestError::NotJson(_)), "{e:?}");
+            assert!(matches!(parsed, Err(RequestError::NotJson(_))), "{parsed:?}");
             return;
         }
     };
     let tok = &*common::TOKENIZER;
     let capped = tok.tokenize_request_capped(endpoint, &body, CAP);
+    match &parsed {
+        Ok(p) => {
+            assert_eq!(p.to_value(), body, "RequestBody changed the body");
+            assert_eq!(
+                tok.tokenize_body_capped(endpoint, p, CAP)
+                    .map_err(|e| e.to_string()),
+                capped.as_ref().map(Clone::clone).map_err(|e| e.to_string()),
+                "RequestBody's ids differ from the Value path's"
+            );
+        }
+        Err(e) => assert!(
+            matches!(e, RequestError::NotAnObject) && !body.is_object(),
+            "{e:?}"
+        ),
+    }
     let first = tok.tokenize_request(endpoint, &body);
     let again = tok.tokenize_request(endpoint, &body);
     let tokens = match (first, again) {
