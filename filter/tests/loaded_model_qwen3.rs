@@ -137,6 +137,27 @@ fn configuration_overrides_the_indexer_and_extras_change_keys() {
         )
         .expect("batch");
     assert_eq!(batch.router_keys, base.router_keys);
+    // The same prompt sent as its token ids (read by `RequestBody`'s fast path, whitespace and
+    // all) routes like the text, salt included.
+    let ids = base.tokens.clone().expect("one whole prompt");
+    let spaced = format!(
+        r#"{{"model": "qwen3", "cache_salt": "tenant-a", "prompt": [ {} ] }}"#,
+        ids.iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(" , ")
+    );
+    let parsed = RequestBody::parse(spaced.as_bytes(), Endpoint::Completions).expect("parses");
+    assert_eq!(
+        parsed.prompt_ids(),
+        Some(ids.as_slice()),
+        "the fast path took it"
+    );
+    let by_ids = m.prepare(Endpoint::Completions, &parsed).expect("ids");
+    assert_eq!(
+        (by_ids.router_keys, by_ids.num_tokens),
+        (salted.router_keys.clone(), salted.num_tokens)
+    );
     // Garbage is an error, not a panic.
     assert!(m
         .prepare_json(Endpoint::Completions, &json!({"model": "qwen3"}))
@@ -171,6 +192,11 @@ fn the_prompt_cap_comes_from_config_then_indexer_then_tokenizer_config() {
     let long = json!({"model": "capped", "prompt": "word ".repeat(80)});
     assert!(matches!(
         m.prepare_json(Endpoint::Completions, &long),
+        Err(PrepareError::TooLong(64))
+    ));
+    let long_ids = json!({"model": "capped", "prompt": vec![7u32; 65]});
+    assert!(matches!(
+        m.prepare_json(Endpoint::Completions, &long_ids),
         Err(PrepareError::TooLong(64))
     ));
     let digits =
