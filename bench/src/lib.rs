@@ -590,12 +590,20 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
             for workload in all_workloads(layout, opts, &plan, replicas)? {
                 let hits = policies::ceiling_hits(&workload, 16);
                 let ceiling = policies::ceiling_of(&workload, &hits).hit_rate();
-                let uncached: Vec<u64> = workload
-                    .requests
-                    .iter()
-                    .zip(&hits)
-                    .map(|(r, h)| (r.num_tokens() as u64).saturating_sub(*h))
-                    .collect();
+                let uncached_after = |hits: &[u64]| -> Vec<u64> {
+                    workload
+                        .requests
+                        .iter()
+                        .zip(hits)
+                        .map(|(r, h)| (r.num_tokens() as u64).saturating_sub(*h))
+                        .collect()
+                };
+                let uncached = uncached_after(&hits);
+                let uncached_fleet_kv = uncached_after(&policies::fleet_cache_hits(
+                    &workload,
+                    16,
+                    replicas * gpu_blocks,
+                ));
                 println!(
                         "\n==> bench: {} at {} on {replicas} replicas x {gpu_blocks} blocks: {} requests, {:.0} model s ({:.0} wall s at x{}), {:.1}M prompt tokens, ceiling {:.1} %",
                         workload.name,
@@ -640,6 +648,7 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
                     let extras = RunExtras {
                         hits: &hits,
                         uncached: &uncached,
+                        uncached_fleet_kv: &uncached_fleet_kv,
                     };
                     let line = Line {
                         policy,
@@ -763,6 +772,8 @@ struct RunExtras<'a> {
     hits: &'a [u64],
     /// Prompt tokens every request must compute at best (its tokens minus its ceiling hits).
     uncached: &'a [u64],
+    /// The same with the fleet's KV as one LRU cache ([`policies::fleet_cache_hits`]).
+    uncached_fleet_kv: &'a [u64],
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -966,6 +977,7 @@ fn run_policy(
         summary.replica_shares = Some(fleet::shares(&opts.fleet.replica_speeds, &deltas));
     }
     summary.ideal = ideal::bound(extras.uncached, sim_latency);
+    summary.ideal_fleet_kv = ideal::bound(extras.uncached_fleet_kv, sim_latency);
     summary.assess = assessed;
     summary.gateways = gateway_facts;
     if let (Some((index, _)), Some(joined)) = (late, joined_s) {
@@ -1056,6 +1068,15 @@ fn print_line(s: &RunSummary) {
     if let (Some(i), Some(p90), Some(p99)) = (&s.ideal, s.ttft_p90_ms, s.ttft_p99_ms) {
         println!(
             "      ideal TTFT p90/p99 {:.0}/{:.0} ms: this policy {:.2}x/{:.2}x",
+            i.p90_ms,
+            i.p99_ms,
+            p90 / i.p90_ms.max(f64::MIN_POSITIVE),
+            p99 / i.p99_ms.max(f64::MIN_POSITIVE)
+        );
+    }
+    if let (Some(i), Some(p90), Some(p99)) = (&s.ideal_fleet_kv, s.ttft_p90_ms, s.ttft_p99_ms) {
+        println!(
+            "      ideal with the fleet's KV as one LRU cache, TTFT p90/p99 {:.0}/{:.0} ms: this policy {:.2}x/{:.2}x",
             i.p90_ms,
             i.p99_ms,
             p90 / i.p90_ms.max(f64::MIN_POSITIVE),

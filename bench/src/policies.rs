@@ -1,6 +1,6 @@
 //! The routing policies the benchmark compares, how each is started, and the hit-rate ceiling.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::fs;
 use std::path::Path;
@@ -293,6 +293,51 @@ pub fn ceiling_hits(workload: &Workload, block_size: usize) -> Vec<u64> {
     out
 }
 
+/// Like [`ceiling_hits`], with the cache the fleet really has: one LRU of `capacity_blocks`
+/// blocks (every replica's KV as one cache, no block held twice), every block of every request
+/// touched in arrival order (a hit refreshes it). Optimistic for any router (running requests'
+/// blocks and decode blocks take no room here), so the bound it gives is one no router beats.
+pub fn fleet_cache_hits(
+    workload: &Workload,
+    block_size: usize,
+    capacity_blocks: usize,
+) -> Vec<u64> {
+    let bs = block_size.max(1);
+    let mut last_use: HashMap<u64, u64> = HashMap::new();
+    // (use, key) in use order; an entry whose key was used again later is stale and skipped.
+    let mut order: VecDeque<(u64, u64)> = VecDeque::new();
+    let mut clock = 0u64;
+    let mut out = Vec::with_capacity(workload.requests.len());
+    for request in &workload.requests {
+        let tokens = request.tokens();
+        let usable = tokens.len().saturating_sub(1) / bs;
+        let mut parent = 0x6b76_726f_7574_6521u64;
+        let mut hits_here = 0usize;
+        let mut chain_intact = true;
+        for (index, block) in tokens.chunks_exact(bs).enumerate() {
+            parent = chain_key(parent, block);
+            clock += 1;
+            let held = last_use.insert(parent, clock).is_some();
+            order.push_back((clock, parent));
+            if chain_intact && held && index < usable {
+                hits_here += 1;
+            } else {
+                chain_intact = false;
+            }
+        }
+        while last_use.len() > capacity_blocks {
+            let Some((used, key)) = order.pop_front() else {
+                break;
+            };
+            if last_use.get(&key) == Some(&used) {
+                last_use.remove(&key);
+            }
+        }
+        out.push((hits_here * bs) as u64);
+    }
+    out
+}
+
 /// A 64-bit chained key of a block (collisions are irrelevant at benchmark sizes).
 fn chain_key(parent: u64, block: &[u32]) -> u64 {
     let mut h = parent ^ 0x9E37_79B9_7F4A_7C15;
@@ -368,6 +413,33 @@ mod tests {
         // Exactly one block long: never a hit ((16 - 1) / 16 = 0).
         let one = Segment::new("one", 0, 16);
         assert_eq!(ceiling(&workload(vec![vec![one], vec![one]]), 16).hit, 0);
+    }
+
+    #[test]
+    fn the_fleet_cache_forgets_what_it_has_no_room_for() {
+        // A and B: 3 blocks each (48 tokens) plus a 16-token tail; asked A, B, A.
+        let a = Segment::new("a", 0, 48);
+        let b = Segment::new("b", 0, 48);
+        let t = Segment::new("t", 0, 16);
+        let w = workload(vec![vec![a, t], vec![b, t], vec![a, t]]);
+        // Room for everything: the ceiling's hits (A's 3 blocks the third time).
+        assert_eq!(fleet_cache_hits(&w, 16, 1_000), ceiling_hits(&w, 16));
+        assert_eq!(fleet_cache_hits(&w, 16, 1_000), [0, 0, 48]);
+        // Room for 5 blocks: B's 4 evicted A's first block, so the third request misses at once.
+        assert_eq!(fleet_cache_hits(&w, 16, 5), [0, 0, 0]);
+        // Room for 8: both fit, A hits again.
+        assert_eq!(fleet_cache_hits(&w, 16, 8), [0, 0, 48]);
+        // A hit refreshes: A, B, A, C (4 blocks) with room for 8 evicts B, not A, so A hits again.
+        let c = Segment::new("c", 0, 48);
+        let w = workload(vec![
+            vec![a, t],
+            vec![b, t],
+            vec![a, t],
+            vec![c, t],
+            vec![a, t],
+            vec![b, t],
+        ]);
+        assert_eq!(fleet_cache_hits(&w, 16, 8), [0, 0, 48, 0, 48, 0]);
     }
 
     #[test]

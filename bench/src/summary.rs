@@ -75,6 +75,10 @@ pub struct RunSummary {
     pub replica_shares: Option<Vec<super::fleet::ReplicaShare>>,
     /// The workload's ideal TTFT bound (same for every policy).
     pub ideal: Option<super::ideal::IdealBound>,
+    /// The same bound with the fleet's real KV capacity as one LRU cache
+    /// ([`super::policies::fleet_cache_hits`]): what no router beats on this fleet.
+    #[serde(default)]
+    pub ideal_fleet_kv: Option<super::ideal::IdealBound>,
     /// The late replica's uptake (`--scale-out-at`).
     pub scale_out: Option<super::scaleout::ScaleOut>,
     /// What `kvroute-indexer assess` reported over the run (the `shadow` line only).
@@ -195,6 +199,7 @@ impl RunSummary {
                 .collect(),
             replica_shares: None,
             ideal: None,
+            ideal_fleet_kv: None,
             scale_out: None,
             assess: None,
             gateways: None,
