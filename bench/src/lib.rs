@@ -1065,23 +1065,22 @@ fn print_line(s: &RunSummary) {
         s.errors,
         s.wall_s
     );
-    if let (Some(i), Some(p90), Some(p99)) = (&s.ideal, s.ttft_p90_ms, s.ttft_p99_ms) {
-        println!(
-            "      ideal TTFT p90/p99 {:.0}/{:.0} ms: this policy {:.2}x/{:.2}x",
-            i.p90_ms,
-            i.p99_ms,
-            p90 / i.p90_ms.max(f64::MIN_POSITIVE),
-            p99 / i.p99_ms.max(f64::MIN_POSITIVE)
-        );
-    }
-    if let (Some(i), Some(p90), Some(p99)) = (&s.ideal_fleet_kv, s.ttft_p90_ms, s.ttft_p99_ms) {
-        println!(
-            "      ideal with the fleet's KV as one LRU cache, TTFT p90/p99 {:.0}/{:.0} ms: this policy {:.2}x/{:.2}x",
-            i.p90_ms,
-            i.p99_ms,
-            p90 / i.p90_ms.max(f64::MIN_POSITIVE),
-            p99 / i.p99_ms.max(f64::MIN_POSITIVE)
-        );
+    for (name, bound) in [
+        ("ideal", &s.ideal),
+        (
+            "ideal with the fleet's KV as one LRU cache,",
+            &s.ideal_fleet_kv,
+        ),
+    ] {
+        if let (Some(i), Some(p90), Some(p99)) = (bound, s.ttft_p90_ms, s.ttft_p99_ms) {
+            println!(
+                "      {name} TTFT p90/p99 {:.0}/{:.0} ms: this policy {:.2}x/{:.2}x",
+                i.p90_ms,
+                i.p99_ms,
+                p90 / i.p90_ms.max(f64::MIN_POSITIVE),
+                p99 / i.p99_ms.max(f64::MIN_POSITIVE)
+            );
+        }
     }
     if let Some(shares) = &s.replica_shares {
         let line: Vec<String> = shares
