@@ -62,7 +62,7 @@ enum Phase {
     /// resets it mid-upload (Envoy then answers 503).
     Oversized,
     /// Waiting for `/v1/route`.
-    AwaitingRoute { call: CallId, started_ms: u64 },
+    AwaitingRoute { call: CallId, started_ns: u64 },
     /// A local reply was sent.
     Rejected,
 }
@@ -295,7 +295,7 @@ impl Stream {
     pub fn on_call_reply(&mut self, host: &mut impl StreamHost, call: CallId, reply: &CallReply) {
         let Phase::AwaitingRoute {
             call: awaited,
-            started_ms,
+            started_ns,
         } = self.phase
         else {
             return;
@@ -308,7 +308,7 @@ impl Stream {
         };
         self.phase = Phase::Passthrough;
         self.settle_carried(host, &plugin, reply);
-        match self.apply_route(host, &plugin, reply, started_ms) {
+        match self.apply_route(host, &plugin, reply, started_ns) {
             Ok(()) if self.shadow => host.increment(Counter::Shadowed.into()),
             Ok(()) => host.increment(Counter::Routed.into()),
             Err(reason) => self.note_fail_open(host, &plugin, reason),
@@ -597,7 +597,7 @@ impl Stream {
         })?;
         self.phase = Phase::AwaitingRoute {
             call,
-            started_ms: host.now_millis(),
+            started_ns: host.now_nanos().unwrap_or(0),
         };
         self.unanswered_callout = Some(callout);
         let check_rewrites = self.check.as_ref().is_some_and(OnlineCheck::needs_rewrite);
@@ -613,10 +613,11 @@ impl Stream {
         host: &mut impl StreamHost,
         plugin: &Plugin,
         reply: &CallReply,
-        started_ms: u64,
+        started_ns: u64,
     ) -> Result<(), FailOpen> {
-        let elapsed = host.now_millis().saturating_sub(started_ms);
-        host.record(Histogram::RouteCallUs, elapsed.saturating_mul(1000));
+        let elapsed_us = host.now_nanos().unwrap_or(0).saturating_sub(started_ns) / 1000;
+        host.record(Histogram::RouteCallUs, elapsed_us);
+        let elapsed = elapsed_us / 1000;
         let answer = parse_route_answer(
             reply.status,
             reply.contract.as_deref(),

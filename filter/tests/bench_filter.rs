@@ -133,6 +133,11 @@ fn filter_added_latency() {
                 row["added_p99_ms"].as_f64().unwrap_or(f64::NAN),
             );
             results.push(row);
+            if std::env::var_os("KVROUTE_BENCH_HISTOGRAMS").is_some() {
+                std::thread::sleep(Duration::from_millis(5500)); // one stats flush
+                let r = http(with.admin, "GET", "/stats?filter=kvroute.*_us", &[], b"");
+                println!("{}", r.text());
+            }
         }
     }
     assert_eq!(with.kv("routed") as usize, indexer.route_calls().len());
