@@ -24,6 +24,9 @@ pub struct AssessFigures {
     pub duplicated_share: f64,
     /// Share of computed prompt tokens recomputed after an eviction.
     pub recomputed_share: f64,
+    /// Of computed prompt tokens, the share recomputed after an eviction that the fleet's whole
+    /// KV as one cache would not have avoided (what thrash is judged on).
+    pub capacity_recomputed_share: f64,
     /// Preemptions over the fleet.
     pub preemptions: f64,
     /// Whether assess flagged thrash.
@@ -73,6 +76,8 @@ struct ModelJson {
     hit_rate_without_recompute: f64,
     duplicated_share: f64,
     recomputed_share: f64,
+    #[serde(default)]
+    capacity_recomputed_share: f64,
     preemptions: f64,
     thrash: bool,
     verdict: VerdictJson,
@@ -101,6 +106,7 @@ impl AssessFigures {
             hit_rate_without_recompute: m.hit_rate_without_recompute,
             duplicated_share: m.duplicated_share,
             recomputed_share: m.recomputed_share,
+            capacity_recomputed_share: m.capacity_recomputed_share,
             preemptions: m.preemptions,
             thrash: m.thrash,
             shadow: m.shadow,

@@ -77,9 +77,10 @@ pub fn checks(
         },
         scope: scope.into(),
         measured: format!(
-            "thrash {}: recomputed {} of computed, {:.0} preemptions; hit rate {} measured, {} without recompute",
+            "thrash {}: recomputed {} of computed ({} beyond the fleet's KV), {:.0} preemptions; hit rate {} measured, {} without recompute",
             if a.thrash { "yes" } else { "no" },
             pct(a.recomputed_share),
+            pct(a.capacity_recomputed_share),
             a.preemptions,
             pct(a.hit_rate),
             pct(a.hit_rate_without_recompute)

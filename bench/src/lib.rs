@@ -1113,13 +1113,14 @@ fn print_line(s: &RunSummary) {
     }
     if let Some(a) = &s.assess {
         println!(
-            "      assess: {} ({}); predicted hit {:.1} % (measured {:.1} %); thrash {} (recomputed {:.1} %, {:.0} preemptions, {:.1} % without recompute)",
+            "      assess: {} ({}); predicted hit {:.1} % (measured {:.1} %); thrash {} (recomputed {:.1} %, {:.1} % beyond the fleet's KV, {:.0} preemptions, {:.1} % without recompute)",
             a.verdict,
             a.summary,
             a.predicted_hit_rate * 100.0,
             a.hit_rate * 100.0,
             if a.thrash { "yes" } else { "no" },
             a.recomputed_share * 100.0,
+            a.capacity_recomputed_share * 100.0,
             a.preemptions,
             a.hit_rate_without_recompute * 100.0
         );

@@ -73,6 +73,12 @@ pub struct StreamStats {
     /// blocks count for the ones they stand for): prefill a prefix-aware router would have served
     /// from cache.
     pub fleet_repeat_blocks: AtomicU64,
+    /// Recomputed blocks the fleet cache followed (each weighted by both samples it stands for).
+    pub recompute_checked_blocks: AtomicU64,
+    /// Of those, the ones the fleet cache had lost too: recomputation that one copy per block in
+    /// the whole fleet's KV would not have avoided (the fleet's memory is too small, not its
+    /// routing).
+    pub recompute_fleet_lost_blocks: AtomicU64,
     /// Connections made.
     pub connects: AtomicU64,
     /// Hash self-check candidates seen (for sampling).

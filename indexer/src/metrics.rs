@@ -28,7 +28,7 @@ pub fn render(state: &AppState) -> String {
     // Per-stream counters.
     let replicas = state.fleet.all();
     type Getter = fn(&crate::membership::StreamStats) -> u64;
-    let stream_counters: [(&str, &str, Getter); 17] = [
+    let stream_counters: [(&str, &str, Getter); 19] = [
         ("event_batches_total", "Event batches applied.", |s| {
             s.batches.load(Ordering::Relaxed)
         }),
@@ -103,6 +103,16 @@ pub fn render(state: &AppState) -> String {
             "blocks_fleet_repeat_total",
             "GPU blocks stored while the model's fleet, seen as one cache of all its KV, still held them: prefill a prefix-aware router would have served from cache.",
             |s| s.fleet_repeat_blocks.load(Ordering::Relaxed),
+        ),
+        (
+            "blocks_recompute_checked_total",
+            "Recomputed GPU blocks the model's fleet cache followed (sample weights applied).",
+            |s| s.recompute_checked_blocks.load(Ordering::Relaxed),
+        ),
+        (
+            "blocks_recompute_fleet_lost_total",
+            "Of blocks_recompute_checked_total, those the fleet as one cache had evicted too: recomputation only more KV avoids.",
+            |s| s.recompute_fleet_lost_blocks.load(Ordering::Relaxed),
         ),
     ];
     for (name, help, get) in stream_counters {

@@ -753,6 +753,67 @@ async fn assess_finds_prefill_computed_twice_and_judges_the_traffic() {
     assert_eq!(model["verdict"]["kind"], "nothing_to_route", "{model}");
 }
 
+/// Thrash is judged against the fleet's whole KV: two replicas of 64 blocks cycling prefixes
+/// their own KV cannot hold recompute them either way, but only a working set over the fleet's
+/// 128 blocks is thrash (more KV fixes it); one within them is copies, which routing removes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn assess_calls_thrash_only_what_the_fleets_kv_cannot_hold() {
+    let bin = sim_binary();
+    let dir = TempDir::new("sim-e2e-thrash");
+    let mut a = SimSpec::new("sim-thrash-a", 1);
+    let mut b = SimSpec::new("sim-thrash-b", 1);
+    a.blocks = 64;
+    b.blocks = 64;
+    let _sa = a.start(&bin, &dir.0, "first");
+    let _sb = b.start(&bin, &dir.0, "first");
+    let c = client();
+    // 384-token prefixes: 24 blocks each.
+    let prefixes: Vec<Vec<u32>> = (0..8).map(|i| prompt(500 + i, 384)).collect();
+
+    // Four prefixes (96 blocks) sent to both replicas, round after round: each replica's 64
+    // blocks cycle and recompute, the fleet's 128 would hold them once each.
+    let copies = assess_while(&dir.0, "copies", &[&a, &b], 6, || async {
+        for _ in 0..3 {
+            for p in &prefixes[..4] {
+                complete(&c, &a, p, 1).await;
+                complete(&c, &b, p, 1).await;
+            }
+        }
+    })
+    .await;
+    assert!(
+        copies["recomputed_share"].as_f64() > Some(0.05),
+        "the replicas recompute: {copies}"
+    );
+    assert!(
+        copies["capacity_recomputed_share"].as_f64() < Some(0.05),
+        "the fleet's KV would hold them: {copies}"
+    );
+    assert_eq!(copies["thrash"], false, "{copies}");
+    assert!(
+        copies["summary"]
+            .as_str()
+            .is_some_and(|s| s.contains("no thrash")),
+        "{copies}"
+    );
+
+    // Eight prefixes (192 blocks), each to one replica: the fleet's KV cannot hold them.
+    let over = assess_while(&dir.0, "over", &[&a, &b], 6, || async {
+        for _ in 0..3 {
+            for (i, p) in prefixes.iter().enumerate() {
+                let sim = if i % 2 == 0 { &a } else { &b };
+                complete(&c, sim, p, 1).await;
+            }
+        }
+    })
+    .await;
+    assert!(
+        over["capacity_recomputed_share"].as_f64() > Some(0.05),
+        "the fleet's KV is too small: {over}"
+    );
+    assert_eq!(over["thrash"], true, "{over}");
+}
+
 /// An indexer following `sim`, in its own directory; `extra` is more of its TOML (top level).
 fn indexer_for(sim: &SimSpec, name: &str, extra: &str) -> (TempDir, Proc, String) {
     let dir = TempDir::new(name);

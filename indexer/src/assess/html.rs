@@ -30,8 +30,8 @@ pub fn page(r: &Report) -> String {
     let _ = writeln!(
         out,
         "<h1>kvroute assess</h1><p>{:.0} s window. Thresholds: low reuse below {:.0} % of \
-         computed prompt tokens computed twice; thrash above {:.0} % recomputed after eviction or \
-         any preemption; session affinity would do when kvroute saves less than the low-reuse \
+         computed prompt tokens computed twice; thrash above {:.0} % recomputed after an eviction \
+         the fleet's whole KV would not have avoided, or any preemption; session affinity would do when kvroute saves less than the low-reuse \
          share of the prefill session affinity still computes.</p>",
         r.window_s,
         r.thresholds.low_reuse_share * 100.0,
@@ -76,17 +76,26 @@ fn model_section(out: &mut String, m: &ModelReport) {
         "Prefix-cache hit rate per replica over the window",
         &bars,
     );
-    let thrash: Vec<Option<f64>> = m
+    let recomputed: Vec<Option<f64>> = m
         .series
         .iter()
         .map(|p| Some(share(p.recomputed_tokens, p.computed_tokens) * 100.0))
         .collect();
+    let beyond_fleet: Vec<Option<f64>> = m
+        .series
+        .iter()
+        .map(|p| Some(share(p.capacity_recomputed_tokens, p.computed_tokens) * 100.0))
+        .collect();
     line_plot(
         out,
         "thrash",
-        "Thrash over time (% of computed prompt tokens recomputed after an eviction)",
+        "Thrash over time (% of computed prompt tokens recomputed after an eviction; beyond the \
+         fleet's KV: what one copy per block in the whole fleet would have recomputed too)",
         &t,
-        &[("recomputed", thrash)],
+        &[
+            ("recomputed", recomputed),
+            ("beyond the fleet's KV", beyond_fleet),
+        ],
         "%",
     );
     if let Some(a) = &m.audit {

@@ -51,6 +51,8 @@ pub fn read_replicas(state: &AppState) -> Vec<ReplicaReading> {
                 duplicated_blocks: sum(|s| &s.duplicated_blocks),
                 recomputed_blocks: sum(|s| &s.recomputed_blocks),
                 fleet_repeat_blocks: sum(|s| &s.fleet_repeat_blocks),
+                recompute_checked_blocks: sum(|s| &s.recompute_checked_blocks),
+                recompute_fleet_lost_blocks: sum(|s| &s.recompute_fleet_lost_blocks),
                 prefill_tokens_per_s: replica_rates(state, r).prefill_tokens_per_s,
             }
         })

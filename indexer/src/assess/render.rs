@@ -10,7 +10,8 @@ pub fn text(r: &Report) -> String {
     let _ = writeln!(
         out,
         "kvroute assess: {:.0} s window; thresholds: low reuse below {:.0} % of computed prompt \
-         tokens computed twice, thrash above {:.0} % recomputed after eviction or any preemption, \
+         tokens computed twice, thrash above {:.0} % recomputed after an eviction the fleet's whole KV would not \
+         have avoided, or any preemption, \
          session affinity would do when kvroute saves less than the low-reuse share of the \
          prefill session affinity still computes",
         r.window_s,
@@ -40,12 +41,13 @@ pub fn text(r: &Report) -> String {
         let _ = writeln!(
             out,
             "  fleet: hit {:.1} %, routed by prefix ~{:.1} %, without recomputation ~{:.1} %; \
-             computed twice {:.1} %, recomputed {:.1} %",
+             computed twice {:.1} %, recomputed {:.1} % ({:.1} % beyond the fleet's KV)",
             m.hit_rate * 100.0,
             m.predicted_hit_rate * 100.0,
             m.hit_rate_without_recompute * 100.0,
             m.duplicated_share * 100.0,
-            m.recomputed_share * 100.0
+            m.recomputed_share * 100.0,
+            m.capacity_recomputed_share * 100.0
         );
         if let Some(sh) = &m.shadow {
             let t = &sh.totals;

@@ -31,6 +31,10 @@ pub struct ReplicaReading {
     pub recomputed_blocks: u64,
     /// GPU blocks it stored that the fleet, seen as one cache, still held.
     pub fleet_repeat_blocks: u64,
+    /// Recomputed blocks the fleet cache followed (weighted).
+    pub recompute_checked_blocks: u64,
+    /// Of those, the ones the fleet, seen as one cache, had evicted too.
+    pub recompute_fleet_lost_blocks: u64,
     /// Its prefill rate (its metrics after its model's, else the prior), tokens per second.
     pub prefill_tokens_per_s: f64,
 }
@@ -43,8 +47,9 @@ pub struct Thresholds {
     /// judges kvroute against session affinity: below this share of the prefill session
     /// affinity would still compute, what kvroute adds is too little and session affinity does.
     pub low_reuse_share: f64,
-    /// Above this share of computed prompt tokens recomputed after eviction (or any
-    /// preemption), the engines thrash.
+    /// Above this share of computed prompt tokens recomputed after an eviction that the fleet's
+    /// whole KV, as one cache, would not have avoided either (or any preemption), the fleet
+    /// thrashes: its memory is too small for its traffic, whatever the routing.
     pub thrash_share: f64,
 }
 
@@ -74,6 +79,9 @@ pub struct ReplicaReport {
     pub duplicated_tokens: f64,
     /// Of those, tokens it had evicted within the recompute window.
     pub recomputed_tokens: f64,
+    /// Of those, tokens the fleet's whole KV as one cache would have lost too (estimated from
+    /// the recomputations the fleet cache followed; all of them when it followed none).
+    pub capacity_recomputed_tokens: f64,
     /// Computed prompt tokens the fleet, seen as one cache, still held (a prefix-aware router
     /// would have served them from cache).
     pub fleet_repeat_tokens: f64,
@@ -172,6 +180,8 @@ pub struct SeriesPoint {
     pub duplicated_tokens: f64,
     /// Of those, recomputed after an eviction.
     pub recomputed_tokens: f64,
+    /// Of those, recomputed beyond what the fleet's KV as one cache would have kept.
+    pub capacity_recomputed_tokens: f64,
     /// Preemptions in the interval.
     pub preemptions: f64,
     /// Per replica (in `replicas` order), the hit rate in the interval (`None`: no queries).
@@ -207,11 +217,17 @@ pub struct ModelReport {
     pub duplicated_share: f64,
     /// Share of computed prompt tokens recomputed after an eviction.
     pub recomputed_share: f64,
+    /// Share of computed prompt tokens recomputed after an eviction that one copy per block in
+    /// the fleet's whole KV would not have avoided: what only more KV fixes. The rest of
+    /// `recomputed_share` is replicas evicting their own copies of prefixes other replicas hold
+    /// too, which routing by prefix removes.
+    pub capacity_recomputed_share: f64,
     /// Prefill seconds computed twice, per hour of this traffic, at the replicas' rates.
     pub duplicated_gpu_seconds_per_hour: f64,
     /// Preemptions in the window.
     pub preemptions: f64,
-    /// True when the engines evict and recompute (or preempt) more than the threshold.
+    /// True when the fleet's KV is too small for its traffic: `capacity_recomputed_share` over
+    /// the threshold, or any preemption.
     pub thrash: bool,
     /// The verdict.
     pub verdict: Verdict,
@@ -334,6 +350,10 @@ fn series(
                 computed_tokens: windows.iter().map(|r| r.computed_tokens).sum(),
                 duplicated_tokens: windows.iter().map(|r| r.duplicated_tokens).sum(),
                 recomputed_tokens: windows.iter().map(|r| r.recomputed_tokens).sum(),
+                capacity_recomputed_tokens: windows
+                    .iter()
+                    .map(|r| r.capacity_recomputed_tokens)
+                    .sum(),
                 preemptions: windows.iter().map(|r| r.preemptions).sum(),
                 hit_rate: windows
                     .iter()
@@ -374,6 +394,15 @@ fn replica_window(s: &ReplicaReading, e: &ReplicaReading, bs: u32) -> ReplicaRep
         // Engines without the computed-tokens histogram: what the cache did not serve.
         computed_tokens = (query_tokens - hit_tokens).max(0.0);
     }
+    let recomputed_tokens =
+        (delta_u(s.recomputed_blocks, e.recomputed_blocks) * bs).min(computed_tokens);
+    let checked = delta_u(s.recompute_checked_blocks, e.recompute_checked_blocks);
+    let lost = delta_u(s.recompute_fleet_lost_blocks, e.recompute_fleet_lost_blocks);
+    let capacity_recomputed_tokens = if checked > 0.0 {
+        recomputed_tokens * (lost / checked).min(1.0)
+    } else {
+        recomputed_tokens
+    };
     ReplicaReport {
         replica: e.replica.clone(),
         query_tokens,
@@ -382,8 +411,8 @@ fn replica_window(s: &ReplicaReading, e: &ReplicaReading, bs: u32) -> ReplicaRep
         computed_tokens,
         duplicated_tokens: (delta_u(s.duplicated_blocks, e.duplicated_blocks) * bs)
             .min(computed_tokens),
-        recomputed_tokens: (delta_u(s.recomputed_blocks, e.recomputed_blocks) * bs)
-            .min(computed_tokens),
+        recomputed_tokens,
+        capacity_recomputed_tokens,
         fleet_repeat_tokens: (delta_u(s.fleet_repeat_blocks, e.fleet_repeat_blocks) * bs)
             .min(computed_tokens),
         preemptions: delta(s.preemptions, e.preemptions),
@@ -405,6 +434,7 @@ fn model_report(
     let computed = sum(|r| r.computed_tokens);
     let duplicated = sum(|r| r.duplicated_tokens);
     let recomputed = sum(|r| r.recomputed_tokens);
+    let capacity_recomputed = sum(|r| r.capacity_recomputed_tokens);
     let fleet_repeats = sum(|r| r.fleet_repeat_tokens);
     let preemptions = sum(|r| r.preemptions);
     let duplicated_seconds: f64 = replicas
@@ -424,7 +454,8 @@ fn model_report(
     let predicted_hit_rate = ratio(hits + fleet_repeats.max(duplicated).min(computed), queries);
     let duplicated_share = ratio(duplicated, computed);
     let recomputed_share = ratio(recomputed, computed);
-    let thrash = recomputed_share > t.thrash_share || preemptions > 0.0;
+    let capacity_recomputed_share = ratio(capacity_recomputed, computed);
+    let thrash = capacity_recomputed_share > t.thrash_share || preemptions > 0.0;
     let verdict = if replicas.len() < 2 {
         Verdict::NothingToRoute
     } else if queries <= 0.0 {
@@ -508,12 +539,24 @@ fn model_report(
     }
     if thrash {
         summary.push_str(&format!(
-            " The engines thrash: {:.1} % of computed tokens were recomputed after an eviction \
-             (threshold {:.0} %), {preemptions:.0} preemptions; more KV capacity per replica \
-             would raise the hit rate to ~{:.1} %.",
-            recomputed_share * 100.0,
+            " The fleet thrashes: {:.1} % of computed tokens were recomputed after an eviction \
+             that one copy per block in the fleet's whole KV would not have avoided either \
+             (threshold {:.0} %; {:.1} % recomputed in all), {preemptions:.0} preemptions; more KV \
+             capacity would raise the hit rate to ~{:.1} %.",
+            capacity_recomputed_share * 100.0,
             t.thrash_share * 100.0,
+            recomputed_share * 100.0,
             ratio(hits + recomputed, queries) * 100.0
+        ));
+    } else if recomputed_share > t.thrash_share {
+        summary.push_str(&format!(
+            " The replicas evict and recompute {:.1} % of computed tokens, but the fleet's KV \
+             would hold them once each ({:.1} % would be recomputed even so, under the {:.0} % \
+             thrash threshold): each replica evicts its own copies of prefixes the others hold \
+             too, which routing by prefix removes; no thrash.",
+            recomputed_share * 100.0,
+            capacity_recomputed_share * 100.0,
+            t.thrash_share * 100.0
         ));
     }
     ModelReport {
@@ -524,6 +567,7 @@ fn model_report(
         hit_rate_without_recompute: ratio(hits + recomputed, queries),
         duplicated_share,
         recomputed_share,
+        capacity_recomputed_share,
         duplicated_gpu_seconds_per_hour: duplicated_seconds * per_hour,
         preemptions,
         thrash,

@@ -155,6 +155,8 @@ impl Applier {
         let on_gpu = |m: Option<Medium>| matches!(m.unwrap_or_default(), Medium::Gpu);
         let mut recomputed = 0u64;
         let mut fleet_repeats = 0u64;
+        // Recomputations the fleet cache followed, and of those the ones it had lost too.
+        let (mut recompute_checked, mut recompute_fleet_lost) = (0u64, 0u64);
         let mut fleet = None;
         let stream = self.stream.index_id;
         let mut removals = lock(&self.model.removals);
@@ -168,16 +170,27 @@ impl Applier {
                 KvEvent::BlockStored(s)
                     if on_gpu(s.medium) && !hash_block(s, self.model.block_size()) =>
                 {
-                    for h in &s.block_hashes {
-                        recomputed += removals.stored_again(cfg, stream, h.as_u64(), now_ms);
-                    }
                     // Every KV cache group stores the same blocks: the fleet cache sees group 0's.
-                    if s.group_idx.unwrap_or(0) == 0 {
+                    let group0 = s.group_idx.unwrap_or(0) == 0;
+                    for h in &s.block_hashes {
+                        let again = removals.stored_again(cfg, stream, h.as_u64(), now_ms);
+                        recomputed += again;
+                        if !group0 {
+                            continue;
+                        }
                         let (cache, capacity) = fleet.get_or_insert_with(|| {
                             (lock(&self.model.fleet_cache), self.fleet_capacity_blocks())
                         });
-                        for h in &s.block_hashes {
-                            fleet_repeats += cache.stored(cfg, h.as_u64(), *capacity);
+                        match cache.touch(cfg, h.as_u64(), *capacity) {
+                            Some((true, weight)) => {
+                                fleet_repeats += weight;
+                                recompute_checked += again * weight;
+                            }
+                            Some((false, weight)) => {
+                                recompute_checked += again * weight;
+                                recompute_fleet_lost += again * weight;
+                            }
+                            None => {}
                         }
                     }
                 }
@@ -196,6 +209,12 @@ impl Applier {
         stats
             .fleet_repeat_blocks
             .fetch_add(fleet_repeats, Ordering::Relaxed);
+        stats
+            .recompute_checked_blocks
+            .fetch_add(recompute_checked, Ordering::Relaxed);
+        stats
+            .recompute_fleet_lost_blocks
+            .fetch_add(recompute_fleet_lost, Ordering::Relaxed);
     }
 
     /// The KV blocks of every replica of this model, as their metrics report them (0: unknown),

@@ -106,12 +106,40 @@ fn recomputation_after_eviction_is_thrash_and_bounds_the_hit_rate() {
         reading("a", 10_000.0, 5_000.0, 0, 100),
         reading("b", 10_000.0, 5_000.0, 0, 0),
     ];
+    // The fleet cache followed none of the recomputations: all of them count.
     let m = one_model(&end);
     assert!(m.thrash);
     // 1,600 of 10,000 computed tokens recomputed.
     assert!((m.recomputed_share - 0.16).abs() < 1e-9);
+    assert!((m.capacity_recomputed_share - 0.16).abs() < 1e-9);
     assert!((m.hit_rate_without_recompute - 0.58).abs() < 1e-9);
-    assert!(m.summary.contains("thrash"), "{}", m.summary);
+    assert!(m.summary.contains("The fleet thrashes"), "{}", m.summary);
+}
+
+#[test]
+fn recomputation_the_fleets_kv_would_have_avoided_is_not_thrash() {
+    // a recomputed 100 blocks; the fleet cache followed 80 of them and had lost 4 (5 %): the
+    // rest were copies other replicas kept, which routing by prefix removes.
+    let mut end = [
+        reading("a", 10_000.0, 5_000.0, 0, 100),
+        reading("b", 10_000.0, 5_000.0, 0, 0),
+    ];
+    end[0].recompute_checked_blocks = 80;
+    end[0].recompute_fleet_lost_blocks = 4;
+    let m = one_model(&end);
+    assert!((m.recomputed_share - 0.16).abs() < 1e-9);
+    assert!((m.capacity_recomputed_share - 0.008).abs() < 1e-9, "{m:?}");
+    assert!(!m.thrash, "{m:?}");
+    assert!(m.summary.contains("no thrash"), "{}", m.summary);
+    // The same recomputation with the fleet cache having lost half of it: thrash.
+    end[0].recompute_fleet_lost_blocks = 40;
+    let m = one_model(&end);
+    assert!((m.capacity_recomputed_share - 0.08).abs() < 1e-9, "{m:?}");
+    assert!(m.thrash);
+    // Any preemption is thrash, whatever the recomputation.
+    end[0].recompute_fleet_lost_blocks = 0;
+    end[1].preemptions = 1.0;
+    assert!(one_model(&end).thrash);
 }
 
 #[test]
