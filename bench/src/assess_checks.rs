@@ -23,12 +23,14 @@ pub fn expected_verdict(workload: &str, replicas: usize) -> Option<&'static str>
     }
 }
 
-/// Whether assess should flag thrash on `workload` at `gpu_blocks` per replica (issue 13: yes on
-/// the KV-bound shared-prefix fleet of 8,192 blocks, no at 32,768).
-pub fn expected_thrash(workload: &str, gpu_blocks: usize) -> Option<bool> {
-    match (workload, gpu_blocks) {
-        ("shared-prefix", b) if b <= 8_192 => Some(true),
-        ("shared-prefix", b) if b >= 32_768 => Some(false),
+/// Whether assess should flag thrash on `workload` with `replicas` x `gpu_blocks` (issue 13: yes
+/// on the KV-bound shared-prefix fleet of 4 x 8,192 blocks, no on 4 x 32,768). Thrash is the
+/// fleet's KV against the traffic's working set, so what counts is the fleet's total: one replica
+/// of 32,768 blocks is as KV-bound as four of 8,192.
+pub fn expected_thrash(workload: &str, replicas: usize, gpu_blocks: usize) -> Option<bool> {
+    match (workload, replicas.saturating_mul(gpu_blocks)) {
+        ("shared-prefix", b) if b <= 4 * 8_192 => Some(true),
+        ("shared-prefix", b) if b >= 4 * 32_768 => Some(false),
         _ => None,
     }
 }
@@ -68,7 +70,7 @@ pub fn checks(
         measured: format!("{}: {}", a.verdict, a.summary),
         met: expected.map(|e| e == a.verdict),
     });
-    let thrash = expected_thrash(workload, shadow.gpu_blocks);
+    let thrash = expected_thrash(workload, shadow.replicas, shadow.gpu_blocks);
     out.push(GoalCheck {
         goal: match thrash {
             Some(true) => "assess reports thrash".into(),
@@ -161,10 +163,11 @@ mod tests {
             Some("session_affinity_would_do")
         );
         assert_eq!(expected_verdict("agentic", 4), None);
-        assert_eq!(expected_thrash("shared-prefix", 8_192), Some(true));
-        assert_eq!(expected_thrash("shared-prefix", 32_768), Some(false));
-        assert_eq!(expected_thrash("shared-prefix", 16_384), None);
-        assert_eq!(expected_thrash("no-sharing", 8_192), None);
+        assert_eq!(expected_thrash("shared-prefix", 4, 8_192), Some(true));
+        assert_eq!(expected_thrash("shared-prefix", 4, 32_768), Some(false));
+        assert_eq!(expected_thrash("shared-prefix", 1, 32_768), Some(true));
+        assert_eq!(expected_thrash("shared-prefix", 4, 16_384), None);
+        assert_eq!(expected_thrash("no-sharing", 4, 8_192), None);
     }
 
     fn line(policy: &str, hit_rate: f64) -> RunSummary {
