@@ -100,8 +100,8 @@ fn the_html_report_renders_its_plots_in_headless_chromium() {
     );
     assert_eq!(
         dom.matches("<path class=\"series\"").count(),
-        2,
-        "two line plots"
+        3,
+        "duplicated prefill, and thrash's two series (recomputed, beyond the fleet's KV)"
     );
     assert!(dom.contains(" L"), "the lines have points: {dom}");
 }
