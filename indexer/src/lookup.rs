@@ -44,17 +44,22 @@ pub fn exact_matches(
     replicas: &[Arc<Replica>],
     keys: &[RouterKey],
 ) -> Vec<MatchedBlocks> {
-    let found = state.index.lookup(keys, now_ms());
+    let mut found = state.index.lookup(keys, now_ms());
     if found.is_empty() {
         return vec![MatchedBlocks::default(); replicas.len()];
     }
+    // By stream id, so each replica finds its ranks' matches by search, not by a scan of all
+    // (100 replicas made that 10,000 comparisons per decision).
+    found.sort_unstable_by_key(|m| m.replica);
     replicas
         .iter()
         .map(|r| {
-            let ids = r.index_ids();
-            found
+            r.index_ids()
                 .iter()
-                .filter(|m| ids.contains(&m.replica))
+                .filter_map(|id| {
+                    let at = found.binary_search_by_key(id, |m| m.replica).ok()?;
+                    found.get(at)
+                })
                 .map(|m| MatchedBlocks {
                     gpu: m.gpu,
                     cpu: m.cpu,
