@@ -31,8 +31,9 @@ pub fn page(r: &Report) -> String {
         out,
         "<h1>kvroute assess</h1><p>{:.0} s window. Thresholds: low reuse below {:.0} % of \
          computed prompt tokens computed twice; thrash above {:.0} % recomputed after an eviction \
-         the fleet's whole KV would not have avoided, or any preemption; session affinity would do when kvroute saves less than the low-reuse \
-         share of the prefill session affinity still computes.</p>",
+         the fleet's whole KV would not have avoided, or any preemption; session affinity would \
+         do when kvroute saves less than the low-reuse share of the prefill session affinity \
+         still computes.</p>",
         r.window_s,
         r.thresholds.low_reuse_share * 100.0,
         r.thresholds.thrash_share * 100.0

@@ -10,10 +10,10 @@ pub fn text(r: &Report) -> String {
     let _ = writeln!(
         out,
         "kvroute assess: {:.0} s window; thresholds: low reuse below {:.0} % of computed prompt \
-         tokens computed twice, thrash above {:.0} % recomputed after an eviction the fleet's whole KV would not \
-         have avoided, or any preemption, \
-         session affinity would do when kvroute saves less than the low-reuse share of the \
-         prefill session affinity still computes",
+         tokens computed twice, thrash above {:.0} % recomputed after an eviction the fleet's \
+         whole KV would not have avoided, or any preemption, session affinity would do when \
+         kvroute saves less than the low-reuse share of the prefill session affinity still \
+         computes",
         r.window_s,
         r.thresholds.low_reuse_share * 100.0,
         r.thresholds.thrash_share * 100.0
