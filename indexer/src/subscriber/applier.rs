@@ -184,11 +184,11 @@ impl Applier {
                         match cache.touch(cfg, h.as_u64(), *capacity) {
                             Some((true, weight)) => {
                                 fleet_repeats += weight;
-                                recompute_checked += again * weight;
+                                recompute_checked += again.saturating_mul(weight);
                             }
                             Some((false, weight)) => {
-                                recompute_checked += again * weight;
-                                recompute_fleet_lost += again * weight;
+                                recompute_checked += again.saturating_mul(weight);
+                                recompute_fleet_lost += again.saturating_mul(weight);
                             }
                             None => {}
                         }
