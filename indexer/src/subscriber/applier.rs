@@ -203,18 +203,14 @@ impl Applier {
             return;
         }
         let stats = &self.stream.stats;
-        stats
-            .recomputed_blocks
-            .fetch_add(recomputed, Ordering::Relaxed);
-        stats
-            .fleet_repeat_blocks
-            .fetch_add(fleet_repeats, Ordering::Relaxed);
-        stats
-            .recompute_checked_blocks
-            .fetch_add(recompute_checked, Ordering::Relaxed);
-        stats
-            .recompute_fleet_lost_blocks
-            .fetch_add(recompute_fleet_lost, Ordering::Relaxed);
+        for (counter, n) in [
+            (&stats.recomputed_blocks, recomputed),
+            (&stats.fleet_repeat_blocks, fleet_repeats),
+            (&stats.recompute_checked_blocks, recompute_checked),
+            (&stats.recompute_fleet_lost_blocks, recompute_fleet_lost),
+        ] {
+            counter.fetch_add(n, Ordering::Relaxed);
+        }
     }
 
     /// The KV blocks of every replica of this model, as their metrics report them (0: unknown),
