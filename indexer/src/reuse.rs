@@ -224,18 +224,9 @@ pub struct FleetCache {
 
 impl FleetCache {
     /// Records a store of the block named `hash` in a fleet of `capacity_blocks` KV blocks (0:
-    /// unknown, followed up to the limit); returns how many stores the result stands for when
-    /// the cache held the block (the inverse sampling rate), 0 otherwise.
-    pub fn stored(&mut self, cfg: &ReuseConfig, hash: u64, capacity_blocks: u64) -> u64 {
-        match self.touch(cfg, hash, capacity_blocks) {
-            Some((true, weight)) => weight,
-            _ => 0,
-        }
-    }
-
-    /// Records a store of `hash` like [`FleetCache::stored`]; returns whether the cache held it
-    /// and the number of stores a followed block stands for, or `None` when the block is not in
-    /// the followed sample (nothing is known of it).
+    /// unknown, followed up to the limit); returns whether the cache held it and the number of
+    /// stores a followed block stands for (the inverse sampling rate), or `None` when the block
+    /// is not in the followed sample (nothing is known of it).
     pub fn touch(
         &mut self,
         cfg: &ReuseConfig,
@@ -306,6 +297,16 @@ impl FleetCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl FleetCache {
+        /// The stores a store of `hash` stands for when the cache held it, 0 otherwise.
+        fn stored(&mut self, cfg: &ReuseConfig, hash: u64, capacity_blocks: u64) -> u64 {
+            match self.touch(cfg, hash, capacity_blocks) {
+                Some((true, weight)) => weight,
+                _ => 0,
+            }
+        }
+    }
 
     #[test]
     fn a_fleet_cache_finds_repeats_within_its_capacity_and_forgets_the_least_recent() {
