@@ -39,8 +39,10 @@ use crate::membership::{lock, Replica};
 
 /// Longest a decision's prefill is estimated to stay pending, queueing included.
 pub const MAX_PREFILL_ESTIMATE: Duration = Duration::from_secs(60);
-/// How long [`LoadTracker::kv_release`] reuses its curves.
+/// How often the server recomputes the KV release curves ([`LoadTracker::refresh_releases`]).
 pub const RELEASE_REFRESH: Duration = Duration::from_millis(100);
+/// Curves older than this are recomputed by the decision that reads them (no refresher runs).
+pub const RELEASE_STALE: Duration = Duration::from_millis(500);
 /// Longest accepted `callout_id`.
 pub const MAX_CALLOUT_ID_BYTES: usize = 128;
 
@@ -406,38 +408,55 @@ impl LoadTracker {
     /// When `replica` gets the KV blocks of kvroute's requests back: each decision in flight there
     /// finishes `predicted_ttft_s + output_tokens * step` after it was routed (`step` the replica's
     /// decode step, from `step_s`), freeing its uncached prompt and output blocks. The curves of
-    /// every replica are computed in one pass and reused for [`RELEASE_REFRESH`].
+    /// every replica are computed in one pass by [`LoadTracker::refresh_releases`], which the
+    /// server runs every [`RELEASE_REFRESH`] off the decisions' path (one pass over thousands of
+    /// decisions in flight is ~0.25 ms, which a decision paying it would add to its own time);
+    /// a decision computes them itself only when they are older than [`RELEASE_STALE`].
     pub fn kv_release(&self, replica: &Replica, step_s: impl Fn(&Replica) -> f64) -> KvRelease {
         let now = Instant::now();
         let mut cache = lock(&self.releases);
         let fresh = cache
             .as_ref()
-            .is_some_and(|(at, _)| now.saturating_duration_since(*at) < RELEASE_REFRESH);
+            .is_some_and(|(at, _)| now.saturating_duration_since(*at) < RELEASE_STALE);
         if !fresh {
-            let mut finishes: HashMap<&str, Vec<(f64, u32)>> = HashMap::new();
-            let mut steps: HashMap<&str, f64> = HashMap::new();
-            let inner = lock(&self.inner);
-            for p in inner.pending.values() {
-                let name = p.replica.name.as_str();
-                let step = *steps.entry(name).or_insert_with(|| step_s(&p.replica));
-                let elapsed = now.saturating_duration_since(p.at).as_secs_f64();
-                let left = p.predicted_ttft_s.max(0.0) + p.output_tokens as f64 * step - elapsed;
-                finishes
-                    .entry(name)
-                    .or_default()
-                    .push((left.max(0.0), p.freed_blocks));
-            }
-            let curves = finishes
-                .into_iter()
-                .map(|(name, mut f)| (name.to_string(), KvRelease::from_finishes(&mut f)))
-                .collect();
-            drop(inner);
-            *cache = Some((now, curves));
+            *cache = Some((now, self.release_curves(now, step_s)));
         }
         cache
             .as_ref()
             .and_then(|(_, curves)| curves.get(&replica.name).copied())
             .unwrap_or_default()
+    }
+
+    /// Computes every replica's release curve now (see [`LoadTracker::kv_release`]).
+    pub fn refresh_releases(&self, step_s: impl Fn(&Replica) -> f64) {
+        let now = Instant::now();
+        // Computed before the cache's lock is taken: decisions keep reading the last curves.
+        let curves = self.release_curves(now, step_s);
+        *lock(&self.releases) = Some((now, curves));
+    }
+
+    fn release_curves(
+        &self,
+        now: Instant,
+        step_s: impl Fn(&Replica) -> f64,
+    ) -> HashMap<String, KvRelease> {
+        let mut finishes: HashMap<&str, Vec<(f64, u32)>> = HashMap::new();
+        let mut steps: HashMap<&str, f64> = HashMap::new();
+        let inner = lock(&self.inner);
+        for p in inner.pending.values() {
+            let name = p.replica.name.as_str();
+            let step = *steps.entry(name).or_insert_with(|| step_s(&p.replica));
+            let elapsed = now.saturating_duration_since(p.at).as_secs_f64();
+            let left = p.predicted_ttft_s.max(0.0) + p.output_tokens as f64 * step - elapsed;
+            finishes
+                .entry(name)
+                .or_default()
+                .push((left.max(0.0), p.freed_blocks));
+        }
+        finishes
+            .into_iter()
+            .map(|(name, mut f)| (name.to_string(), KvRelease::from_finishes(&mut f)))
+            .collect()
     }
 
     /// Of the prefill kvroute has pending on `replica` (`Replica::pending_prefill_blocks`), the
@@ -722,6 +741,38 @@ mod tests {
             partial: false,
             callout: None,
         }
+    }
+
+    /// Requests a curve counts as releasing blocks.
+    fn releasing(t: &LoadTracker, r: &Replica) -> u32 {
+        t.kv_release(r, |_| 0.01)
+            .points()
+            .last()
+            .map_or(0, |p| p.requests)
+    }
+
+    #[test]
+    fn decisions_read_the_refreshed_release_curves_without_recomputing_them() {
+        let fleet = Fleet::new();
+        let r = replica(&fleet, "r0");
+        let t = LoadTracker::default();
+        t.routed(decision(&r, 10, Duration::from_millis(40)));
+        t.refresh_releases(|_| 0.01);
+        assert_eq!(releasing(&t, &r), 1);
+        // A decision made since is in the next refresh, not in what decisions read until then.
+        t.routed(decision(&r, 10, Duration::from_millis(40)));
+        assert_eq!(releasing(&t, &r), 1, "read from the last refresh");
+        t.refresh_releases(|_| 0.01);
+        assert_eq!(releasing(&t, &r), 2);
+        // Without a refresher, curves older than RELEASE_STALE are recomputed by the reader.
+        t.routed(decision(&r, 10, Duration::from_millis(40)));
+        if let (Some((when, _)), Some(at)) = (
+            lock(&t.releases).as_mut(),
+            Instant::now().checked_sub(RELEASE_STALE),
+        ) {
+            *when = at;
+        }
+        assert_eq!(releasing(&t, &r), 3);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use anyhow::Context;
 use crate::config::Config;
 use crate::policies::Policy;
 use crate::state::AppState;
-use crate::{api, peers, scrape, snapshot, subscriber};
+use crate::{api, load, lookup, peers, scrape, snapshot, subscriber};
 
 /// Starts every background task and returns the state (used by `serve` and by tests).
 pub fn start(config: Config, policy: Policy) -> anyhow::Result<Arc<AppState>> {
@@ -30,8 +30,22 @@ pub fn start(config: Config, policy: Policy) -> anyhow::Result<Arc<AppState>> {
     }
     tokio::spawn(scrape::run(state.clone()));
     tokio::spawn(snapshot::run(state.clone()));
+    tokio::spawn(refresh_kv_release(state.clone()));
     peers::spawn(&state);
     Ok(state)
+}
+
+/// Recomputes the replicas' KV release curves every [`load::RELEASE_REFRESH`], so that no route
+/// decision pays for it.
+async fn refresh_kv_release(state: Arc<AppState>) {
+    let mut tick = tokio::time::interval(load::RELEASE_REFRESH);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        state
+            .load
+            .refresh_releases(|r| lookup::replica_rates(&state, r).decode_step_s);
+    }
 }
 
 /// Runs the server until a shutdown signal.
