@@ -440,32 +440,18 @@ impl LoadTracker {
         now: Instant,
         step_s: impl Fn(&Replica) -> f64,
     ) -> HashMap<String, KvRelease> {
-        // The few fields needed, copied out: decisions recording themselves wait for the copy
-        // only, not for the rates read and the curves computed below.
-        let in_flight: Vec<(Arc<Replica>, f64, u64, u32)> = lock(&self.inner)
-            .pending
-            .values()
-            .map(|p| {
-                let elapsed = now.saturating_duration_since(p.at).as_secs_f64();
-                let ttft_left = p.predicted_ttft_s.max(0.0) - elapsed;
-                (
-                    p.replica.clone(),
-                    ttft_left,
-                    p.output_tokens,
-                    p.freed_blocks,
-                )
-            })
-            .collect();
         let mut finishes: HashMap<&str, Vec<(f64, u32)>> = HashMap::new();
         let mut steps: HashMap<&str, f64> = HashMap::new();
-        for (replica, ttft_left, output_tokens, freed_blocks) in &in_flight {
-            let name = replica.name.as_str();
-            let step = *steps.entry(name).or_insert_with(|| step_s(replica));
-            let left = ttft_left + *output_tokens as f64 * step;
+        let inner = lock(&self.inner);
+        for p in inner.pending.values() {
+            let name = p.replica.name.as_str();
+            let step = *steps.entry(name).or_insert_with(|| step_s(&p.replica));
+            let elapsed = now.saturating_duration_since(p.at).as_secs_f64();
+            let left = p.predicted_ttft_s.max(0.0) + p.output_tokens as f64 * step - elapsed;
             finishes
                 .entry(name)
                 .or_default()
-                .push((left.max(0.0), *freed_blocks));
+                .push((left.max(0.0), p.freed_blocks));
         }
         finishes
             .into_iter()
