@@ -82,6 +82,26 @@ pub fn now_ms() -> u64 {
         .as_millis() as u64
 }
 
+/// Copies the blocks the index holds for every replica (all its streams) into
+/// [`Replica::held_blocks`], where decisions read them without taking the index.
+pub fn refresh_held_blocks(state: &AppState) {
+    let held = state.index.held_blocks();
+    for r in state.fleet.all() {
+        let blocks: u64 = r.index_ids().iter().filter_map(|id| held.get(id)).sum();
+        r.held_blocks.store(blocks, Ordering::Relaxed);
+    }
+}
+
+/// How full `r`'s prefix cache is: the blocks the index holds for it over its KV capacity
+/// (0 while the capacity is unknown), at most 1.
+fn cache_fill(r: &Replica, rates: &ReplicaRates) -> f32 {
+    let capacity = rates.kv_capacity_blocks;
+    if capacity == 0 {
+        return 0.0;
+    }
+    (r.held_blocks.load(Ordering::Relaxed) as f64 / f64::from(capacity)).min(1.0) as f32
+}
+
 /// The rates `r` is scored with: its own calibration after its model's (all its replicas'
 /// windows), after the configured priors; its own KV capacity.
 pub fn replica_rates(state: &AppState, r: &Replica) -> ReplicaRates {
@@ -148,6 +168,7 @@ impl Lookup<'_> {
             .iter()
             .enumerate()
             .map(|(i, r)| {
+                let rates = replica_rates_after(state, r, model);
                 // The readings used, not a clone of the whole scrape (maps included).
                 let (waiting, running, kv_usage, read_at) = {
                     let s = lock(&r.scraped);
@@ -179,8 +200,9 @@ impl Lookup<'_> {
                         kv_release: state
                             .load
                             .kv_release(r, |r| replica_rates(state, r).decode_step_s),
+                        cache_fill: cache_fill(r, &rates),
                     },
-                    rates: replica_rates_after(state, r, model),
+                    rates,
                     healthy: r.healthy(),
                     stale: r.stale(stale_after),
                 }

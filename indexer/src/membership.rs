@@ -192,6 +192,9 @@ pub struct Replica {
     pub remaining_output_tokens: AtomicI64,
     /// Uncached prompt blocks of kvroute's requests in flight here (prefill done or not).
     pub in_flight_uncached_blocks: AtomicI64,
+    /// Blocks the index holds for it (all its streams), as of the last refresh
+    /// ([`crate::server`] refreshes it with the KV release curves).
+    pub held_blocks: AtomicU64,
     /// Its rates learned from its metrics (`None` until the first scrape: the priors apply).
     pub calibration: Mutex<Option<kvroute_core::calibration::ReplicaCalibration>>,
     /// Scraped load.
@@ -311,6 +314,7 @@ impl Fleet {
             pending_prefill_requests: AtomicI64::new(0),
             remaining_output_tokens: AtomicI64::new(0),
             in_flight_uncached_blocks: AtomicI64::new(0),
+            held_blocks: AtomicU64::new(0),
             calibration: Mutex::new(None),
             scraped: Mutex::new(ScrapedLoad::default()),
             tasks: Mutex::new(Vec::new()),

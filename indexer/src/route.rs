@@ -240,6 +240,7 @@ fn log_prefix_given_away(lookup: &Lookup<'_>, cands: &[Candidate], d: &Decision)
         decoding = l.decoding(),
         waiting = l.waiting,
         kv = l.kv_fraction(),
+        cache_fill = l.cache_fill,
         pending_tokens = l.pending_prefill_tokens,
         pending_requests = l.pending_prefill_requests,
         rate = c.rates.prefill_tokens_per_s,
@@ -249,6 +250,7 @@ fn log_prefix_given_away(lookup: &Lookup<'_>, cands: &[Candidate], d: &Decision)
         kv_pressure_s = t.kv_pressure_s,
         harm_s = t.harm_s,
         arrivals_harm_s = t.arrivals_harm_s,
+        displace_s = t.displace_s,
         chosen_cost_s = d.terms.cost_s,
         "prefix given away"
     );
@@ -394,6 +396,7 @@ fn record(
         running = load.running,
         waiting = load.waiting,
         kv = load.kv_fraction(),
+        cache_fill = load.cache_fill,
         pending_tokens = load.pending_prefill_tokens,
         %reason,
         prompt_blocks,
@@ -406,6 +409,7 @@ fn record(
         kv_pressure_s = t.kv_pressure_s,
         harm_s = t.harm_s,
         arrivals_harm_s = t.arrivals_harm_s,
+        displace_s = t.displace_s,
         runner_up = ?decision.runner_up,
         tied = decision.tied,
         %decision_id,

@@ -35,8 +35,8 @@ pub fn start(config: Config, policy: Policy) -> anyhow::Result<Arc<AppState>> {
     Ok(state)
 }
 
-/// Recomputes the replicas' KV release curves every [`load::RELEASE_REFRESH`], so that no route
-/// decision pays for it.
+/// Recomputes the replicas' KV release curves and the blocks the index holds for each every
+/// [`load::RELEASE_REFRESH`], so that no route decision pays for them.
 async fn refresh_kv_release(state: Arc<AppState>) {
     let mut tick = tokio::time::interval(load::RELEASE_REFRESH);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -45,6 +45,7 @@ async fn refresh_kv_release(state: Arc<AppState>) {
         state
             .load
             .refresh_releases(|r| lookup::replica_rates(&state, r).decode_step_s);
+        lookup::refresh_held_blocks(&state);
     }
 }
 

@@ -75,6 +75,10 @@ pub struct Load {
     /// kvroute has none here).
     #[serde(default)]
     pub kv_release: KvRelease,
+    /// How full its prefix cache is (0..1): blocks it holds over its KV capacity, from the index.
+    /// At 1, every block it computes pushes a cached one out.
+    #[serde(default)]
+    pub cache_fill: f32,
 }
 
 /// One point of a [`KvRelease`] curve.

@@ -19,13 +19,20 @@
 //! harm         = decoding * weight * (uncached / prefill_rate + min(output, remaining) * per_seq_step)
 //!              + arrival_rate * prefill * (queue_wait + prefill / 2)
 //! weight       = ttft_objective / (remaining_per_running * itl_objective)
-//! cost         = ttft + harm
+//! displace     = uncached / prefill_rate * cache_fill
+//! cost         = ttft + harm + displace
 //! ```
 //!
 //! The second harm term is the wait this request's prefill adds to the requests that arrive at the
 //! replica before it is done: arrivals during `queue_wait + prefill` queue behind it, each delayed
 //! by up to `prefill` (those arriving during its own prefill, by half of it on average). Their
 //! first token is delayed, so it weighs one for one against this request's.
+//!
+//! `displace` is what its new blocks cost the replica's prefix cache: once the cache is full
+//! (`cache_fill` 1), each block it computes pushes a cached block out, which a later request
+//! computes again if it needs it: at most the same prefill once more. Between candidates it
+//! weighs the prefix a candidate would compute again while another holds it (a copy the fleet
+//! keeps twice in place of other prefixes), and it sends new prefixes to caches with room.
 
 use serde::{Deserialize, Serialize};
 
@@ -59,7 +66,11 @@ pub struct CostTerms {
     /// The part of `harm_s` that is the wait of later arrivals.
     #[serde(default)]
     pub arrivals_harm_s: f64,
-    /// `ttft_s + harm_s`: what the choice minimises.
+    /// The prefill of the cached blocks its new blocks would push out of the replica's cache, were
+    /// they needed again (0 while the cache has room).
+    #[serde(default)]
+    pub displace_s: f64,
+    /// `ttft_s + harm_s + displace_s`: what the choice minimises.
     pub cost_s: f64,
     /// True when the replica's event stream is stale (its matches were not counted unless
     /// `stale_credit`).
@@ -145,6 +156,12 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
     };
     let arrivals_harm_s = arrival_rate * prefill_s * (queue_wait_s + prefill_s / 2.0);
     let harm_s = f64::from(decoding) * weight * slowdown + arrivals_harm_s;
+    let fill = if load.cache_fill.is_finite() {
+        f64::from(load.cache_fill).clamp(0.0, 1.0)
+    } else {
+        0.0
+    };
+    let displace_s = uncached as f64 / rate * fill;
 
     CostTerms {
         gpu_hit_tokens: gpu_hit,
@@ -158,7 +175,8 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
         ttft_s,
         harm_s,
         arrivals_harm_s,
-        cost_s: ttft_s + harm_s,
+        displace_s,
+        cost_s: ttft_s + harm_s + displace_s,
         stale: c.stale,
     }
 }

@@ -110,6 +110,57 @@ fn a_queued_holder_loses_to_an_idle_replica_once_its_queue_outweighs_the_hit() {
 }
 
 #[test]
+fn a_full_cache_prices_the_copy_a_give_away_makes() {
+    // The holder has 300 of 320 blocks and 0.2 s of prefill queued; an idle replica computes the
+    // whole prompt (0.17 s) sooner. With room in every cache the prefix is given away; once the
+    // caches are full, the 300 blocks the idle replica would compute again push as many cached
+    // ones out (0.16 s of prefill were they needed again), and the holder keeps the request.
+    let cfg = ScoringConfig::default();
+    let holder = queued(cand(0, 300, 0), 6_000, 1);
+    let idle = cand(1, 0, 0);
+    let d = choose(&cfg, &req(320), &[holder, idle], 5).expect("decision");
+    assert_eq!((d.replica, d.reason), (1, DecisionReason::LoadOverPrefix));
+    assert_eq!(d.terms.displace_s, 0.0);
+    let full = |mut c: Candidate| {
+        c.load.cache_fill = 1.0;
+        c
+    };
+    let d = choose(&cfg, &req(320), &[full(holder), full(idle)], 5).expect("decision");
+    assert_eq!((d.replica, d.reason), (0, DecisionReason::PrefixHit));
+    let expect = 20.0 * 16.0 / cfg.prefill_tokens_per_s;
+    assert!((d.terms.displace_s - expect).abs() < 1e-12, "{:?}", d.terms);
+    let gave = d.candidates[1].terms;
+    assert!(
+        (gave.displace_s - 320.0 * 16.0 / cfg.prefill_tokens_per_s).abs() < 1e-12,
+        "{gave:?}"
+    );
+    assert!((gave.cost_s - gave.ttft_s - gave.harm_s - gave.displace_s).abs() < 1e-12);
+}
+
+#[test]
+fn a_new_prefix_goes_to_the_cache_with_room() {
+    // Nobody holds the prompt and both replicas are idle: the one whose cache has room takes it,
+    // whatever the seed, instead of pushing cached prefixes out of the full one.
+    let cfg = ScoringConfig::default();
+    let mut full = cand(0, 0, 0);
+    full.load.cache_fill = 1.0;
+    let mut roomy = cand(1, 0, 0);
+    roomy.load.cache_fill = 0.25;
+    for seed in 0..16 {
+        let d = choose(&cfg, &req(320), &[full, roomy], seed).expect("decision");
+        assert_eq!(
+            (d.replica, d.reason),
+            (1, DecisionReason::Load),
+            "seed {seed}"
+        );
+    }
+    // An unreadable fill counts as room, never as a reason to refuse a replica.
+    full.load.cache_fill = f32::NAN;
+    let d = choose(&cfg, &req(320), &[full, roomy], 0).expect("decision");
+    assert_eq!(d.candidates[0].terms.displace_s, 0.0);
+}
+
+#[test]
 fn a_holder_part_way_through_its_queue_keeps_the_hit() {
     // The holder has one large prefill pending (60,000 tokens: 2 s at 30k tokens/s), enough to
     // give a 300-block hit away while none of it is done. Once most of it is computed, what is

@@ -459,6 +459,17 @@ impl KvIndex {
         v
     }
 
+    /// Per replica, the blocks it holds in its largest KV cache group (any medium): how full its
+    /// prefix cache is, for [`kvroute_core::scoring::Load::cache_fill`].
+    pub fn held_blocks(&self) -> HashMap<ReplicaId, u64, IdBuildHasher> {
+        let mut per: HashMap<ReplicaId, u64, IdBuildHasher> = HashMap::default();
+        for s in self.slots.iter().flatten() {
+            let held = per.entry(s.replica).or_default();
+            *held = (*held).max(s.entries);
+        }
+        per
+    }
+
     /// Distinct replicas known to the index.
     fn replica_count(&self) -> usize {
         let mut ids: Vec<ReplicaId> = self.slots.iter().flatten().map(|s| s.replica).collect();

@@ -200,6 +200,11 @@ impl SharedIndex {
         self.lock().stats()
     }
 
+    /// Blocks held per stream in its largest KV cache group ([`KvIndex::held_blocks`]).
+    pub fn held_blocks(&self) -> std::collections::HashMap<ReplicaId, u64, super::IdBuildHasher> {
+        self.lock().held_blocks()
+    }
+
     /// Entries held per stream.
     pub fn entries_by_stream(&self) -> Vec<(ReplicaId, u64)> {
         self.lock().replicas()

@@ -285,6 +285,21 @@ fn lookup_reports_tiers_per_replica() {
 }
 
 #[test]
+fn held_blocks_follow_stores_and_removals_per_replica() {
+    let mut ix = KvIndex::default();
+    apply(&mut ix, 0, &stored(1, 0..4, Medium::Gpu, 0));
+    apply(&mut ix, 0, &stored(2, 0..2, Medium::Gpu, 0));
+    apply(&mut ix, 1, &stored(1, 0..2, Medium::Gpu, 0));
+    let held = ix.held_blocks();
+    assert_eq!((held.get(&0), held.get(&1)), (Some(&6), Some(&2)));
+    apply(&mut ix, 0, &removed(1, &[2, 3], Medium::Gpu, 0));
+    apply(&mut ix, 1, &KvEvent::AllBlocksCleared);
+    let held = ix.held_blocks();
+    assert_eq!(held.get(&0), Some(&4));
+    assert_eq!(held.get(&1).copied().unwrap_or(0), 0);
+}
+
+#[test]
 fn replicas_hashing_differently_share_router_keys() {
     let mut ix = KvIndex::default();
     apply(&mut ix, 0, &stored(1, 0..3, Medium::Gpu, 0));
