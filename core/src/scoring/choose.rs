@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use super::config::ScoringConfig;
 use super::inputs::{Candidate, MatchedBlocks, RequestShape};
-use super::predict::{predict, CostTerms};
+use super::predict::{predict, price_copies, CostTerms};
 use crate::rng::SplitMix64;
 
 /// Why a replica was chosen.
@@ -95,11 +95,14 @@ pub fn choose(
     if eligible.is_empty() {
         return None;
     }
+    let mut terms: Vec<CostTerms> = eligible.iter().map(|c| predict(cfg, req, c)).collect();
+    price_copies(cfg, &eligible, &mut terms);
     let scored: Vec<Scored> = eligible
         .iter()
-        .map(|c| Scored {
+        .zip(terms)
+        .map(|(c, terms)| Scored {
             replica: c.replica,
-            terms: predict(cfg, req, c),
+            terms,
         })
         .collect();
     let best = (0..scored.len())

@@ -19,7 +19,7 @@
 //! harm         = decoding * weight * (uncached / prefill_rate + min(output, remaining) * per_seq_step)
 //!              + arrival_rate * prefill * (queue_wait + prefill / 2)
 //! weight       = ttft_objective / (remaining_per_running * itl_objective)
-//! displace     = uncached / prefill_rate * cache_fill
+//! displace     = (longest hit of any candidate - hit) / prefill_rate * cache_fill
 //! cost         = ttft + harm + displace
 //! ```
 //!
@@ -28,11 +28,13 @@
 //! by up to `prefill` (those arriving during its own prefill, by half of it on average). Their
 //! first token is delayed, so it weighs one for one against this request's.
 //!
-//! `displace` is what its new blocks cost the replica's prefix cache: once the cache is full
-//! (`cache_fill` 1), each block it computes pushes a cached block out, which a later request
-//! computes again if it needs it: at most the same prefill once more. Between candidates it
-//! weighs the prefix a candidate would compute again while another holds it (a copy the fleet
-//! keeps twice in place of other prefixes), and it sends new prefixes to caches with room.
+//! `displace` is what a copy costs the replica's prefix cache: a candidate that does not hold
+//! the longest cached prefix computes it again while another replica keeps it, and once its cache
+//! is full (`cache_fill` 1) each of those blocks pushes a cached block out, which a later request
+//! computes again if it needs it: at most the same prefill once more. Only copies are charged:
+//! the blocks every candidate would compute push out as many wherever the request goes, and
+//! steering new prefixes by a fill that changes slowly would send every gateway's new prefixes
+//! to the same replica. Set by [`price_copies`] once every candidate is predicted.
 
 use serde::{Deserialize, Serialize};
 
@@ -156,12 +158,6 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
     };
     let arrivals_harm_s = arrival_rate * prefill_s * (queue_wait_s + prefill_s / 2.0);
     let harm_s = f64::from(decoding) * weight * slowdown + arrivals_harm_s;
-    let fill = if load.cache_fill.is_finite() {
-        f64::from(load.cache_fill).clamp(0.0, 1.0)
-    } else {
-        0.0
-    };
-    let displace_s = uncached as f64 / rate * fill;
 
     CostTerms {
         gpu_hit_tokens: gpu_hit,
@@ -175,9 +171,28 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
         ttft_s,
         harm_s,
         arrivals_harm_s,
-        displace_s,
-        cost_s: ttft_s + harm_s + displace_s,
+        displace_s: 0.0,
+        cost_s: ttft_s + harm_s,
         stale: c.stale,
+    }
+}
+
+/// Charges each candidate the copy it would make ([`CostTerms::displace_s`]): the cached prefix
+/// it lacks against the longest any candidate holds, at its prefill rate, times its cache fill.
+/// `terms[i]` belongs to `cands[i]`.
+pub fn price_copies(cfg: &ScoringConfig, cands: &[&Candidate], terms: &mut [CostTerms]) {
+    let hit = |t: &CostTerms| t.gpu_hit_tokens + t.offload_hit_tokens;
+    let longest = terms.iter().map(hit).max().unwrap_or(0);
+    for (c, t) in cands.iter().zip(terms.iter_mut()) {
+        let fill = if c.load.cache_fill.is_finite() {
+            f64::from(c.load.cache_fill).clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        let copied = longest.saturating_sub(hit(t));
+        let rate = c.rates.prefill_rate_or(cfg.prefill_tokens_per_s);
+        t.displace_s = copied as f64 / rate * fill;
+        t.cost_s = t.ttft_s + t.harm_s + t.displace_s;
     }
 }
 
