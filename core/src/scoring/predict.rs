@@ -68,8 +68,8 @@ pub struct CostTerms {
     /// The part of `harm_s` that is the wait of later arrivals.
     #[serde(default)]
     pub arrivals_harm_s: f64,
-    /// The prefill of the cached blocks its new blocks would push out of the replica's cache, were
-    /// they needed again (0 while the cache has room).
+    /// The prefill of the cached blocks its copy of a prefix another candidate holds would push
+    /// out of its full cache, were they needed again ([`price_copies`]; 0 while it has room).
     #[serde(default)]
     pub displace_s: f64,
     /// `ttft_s + harm_s + displace_s`: what the choice minimises.
