@@ -230,8 +230,9 @@ pub trait RoutePolicy: Send + Sync {
         cands: &[Candidate],
     ) -> Option<(Decision, Option<&'static str>)>;
 
-    /// Remembers the decision (predicted entries, router-side guesses, session bindings).
-    fn record(&self, _lookup: &Lookup<'_>, _chosen: &Replica) {}
+    /// Remembers the decision (predicted entries, router-side guesses, session bindings);
+    /// `matched` is what the chosen replica holds of the request.
+    fn record(&self, _lookup: &Lookup<'_>, _chosen: &Replica, _matched: &MatchedBlocks) {}
 
     /// What peer gateways need to replay [`RoutePolicy::record`] for this decision: the number of
     /// leading usable blocks they need not be told about, and the router keys after them.

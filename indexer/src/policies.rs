@@ -42,21 +42,24 @@ impl RoutePolicy for KvPolicy {
         scoring::choose(&l.state.config.scoring, &l.shape, c, l.seed).map(|d| (d, None))
     }
 
-    fn record(&self, l: &Lookup<'_>, chosen: &Replica) {
-        let usable = l.usable();
-        if usable.is_empty() {
+    /// Predicts the blocks after the chosen replica's GPU-held prefix ([`Self::shared_keys`]):
+    /// the prefix is in the index already, and probing it again for every decision (a prompt of
+    /// 48k tokens is 3,000 keys, under the index lock) only found it there.
+    fn record(&self, l: &Lookup<'_>, chosen: &Replica, matched: &MatchedBlocks) {
+        let (_, keys) = self.shared_keys(l, matched);
+        if keys.is_empty() {
             return;
         }
         if let Some(first) = chosen.streams().first() {
             let ttl = l.state.config.index.predicted_ttl_ms;
             l.state
                 .index
-                .insert_predicted(first.index_id, usable, now_ms(), ttl);
+                .insert_predicted(first.index_id, keys, now_ms(), ttl);
         }
     }
 
-    /// The blocks after the replica's GPU-held prefix: what peers must predict (the GPU prefix is
-    /// in their exact index already).
+    /// The blocks after the replica's GPU-held prefix: what this gateway and its peers predict
+    /// (the GPU prefix is in every exact index already).
     fn shared_keys<'a>(&self, l: &'a Lookup<'_>, m: &MatchedBlocks) -> (u32, &'a [RouterKey]) {
         let usable = l.usable();
         let skip = (m.gpu as usize).min(usable.len());
@@ -101,7 +104,7 @@ impl RoutePolicy for ApproxPrefixPolicy {
         scoring::choose(&l.state.config.scoring, &l.shape, c, l.seed).map(|d| (d, None))
     }
 
-    fn record(&self, l: &Lookup<'_>, chosen: &Replica) {
+    fn record(&self, l: &Lookup<'_>, chosen: &Replica, _matched: &MatchedBlocks) {
         if let Some(first) = chosen.streams().first() {
             if !l.usable().is_empty() {
                 l.state
@@ -172,7 +175,7 @@ impl RoutePolicy for SessionPolicy {
         }
     }
 
-    fn record(&self, l: &Lookup<'_>, chosen: &Replica) {
+    fn record(&self, l: &Lookup<'_>, chosen: &Replica, _matched: &MatchedBlocks) {
         if let Some(s) = l.session {
             l.state
                 .policy_state

@@ -159,7 +159,7 @@ pub fn route(
         .ok_or_else(|| RouteError::NoReplica(req.model.clone()))?;
     if !req.shadow {
         // A shadowed request is not sent there: nothing to predict or remember.
-        policy.record(&lookup, &chosen);
+        policy.record(&lookup, &chosen, &decision.matched);
     }
     let explain = req.explain.then(|| explain(&lookup, &cands, &decision));
     Ok(record(
