@@ -102,6 +102,17 @@ fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError
         .map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("invalid JSON body: {e}")))
 }
 
+/// `Server-Timing` (W3C): the answer's time inside the indexer, so that a caller can tell the
+/// decision's share of a slow call from the network's and the scheduler's.
+const SERVER_TIMING: header::HeaderName = header::HeaderName::from_static("server-timing");
+
+/// `route;dur=<ms>` with microsecond precision: what `route_duration_seconds` observed for this
+/// call (body parsing and the decision; not reading the body off the socket or writing the answer).
+fn server_timing_route(took: std::time::Duration) -> header::HeaderValue {
+    let value = format!("route;dur={:.3}", took.as_secs_f64() * 1000.0);
+    header::HeaderValue::from_str(&value).unwrap_or(header::HeaderValue::from_static("route"))
+}
+
 async fn route_handler(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -146,9 +157,15 @@ async fn route_handler(
         .get(state.policy_state.session_header.as_str())
         .and_then(|v| v.to_str().ok());
     let decided = route(&state, &req, header_session);
-    state.metrics.route_duration.observe(started.elapsed());
+    let took = started.elapsed();
+    state.metrics.route_duration.observe(took);
     match decided {
-        Ok(r) => Json(r).into_response(),
+        Ok(r) => {
+            let mut resp = Json(r).into_response();
+            resp.headers_mut()
+                .insert(SERVER_TIMING, server_timing_route(took));
+            resp
+        }
         Err(e) => {
             let status = e.status();
             state.metrics.count_route_error(status);

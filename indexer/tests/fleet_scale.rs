@@ -295,9 +295,29 @@ struct RouteJob {
     bodies: Vec<Vec<u8>>,
 }
 
+/// One route call: its time at the client and inside the indexer (its `Server-Timing`).
+#[derive(Clone, Copy)]
+struct RouteSample {
+    client: Duration,
+    inside: Duration,
+}
+
+/// The `route;dur=<ms>` of a route answer's `Server-Timing`.
+fn server_timing(headers: &reqwest::header::HeaderMap) -> Duration {
+    let value = headers
+        .get("server-timing")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    let ms: f64 = value
+        .strip_prefix("route;dur=")
+        .and_then(|d| d.parse().ok())
+        .unwrap_or_else(|| panic!("route answer without its Server-Timing: {value:?}"));
+    Duration::from_secs_f64(ms / 1000.0)
+}
+
 /// `ROUTE_SAMPLES` sequential route calls (after 200 warm-up ones), each after a `/healthz`
-/// control; returns both latencies.
-fn route_client(job: RouteJob) -> (Vec<Duration>, Vec<Duration>) {
+/// control; returns the route calls and the controls.
+fn route_client(job: RouteJob) -> (Vec<RouteSample>, Vec<Duration>) {
     let RouteJob {
         route_url,
         health_url,
@@ -330,9 +350,13 @@ fn route_client(job: RouteJob) -> (Vec<Duration>, Vec<Duration>) {
                 .await
                 .expect("route request");
             assert_eq!(r.status(), 200);
+            let inside = server_timing(r.headers());
             let answer: Value = r.json().await.expect("route answer");
             if i >= 200 {
-                lat.push(t.elapsed());
+                lat.push(RouteSample {
+                    client: t.elapsed(),
+                    inside,
+                });
             }
             assert!(
                 answer["replica"].is_string() || answer["endpoint"].is_string(),
@@ -379,7 +403,7 @@ async fn measure(
     idx: procs::Proc,
     base: String,
     jobs: std::sync::mpsc::Sender<RouteJob>,
-    client: std::thread::JoinHandle<(Vec<Duration>, Vec<Duration>)>,
+    client: std::thread::JoinHandle<(Vec<RouteSample>, Vec<Duration>)>,
 ) {
     let ticks = clock_ticks();
     let pid = idx.pid();
@@ -547,14 +571,17 @@ async fn measure(
         bodies: bytes,
     })
     .expect("route client waiting");
-    let (mut lat, mut floor) =
+    let (samples, mut floor) =
         tokio::task::spawn_blocking(move || client.join().expect("route client"))
             .await
             .expect("route client thread");
     stop_tx.send(true).expect("stop churn");
     let (steps, late, churn_wall, _replicas) = churner.await.expect("churn task");
     let (rss_end, hwm) = rss(pid);
+    let mut lat: Vec<Duration> = samples.iter().map(|s| s.client).collect();
+    let mut inside_each: Vec<Duration> = samples.iter().map(|s| s.inside).collect();
     lat.sort();
+    inside_each.sort();
     floor.sort();
     let text = procs::get_text(&c, &metrics_url).await;
     println!(
@@ -577,6 +604,28 @@ async fn measure(
         percentile(&floor, 0.90).as_secs_f64() * 1e6,
         percentile(&floor, 0.99).as_secs_f64() * 1e6,
         floor.last().expect("samples").as_secs_f64() * 1e6,
+    );
+    println!(
+        "route inside the indexer, per call (its Server-Timing): p50 {:.0} us, p90 {:.0} us, p99 {:.0} us, max {:.0} us",
+        percentile(&inside_each, 0.50).as_secs_f64() * 1e6,
+        percentile(&inside_each, 0.90).as_secs_f64() * 1e6,
+        percentile(&inside_each, 0.99).as_secs_f64() * 1e6,
+        inside_each.last().expect("samples").as_secs_f64() * 1e6,
+    );
+    // The client's tail taken apart: of its slowest 1 % of calls, how many were slow inside.
+    let mut slowest = samples.clone();
+    slowest.sort_by_key(|s| std::cmp::Reverse(s.client));
+    slowest.truncate((ROUTE_SAMPLES / 100).max(1));
+    let slow_inside = slowest
+        .iter()
+        .filter(|s| s.inside >= Duration::from_micros(500))
+        .count();
+    println!(
+        "the client's slowest {} calls ({:.0}-{:.0} us): {slow_inside} spent >= 500 us inside the indexer, {} less",
+        slowest.len(),
+        slowest.last().expect("samples").client.as_secs_f64() * 1e6,
+        slowest[0].client.as_secs_f64() * 1e6,
+        slowest.len() - slow_inside,
     );
     let inside = |q| histogram_quantile(&text, "kvroute_indexer_route_duration_seconds", q) * 1e6;
     println!(

@@ -43,15 +43,23 @@ async fn prefix_hit_wins_and_errors_are_clear() {
         .await;
     assert!(wait_until(T, || held(&state, "r1", &prompt) == 5).await);
     let c = reqwest::Client::new();
-    let r: Value = c
+    let resp = c
         .post(format!("{base}/v1/route"))
         .json(&json!({"model": "m", "token_ids": prompt, "request_id": "req-1"}))
         .send()
         .await
-        .unwrap()
-        .json()
-        .await
         .unwrap();
+    // The decision's own time, for telling it apart from the round trip's.
+    let timing = resp.headers()["server-timing"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let ms: f64 = timing
+        .strip_prefix("route;dur=")
+        .and_then(|d| d.parse().ok())
+        .unwrap_or_else(|| panic!("server-timing {timing:?}"));
+    assert!((0.0..10_000.0).contains(&ms), "{timing}");
+    let r: Value = resp.json().await.unwrap();
     assert_eq!(r["replica"], "r1", "{r}");
     assert_eq!(r["reason"], "prefix_hit");
     assert_eq!(r["matched_tokens"]["gpu"], 20);
