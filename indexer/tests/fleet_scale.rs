@@ -255,6 +255,18 @@ fn histogram_quantile(text: &str, name: &str, q: f64) -> f64 {
         .map_or(f64::NAN, |b| b.0)
 }
 
+/// Prints `label: p50 .. us, p90 .. us, p99 .. us, max .. us` of `sorted` (ascending).
+fn print_quantiles(label: &str, sorted: &[Duration]) {
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    println!(
+        "{label}: p50 {:.0} us, p90 {:.0} us, p99 {:.0} us, max {:.0} us",
+        us(percentile(sorted, 0.50)),
+        us(percentile(sorted, 0.90)),
+        us(percentile(sorted, 0.99)),
+        us(*sorted.last().expect("samples")),
+    );
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i.min(sorted.len() - 1)]
@@ -591,26 +603,17 @@ async fn measure(
         kvroute_testkit::prom::counter_sum(&text, "kvroute_indexer_event_gaps_total"),
         kvroute_testkit::prom::counter_sum(&text, "kvroute_indexer_replays_total"),
     );
-    println!(
-        "route (router_keys of 4,096-token prompts, 256 keys, during churn, {ROUTE_SAMPLES} sequential): p50 {:.0} us, p90 {:.0} us, p99 {:.0} us, max {:.0} us",
-        percentile(&lat, 0.50).as_secs_f64() * 1e6,
-        percentile(&lat, 0.90).as_secs_f64() * 1e6,
-        percentile(&lat, 0.99).as_secs_f64() * 1e6,
-        lat.last().expect("samples").as_secs_f64() * 1e6,
+    print_quantiles(
+        &format!("route (router_keys of 4,096-token prompts, 256 keys, during churn, {ROUTE_SAMPLES} sequential)"),
+        &lat,
     );
-    println!(
-        "control: the same client's GET /healthz between them: p50 {:.0} us, p90 {:.0} us, p99 {:.0} us, max {:.0} us",
-        percentile(&floor, 0.50).as_secs_f64() * 1e6,
-        percentile(&floor, 0.90).as_secs_f64() * 1e6,
-        percentile(&floor, 0.99).as_secs_f64() * 1e6,
-        floor.last().expect("samples").as_secs_f64() * 1e6,
+    print_quantiles(
+        "control: the same client's GET /healthz between them",
+        &floor,
     );
-    println!(
-        "route inside the indexer, per call (its Server-Timing): p50 {:.0} us, p90 {:.0} us, p99 {:.0} us, max {:.0} us",
-        percentile(&inside_each, 0.50).as_secs_f64() * 1e6,
-        percentile(&inside_each, 0.90).as_secs_f64() * 1e6,
-        percentile(&inside_each, 0.99).as_secs_f64() * 1e6,
-        inside_each.last().expect("samples").as_secs_f64() * 1e6,
+    print_quantiles(
+        "route inside the indexer, per call (its Server-Timing)",
+        &inside_each,
     );
     // The client's tail taken apart: of its slowest 1 % of calls, how many were slow inside.
     let mut slowest = samples.clone();
