@@ -314,19 +314,6 @@ struct RouteSample {
     inside: Duration,
 }
 
-/// The `route;dur=<ms>` of a route answer's `Server-Timing`.
-fn server_timing(headers: &reqwest::header::HeaderMap) -> Duration {
-    let value = headers
-        .get("server-timing")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default();
-    let ms: f64 = value
-        .strip_prefix("route;dur=")
-        .and_then(|d| d.parse().ok())
-        .unwrap_or_else(|| panic!("route answer without its Server-Timing: {value:?}"));
-    Duration::from_secs_f64(ms / 1000.0)
-}
-
 /// `ROUTE_SAMPLES` sequential route calls (after 200 warm-up ones), each after a `/healthz`
 /// control; returns the route calls and the controls.
 fn route_client(job: RouteJob) -> (Vec<RouteSample>, Vec<Duration>) {
@@ -362,7 +349,9 @@ fn route_client(job: RouteJob) -> (Vec<RouteSample>, Vec<Duration>) {
                 .await
                 .expect("route request");
             assert_eq!(r.status(), 200);
-            let inside = server_timing(r.headers());
+            let inside = common::route_server_timing(r.headers()).unwrap_or_else(|| {
+                panic!("route answer without its Server-Timing: {:?}", r.headers())
+            });
             let answer: Value = r.json().await.expect("route answer");
             if i >= 200 {
                 lat.push(RouteSample {

@@ -232,6 +232,19 @@ pub async fn metrics_text(c: &reqwest::Client, base: &str) -> String {
         .unwrap_or_else(|e| panic!("GET {base}/metrics body: {e}"))
 }
 
+/// The indexer's own time for a route answer: the `route;dur=<ms>` of its `Server-Timing`
+/// (`None` when the header is missing or not that form).
+pub fn route_server_timing(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
+    let ms: f64 = headers
+        .get("server-timing")?
+        .to_str()
+        .ok()?
+        .strip_prefix("route;dur=")?
+        .parse()
+        .ok()?;
+    (ms.is_finite() && ms >= 0.0).then(|| Duration::from_secs_f64(ms / 1000.0))
+}
+
 /// Polls `f` until it returns true or `timeout` passes.
 pub async fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     let start = Instant::now();
