@@ -76,6 +76,9 @@ pub struct Config {
     /// Default 2; 1 ..= 64.
     #[serde(default = "default_api_threads")]
     pub api_threads: usize,
+    /// How the indexer's threads ask the kernel to share the CPU (`[scheduling]`, Linux).
+    #[serde(default)]
+    pub scheduling: SchedulingSection,
     /// The block index.
     #[serde(default)]
     pub index: IndexSection,
@@ -172,6 +175,66 @@ pub struct SnapshotSection {
 }
 fn default_snapshot_interval_ms() -> u64 {
     30_000
+}
+
+/// `[scheduling]`: per-thread requests to the kernel that put a route decision ahead of event
+/// intake on a busy host (`crate::scheduling`). Both are open to an unprivileged process; a
+/// kernel that refuses them leaves its defaults (one warning in the log).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulingSection {
+    /// The time slice the HTTP API's threads ask for, in microseconds: a shorter slice wakes
+    /// ahead of CPU-bound threads (Linux 6.12+; older kernels ignore it). 0 keeps the kernel's
+    /// default; otherwise 100 ..= 100000. Default 100.
+    #[serde(default = "default_api_slice_us")]
+    pub api_slice_us: u64,
+    /// Event intake, scrapes and snapshots run `SCHED_BATCH`: their wake-ups do not preempt
+    /// other threads (default true).
+    #[serde(default = "default_true")]
+    pub background_batch: bool,
+}
+
+fn default_api_slice_us() -> u64 {
+    100
+}
+fn default_true() -> bool {
+    true
+}
+
+impl Default for SchedulingSection {
+    fn default() -> Self {
+        Self {
+            api_slice_us: default_api_slice_us(),
+            background_batch: true,
+        }
+    }
+}
+
+impl SchedulingSection {
+    /// What the HTTP API's threads ask for (`None`: nothing).
+    pub fn api_class(&self) -> Option<crate::scheduling::ThreadClass> {
+        (self.api_slice_us > 0).then(|| {
+            crate::scheduling::ThreadClass::Latency(std::time::Duration::from_micros(
+                self.api_slice_us,
+            ))
+        })
+    }
+
+    /// What the event runtime's threads ask for (`None`: nothing).
+    pub fn background_class(&self) -> Option<crate::scheduling::ThreadClass> {
+        self.background_batch
+            .then_some(crate::scheduling::ThreadClass::Batch)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.api_slice_us != 0 && !(100..=100_000).contains(&self.api_slice_us) {
+            return Err(invalid(
+                "scheduling.api_slice_us",
+                "must be 0 (the kernel's default) or 100 ..= 100000",
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// `[events]`.
@@ -521,6 +584,7 @@ impl Config {
         if !(1..=64).contains(&self.api_threads) {
             return Err(invalid("api_threads", "must be 1 ..= 64"));
         }
+        self.scheduling.validate()?;
         if self.index.max_bytes < 1024 * 1024 {
             return Err(invalid(
                 "index.max_bytes",
@@ -910,6 +974,24 @@ events = ["tcp://127.0.0.1:5557"]
         assert_eq!(cfg.listen, "127.0.0.1:8190");
         assert_eq!(cfg.models[0].replicas[0].route_endpoint(), "127.0.0.1:8001");
         assert_eq!(cfg.index.max_bytes, 1 << 30);
+    }
+
+    #[test]
+    fn scheduling_defaults_and_bounds() {
+        let cfg = Config::parse(MINIMAL, "t").expect("valid");
+        assert_eq!(cfg.scheduling.api_slice_us, 100);
+        assert!(cfg.scheduling.background_batch);
+        for us in [1, 99, 100_001] {
+            let text = format!("{MINIMAL}\n[scheduling]\napi_slice_us = {us}\n");
+            let err = Config::parse(&text, "t")
+                .expect_err("out of range")
+                .to_string();
+            assert!(err.contains("scheduling.api_slice_us"), "{err}");
+        }
+        let text = format!("{MINIMAL}\n[scheduling]\napi_slice_us = 0\nbackground_batch = false\n");
+        let cfg = Config::parse(&text, "t").expect("valid");
+        assert_eq!(cfg.scheduling.api_class(), None);
+        assert_eq!(cfg.scheduling.background_class(), None);
     }
 
     #[test]

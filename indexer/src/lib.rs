@@ -16,6 +16,7 @@ pub mod policies;
 pub mod policy_state;
 pub mod reuse;
 pub mod route;
+pub mod scheduling;
 pub mod scrape;
 pub mod selfcheck;
 pub mod server;

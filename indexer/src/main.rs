@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use kvroute_indexer::config::Config;
 use kvroute_indexer::policies::Policy;
+use kvroute_indexer::scheduling::{self, ThreadClass};
 use kvroute_indexer::{assess, server, tools};
 
 // mimalloc, set up before `main` (src/allocator.rs).
@@ -116,8 +117,13 @@ fn init_logging() {
         .init();
 }
 
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
+/// The runtime of event intake, scrapes and snapshots, its threads scheduled as `class` asks.
+fn runtime(class: Option<ThreadClass>) -> anyhow::Result<tokio::runtime::Runtime> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(class) = class {
+        builder.on_thread_start(move || scheduling::apply_or_log(class, "events"));
+    }
+    builder
         .enable_all()
         .build()
         .context("starting the tokio runtime")
@@ -152,7 +158,7 @@ fn main() -> anyhow::Result<()> {
                 );
                 return Ok(());
             }
-            runtime()?.block_on(server::serve(cfg, policy, listen))
+            runtime(cfg.scheduling.background_class())?.block_on(server::serve(cfg, policy, listen))
         }
         Command::Assess {
             config,
@@ -169,7 +175,7 @@ fn main() -> anyhow::Result<()> {
             let stop = async {
                 let _ = tokio::signal::ctrl_c().await;
             };
-            let rt = runtime()?;
+            let rt = runtime(cfg.scheduling.background_class())?;
             let audit = audit.then_some(assess::AuditOptions {
                 max_blocks: audit_max_blocks,
                 show_text,

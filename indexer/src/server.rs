@@ -9,6 +9,7 @@ use anyhow::Context;
 
 use crate::config::Config;
 use crate::policies::Policy;
+use crate::scheduling::{self, ThreadClass};
 use crate::state::AppState;
 use crate::{api, load, lookup, peers, scrape, snapshot, subscriber};
 
@@ -65,7 +66,10 @@ pub async fn serve(config: Config, policy: Policy, listen: Option<String>) -> an
     tracing::info!(listen = %local, policy = policy.as_str(), replicas = state.fleet.all().len(), api_threads = state.config.api_threads, "kvroute-indexer serving");
     // Tests and scripts read this line to learn an ephemeral port.
     println!("listening on {local}");
-    let api = api_runtime(state.config.api_threads)?;
+    let api = api_runtime(
+        state.config.api_threads,
+        state.config.scheduling.api_class(),
+    )?;
     let router = api::router(state.clone());
     let served = api
         .spawn(async move {
@@ -92,8 +96,16 @@ pub async fn serve(config: Config, policy: Policy, listen: Option<String>) -> an
 
 /// The HTTP API's runtime, on threads of its own (`kvroute-api`): the event streams' hundreds of
 /// tasks run on the main runtime, and a route decision must not queue behind them.
-fn api_runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
+/// Its threads are scheduled as `class` asks (`[scheduling]`).
+fn api_runtime(
+    threads: usize,
+    class: Option<ThreadClass>,
+) -> anyhow::Result<tokio::runtime::Runtime> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(class) = class {
+        builder.on_thread_start(move || scheduling::apply_or_log(class, "api"));
+    }
+    builder
         .worker_threads(threads)
         .thread_name("kvroute-api")
         .enable_all()

@@ -14,7 +14,8 @@
 //! 4. route: `ROUTE_SAMPLES` sequential `POST /v1/route` with the router keys of 4,096-token
 //!    prompts (256 keys, what the filter sends), during churn.
 //!
-//! RSS is the indexer's `VmRSS` / `VmHWM` from `/proc/PID/status`.
+//! RSS is the indexer's `VmRSS` / `VmHWM` from `/proc/PID/status`. The indexer runs with its
+//! default `[scheduling]`; `KVROUTE_FLEET_SCHEDULING=off` turns it off, to compare.
 //!
 //! ```text
 //! cargo test --release -p kvroute-indexer --test fleet_scale -- --ignored --nocapture
@@ -393,7 +394,12 @@ async fn start_replicas(dir: &std::path::Path) -> (Vec<Replica>, std::path::Path
             held: 0,
         });
     }
-    // Defaults otherwise: scrape_interval_ms 1000, index.max_bytes 1 GiB (not reached here).
+    // `KVROUTE_FLEET_SCHEDULING=off`: the kernel's defaults for every thread, to compare.
+    if std::env::var("KVROUTE_FLEET_SCHEDULING").as_deref() == Ok("off") {
+        cfg.push_str("[scheduling]\napi_slice_us = 0\nbackground_batch = false\n");
+    }
+    // Defaults otherwise: scrape_interval_ms 1000, index.max_bytes 1 GiB (not reached here),
+    // `[scheduling]` (the API's threads ask for a 0.1 ms slice, event intake runs SCHED_BATCH).
     let cfg_path = dir.join("indexer.toml");
     std::fs::write(&cfg_path, &cfg).expect("write config");
     (replicas, cfg_path)

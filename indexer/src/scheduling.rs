@@ -1,0 +1,214 @@
+//! How the indexer's threads ask the kernel to share the CPU: the route path first, event intake
+//! after it (`[scheduling]`, docs/performance.md "Fleet scale in one indexer").
+//!
+//! A route decision is on every request's critical path and takes ~0.1-0.3 ms; event intake,
+//! scrapes and snapshots are throughput work whose latency nobody sees. On a busy host the
+//! kernel's default slice (0.75 ms x (1 + log2 CPUs) under EEVDF) lets a woken API thread wait
+//! behind event workers and other processes for a millisecond or more. Two per-thread requests,
+//! both open to an unprivileged process:
+//!
+//! * the API runtime's threads ask for a short slice (`sched_attr.sched_runtime` of a
+//!   `SCHED_OTHER` thread, Linux 6.12+): a task with a shorter slice gets an earlier deadline and
+//!   preempts on wake-up, with the same CPU share as before;
+//! * the event runtime's threads run `SCHED_BATCH`: the kernel treats them as CPU-bound and does
+//!   not let their wake-ups preempt other tasks.
+//!
+//! Each request keeps the thread's nice value. Elsewhere than Linux, or when the kernel refuses
+//! (an older kernel ignores the slice; a seccomp profile may refuse the call), the thread runs with
+//! the kernel's defaults: nothing else depends on it.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+/// Why a thread's scheduling request was not applied.
+#[derive(Debug, thiserror::Error)]
+pub enum SchedError {
+    /// The kernel refused `sched_getattr` / `sched_setattr`.
+    #[error("{call}: {source}")]
+    Syscall {
+        call: &'static str,
+        source: std::io::Error,
+    },
+    /// Not Linux.
+    #[error("per-thread scheduling attributes are Linux-only")]
+    Unsupported,
+}
+
+/// What a thread asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ThreadClass {
+    /// A short slice: wakes ahead of CPU-bound work (the HTTP API).
+    Latency(Duration),
+    /// `SCHED_BATCH`: never preempts others on wake-up (event intake, scrapes, snapshots).
+    Batch,
+}
+
+/// Applies `class` to the calling thread.
+pub fn apply_to_current_thread(class: ThreadClass) -> Result<(), SchedError> {
+    imp::apply(class)
+}
+
+/// Applies `class` to the calling thread, logging a refusal once per process (`what` names the
+/// runtime in the log) and then at debug level.
+pub fn apply_or_log(class: ThreadClass, what: &str) {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    match apply_to_current_thread(class) {
+        Ok(()) => tracing::debug!(runtime = what, ?class, "thread scheduling applied"),
+        Err(e) if !WARNED.swap(true, Ordering::Relaxed) => {
+            tracing::warn!(runtime = what, ?class, error = %e, "thread scheduling not applied; running with the kernel's defaults")
+        }
+        Err(e) => {
+            tracing::debug!(runtime = what, ?class, error = %e, "thread scheduling not applied")
+        }
+    }
+}
+
+#[cfg(target_os = "linux")]
+mod imp {
+    use super::{SchedError, ThreadClass};
+
+    /// The kernel's bounds on a requested slice (`kernel/sched/syscalls.c`: 0.1 ms ..= 100 ms).
+    const MIN_SLICE_NS: u64 = 100_000;
+    const MAX_SLICE_NS: u64 = 100_000_000;
+
+    fn attr_size() -> u32 {
+        std::mem::size_of::<libc::sched_attr>() as u32
+    }
+
+    /// The calling thread's attributes.
+    pub(super) fn current() -> Result<libc::sched_attr, SchedError> {
+        // SAFETY: an all-zero `sched_attr` is a valid value of this plain C struct.
+        let mut attr: libc::sched_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: pid 0 is the calling thread; the buffer is a `sched_attr` of the size passed.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_sched_getattr,
+                0,
+                &mut attr as *mut libc::sched_attr,
+                attr_size(),
+                0,
+            )
+        };
+        if rc != 0 {
+            return Err(SchedError::Syscall {
+                call: "sched_getattr",
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        Ok(attr)
+    }
+
+    pub(super) fn apply(class: ThreadClass) -> Result<(), SchedError> {
+        let mut attr = current()?;
+        attr.size = attr_size();
+        attr.sched_flags = 0;
+        match class {
+            ThreadClass::Latency(slice) => {
+                // Only a fair-class thread has a slice; a real-time one is left as it is.
+                if attr.sched_policy != libc::SCHED_OTHER as u32
+                    && attr.sched_policy != libc::SCHED_BATCH as u32
+                {
+                    return Ok(());
+                }
+                attr.sched_policy = libc::SCHED_OTHER as u32;
+                attr.sched_runtime = (slice.as_nanos() as u64).clamp(MIN_SLICE_NS, MAX_SLICE_NS);
+            }
+            ThreadClass::Batch => {
+                if attr.sched_policy != libc::SCHED_OTHER as u32 {
+                    return Ok(());
+                }
+                attr.sched_policy = libc::SCHED_BATCH as u32;
+            }
+        }
+        // SAFETY: pid 0 is the calling thread; `attr` is a filled `sched_attr` whose `size` field
+        // is its own size.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_sched_setattr,
+                0,
+                &attr as *const libc::sched_attr,
+                0,
+            )
+        };
+        if rc != 0 {
+            return Err(SchedError::Syscall {
+                call: "sched_setattr",
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+mod imp {
+    use super::{SchedError, ThreadClass};
+
+    pub(super) fn apply(_: ThreadClass) -> Result<(), SchedError> {
+        Err(SchedError::Unsupported)
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+
+    /// Runs `f` on a fresh thread, so the test runner's threads keep their attributes.
+    fn on_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        std::thread::spawn(f).join().expect("test thread")
+    }
+
+    #[test]
+    fn a_latency_thread_gets_the_slice_it_asked_for_and_keeps_its_nice_value() {
+        let (before, after) = on_thread(|| {
+            // SAFETY: setpriority on the calling thread (tid) only lowers its priority.
+            let tid = unsafe { libc::syscall(libc::SYS_gettid) } as libc::id_t;
+            let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, 3) };
+            assert_eq!(rc, 0, "setpriority");
+            let before = imp::current().expect("getattr");
+            apply_to_current_thread(ThreadClass::Latency(Duration::from_micros(250)))
+                .expect("setattr");
+            (before, imp::current().expect("getattr"))
+        });
+        assert_eq!(before.sched_nice, 3);
+        assert_eq!(after.sched_nice, 3, "the nice value is kept");
+        assert_eq!(after.sched_policy, libc::SCHED_OTHER as u32);
+        // Kernels before 6.12 accept the call and report no slice; 6.12+ report the request.
+        assert!(
+            after.sched_runtime == 250_000 || after.sched_runtime == before.sched_runtime,
+            "slice {} ns",
+            after.sched_runtime
+        );
+    }
+
+    #[test]
+    fn a_slice_below_the_kernels_minimum_is_raised_to_it() {
+        let after = on_thread(|| {
+            apply_to_current_thread(ThreadClass::Latency(Duration::from_micros(1)))
+                .expect("setattr");
+            imp::current().expect("getattr")
+        });
+        assert!(
+            after.sched_runtime == 100_000 || after.sched_runtime == 0,
+            "slice {} ns",
+            after.sched_runtime
+        );
+    }
+
+    #[test]
+    fn a_batch_thread_is_sched_batch_and_keeps_its_nice_value() {
+        let after = on_thread(|| {
+            // SAFETY: as above.
+            let tid = unsafe { libc::syscall(libc::SYS_gettid) } as libc::id_t;
+            let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, 5) };
+            assert_eq!(rc, 0, "setpriority");
+            apply_to_current_thread(ThreadClass::Batch).expect("setattr");
+            imp::current().expect("getattr")
+        });
+        assert_eq!(after.sched_policy, libc::SCHED_BATCH as u32);
+        assert_eq!(after.sched_nice, 5);
+        // Only that thread changed.
+        let here = imp::current().expect("getattr");
+        assert_eq!(here.sched_policy, libc::SCHED_OTHER as u32);
+    }
+}
