@@ -10,12 +10,16 @@
 //! 2. idle: no events, no routing, for `IDLE_S`: the indexer's CPU time (`/proc/PID/stat`) is the
 //!    cost of scraping 100 `/metrics` every second and holding 200 ZeroMQ connections;
 //! 3. churn: every replica stores and evicts `CHURN_BLOCKS_PER_S` blocks per second in
-//!    `STEPS_PER_S` batches (one per engine step), for `CHURN_S`: the indexer's CPU time again;
+//!    `STEPS_PER_S` batches (one per engine step), for `CHURN_S`: the indexer's CPU time again.
+//!    The replicas step in lockstep (every replica's batch at each tick, the worst case);
+//!    `KVROUTE_FLEET_CHURN=staggered` spreads them over the step (one replica after another,
+//!    as independent engines step), at the same rate;
 //! 4. route: `ROUTE_SAMPLES` sequential `POST /v1/route` with the router keys of 4,096-token
 //!    prompts (256 keys, what the filter sends), during churn.
 //!
 //! RSS is the indexer's `VmRSS` / `VmHWM` from `/proc/PID/status`. The indexer runs with its
-//! default `[scheduling]`; `KVROUTE_FLEET_SCHEDULING=off` turns it off, to compare.
+//! default `[scheduling]`; `KVROUTE_FLEET_SCHEDULING=off` turns it off, to compare, and
+//! `KVROUTE_FLEET_SCHEDULING=<us>` sets the API threads' slice.
 //!
 //! ```text
 //! cargo test --release -p kvroute-indexer --test fleet_scale -- --ignored --nocapture
@@ -313,6 +317,8 @@ struct RouteJob {
 struct RouteSample {
     client: Duration,
     inside: Duration,
+    /// Its part in the index lookup, waiting for the index included.
+    index: Duration,
 }
 
 /// `ROUTE_SAMPLES` sequential route calls (after 200 warm-up ones), each after a `/healthz`
@@ -350,14 +356,21 @@ fn route_client(job: RouteJob) -> (Vec<RouteSample>, Vec<Duration>) {
                 .await
                 .expect("route request");
             assert_eq!(r.status(), 200);
-            let inside = common::route_server_timing(r.headers()).unwrap_or_else(|| {
-                panic!("route answer without its Server-Timing: {:?}", r.headers())
-            });
+            let timing = |name| {
+                common::server_timing(r.headers(), name).unwrap_or_else(|| {
+                    panic!(
+                        "route answer without its Server-Timing {name}: {:?}",
+                        r.headers()
+                    )
+                })
+            };
+            let (inside, index) = (timing("route"), timing("index"));
             let answer: Value = r.json().await.expect("route answer");
             if i >= 200 {
                 lat.push(RouteSample {
                     client: t.elapsed(),
                     inside,
+                    index,
                 });
             }
             assert!(
@@ -394,12 +407,17 @@ async fn start_replicas(dir: &std::path::Path) -> (Vec<Replica>, std::path::Path
             held: 0,
         });
     }
-    // `KVROUTE_FLEET_SCHEDULING=off`: the kernel's defaults for every thread, to compare.
-    if std::env::var("KVROUTE_FLEET_SCHEDULING").as_deref() == Ok("off") {
-        cfg.push_str("[scheduling]\napi_slice_us = 0\nbackground_batch = false\n");
+    // `KVROUTE_FLEET_SCHEDULING=off`: the kernel's defaults for every thread, to compare; a
+    // number: that API slice in microseconds.
+    match std::env::var("KVROUTE_FLEET_SCHEDULING").as_deref() {
+        Ok("off") => cfg.push_str("[scheduling]\napi_slice_us = 0\nbackground_batch = false\n"),
+        Ok(us) if us.parse::<u64>().is_ok() => {
+            cfg.push_str(&format!("[scheduling]\napi_slice_us = {us}\n"))
+        }
+        _ => {}
     }
     // Defaults otherwise: scrape_interval_ms 1000, index.max_bytes 1 GiB (not reached here),
-    // `[scheduling]` (the API's threads ask for a 0.1 ms slice, event intake runs SCHED_BATCH).
+    // `[scheduling]` (the API's threads ask for a 0.4 ms slice, event intake runs SCHED_BATCH).
     let cfg_path = dir.join("indexer.toml");
     std::fs::write(&cfg_path, &cfg).expect("write config");
     (replicas, cfg_path)
@@ -513,21 +531,40 @@ async fn measure(
     // 3. Churn: every replica stores and evicts CHURN_BLOCKS_PER_S blocks/s, STEPS_PER_S batches/s.
     let per_step = CHURN_BLOCKS_PER_S / STEPS_PER_S;
     let step = Duration::from_secs_f64(1.0 / STEPS_PER_S as f64);
+    let staggered = std::env::var("KVROUTE_FLEET_CHURN").as_deref() == Ok("staggered");
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let churner = tokio::spawn(async move {
-        let mut tick = tokio::time::interval(step);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Lockstep: every replica's step at each tick. Staggered: one replica per 1/REPLICAS of
+        // a step, in turn (the same rate).
+        let mut tick = tokio::time::interval(if staggered {
+            step / REPLICAS as u32
+        } else {
+            step
+        });
+        // Staggered ticks are finer than the timer's 1 ms: those it misses fire at once.
+        tick.set_missed_tick_behavior(if staggered {
+            tokio::time::MissedTickBehavior::Burst
+        } else {
+            tokio::time::MissedTickBehavior::Delay
+        });
         let mut steps = 0u64;
         let mut late = 0u64;
         let started = Instant::now();
+        let mut next = 0usize;
         while !*stop_rx.borrow() {
             tick.tick().await;
-            for r in replicas.iter_mut() {
+            let batch = if staggered { 1 } else { REPLICAS };
+            for _ in 0..batch {
+                let r = &mut replicas[next];
+                next = (next + 1) % REPLICAS;
                 let events = r.churn_step(per_step);
                 r.publisher.publish(events).await;
                 // The publisher keeps a replay buffer; keep it to the last ~10 s of batches.
                 let keep = r.publisher.next_seq.saturating_sub(STEPS_PER_S as u64 * 10);
                 r.publisher.forget_before(keep);
+            }
+            if next != 0 {
+                continue;
             }
             steps += 1;
             let due = started.elapsed().as_secs_f64() * STEPS_PER_S as f64;
@@ -587,8 +624,10 @@ async fn measure(
     let (rss_end, hwm) = rss(pid);
     let mut lat: Vec<Duration> = samples.iter().map(|s| s.client).collect();
     let mut inside_each: Vec<Duration> = samples.iter().map(|s| s.inside).collect();
+    let mut index_each: Vec<Duration> = samples.iter().map(|s| s.index).collect();
     lat.sort();
     inside_each.sort();
+    index_each.sort();
     floor.sort();
     let text = procs::get_text(&c, &metrics_url).await;
     println!(
@@ -610,16 +649,19 @@ async fn measure(
         "route inside the indexer, per call (its Server-Timing)",
         &inside_each,
     );
+    print_quantiles(
+        "  of which the index lookup, waiting for the index included",
+        &index_each,
+    );
     // The client's tail taken apart: of its slowest 1 % of calls, how many were slow inside.
     let mut slowest = samples.clone();
     slowest.sort_by_key(|s| std::cmp::Reverse(s.client));
     slowest.truncate((ROUTE_SAMPLES / 100).max(1));
-    let slow_inside = slowest
-        .iter()
-        .filter(|s| s.inside >= Duration::from_micros(500))
-        .count();
+    let slow = |d: Duration| d >= Duration::from_micros(500);
+    let slow_inside = slowest.iter().filter(|s| slow(s.inside)).count();
+    let slow_index = slowest.iter().filter(|s| slow(s.index)).count();
     println!(
-        "the client's slowest {} calls ({:.0}-{:.0} us): {slow_inside} spent >= 500 us inside the indexer, {} less",
+        "the client's slowest {} calls ({:.0}-{:.0} us): {slow_inside} spent >= 500 us inside the indexer ({slow_index} of them in the index lookup, waiting included), {} less",
         slowest.len(),
         slowest.last().expect("samples").client.as_secs_f64() * 1e6,
         slowest[0].client.as_secs_f64() * 1e6,

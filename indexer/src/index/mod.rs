@@ -73,4 +73,4 @@ mod slab;
 pub use export::{IndexSnapshot, SNAPSHOT_VERSION};
 pub use hasher::{IdBuildHasher, IdHasher};
 pub use kv_index::*;
-pub use shared::{BatchOutcome, SharedIndex};
+pub use shared::{take_lookup_time, BatchOutcome, SharedIndex};

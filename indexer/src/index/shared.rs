@@ -36,6 +36,19 @@ use kvroute_core::router_key::RouterKey;
 use super::export::IndexSnapshot;
 use super::kv_index::{IndexConfig, IndexError, IndexStats, KvIndex, ReplicaId, ReplicaMatch};
 
+thread_local! {
+    /// Time this thread spent in [`SharedIndex::lookup`] since the last [`take_lookup_time`].
+    static LOOKUP_TIME: std::cell::Cell<std::time::Duration> =
+        const { std::cell::Cell::new(std::time::Duration::ZERO) };
+}
+
+/// The calling thread's time in [`SharedIndex::lookup`] (waiting for the index and looking up)
+/// since the last call, reset to zero: a route handler takes it before and after its decision,
+/// which runs on its thread, to tell waiting on event intake from its own work.
+pub fn take_lookup_time() -> std::time::Duration {
+    LOOKUP_TIME.with(|t| t.replace(std::time::Duration::ZERO))
+}
+
 /// What applying one batch of events did.
 #[derive(Debug, Default)]
 pub struct BatchOutcome {
@@ -95,12 +108,16 @@ impl SharedIndex {
         self.pending.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Longest cached prefix of `keys` per replica.
+    /// Longest cached prefix of `keys` per replica. The time it took, waiting for the index
+    /// included, is added to the calling thread's [`take_lookup_time`].
     pub fn lookup(&self, keys: &[RouterKey], now_ms: u64) -> Vec<ReplicaMatch> {
         if keys.is_empty() {
             return Vec::new();
         }
-        self.lock().lookup(keys, now_ms)
+        let started = std::time::Instant::now();
+        let found = self.lock().lookup(keys, now_ms);
+        LOOKUP_TIME.with(|t| t.set(t.get() + started.elapsed()));
+        found
     }
 
     /// [`KvIndex::insert_predicted`], written before the index's next use by anyone. The

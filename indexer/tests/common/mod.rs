@@ -232,14 +232,14 @@ pub async fn metrics_text(c: &reqwest::Client, base: &str) -> String {
         .unwrap_or_else(|e| panic!("GET {base}/metrics body: {e}"))
 }
 
-/// The indexer's own time for a route answer: the `route;dur=<ms>` of its `Server-Timing`
-/// (`None` when the header is missing or not that form).
-pub fn route_server_timing(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
-    let ms: f64 = headers
-        .get("server-timing")?
-        .to_str()
-        .ok()?
-        .strip_prefix("route;dur=")?
+/// One metric of a route answer's `Server-Timing` (`route;dur=<ms>, index;dur=<ms>`): `name`'s
+/// duration (`None` when the header or that metric is missing or malformed).
+pub fn server_timing(headers: &reqwest::header::HeaderMap, name: &str) -> Option<Duration> {
+    let value = headers.get("server-timing")?.to_str().ok()?;
+    let ms: f64 = value
+        .split(',')
+        .map(str::trim)
+        .find_map(|m| m.strip_prefix(name)?.strip_prefix(";dur="))?
         .parse()
         .ok()?;
     (ms.is_finite() && ms >= 0.0).then(|| Duration::from_secs_f64(ms / 1000.0))
