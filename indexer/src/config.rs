@@ -194,6 +194,11 @@ pub struct SchedulingSection {
     /// other threads (default true).
     #[serde(default = "default_true")]
     pub background_batch: bool,
+    /// An event stream yields its thread to the kernel after each batch it applies, so a route
+    /// handler queued behind event intake on the same CPU runs before the rest of a burst
+    /// (default true).
+    #[serde(default = "default_true")]
+    pub event_yield: bool,
 }
 
 fn default_api_slice_us() -> u64 {
@@ -208,6 +213,7 @@ impl Default for SchedulingSection {
         Self {
             api_slice_us: default_api_slice_us(),
             background_batch: true,
+            event_yield: true,
         }
     }
 }
@@ -983,6 +989,7 @@ events = ["tcp://127.0.0.1:5557"]
         let cfg = Config::parse(MINIMAL, "t").expect("valid");
         assert_eq!(cfg.scheduling.api_slice_us, 400);
         assert!(cfg.scheduling.background_batch);
+        assert!(cfg.scheduling.event_yield);
         for us in [1, 99, 100_001] {
             let text = format!("{MINIMAL}\n[scheduling]\napi_slice_us = {us}\n");
             let err = Config::parse(&text, "t")
@@ -990,8 +997,11 @@ events = ["tcp://127.0.0.1:5557"]
                 .to_string();
             assert!(err.contains("scheduling.api_slice_us"), "{err}");
         }
-        let text = format!("{MINIMAL}\n[scheduling]\napi_slice_us = 0\nbackground_batch = false\n");
+        let text = format!(
+            "{MINIMAL}\n[scheduling]\napi_slice_us = 0\nbackground_batch = false\nevent_yield = false\n"
+        );
         let cfg = Config::parse(&text, "t").expect("valid");
+        assert!(!cfg.scheduling.event_yield);
         assert_eq!(cfg.scheduling.api_class(), None);
         assert_eq!(cfg.scheduling.background_class(), None);
     }

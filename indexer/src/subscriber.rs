@@ -360,7 +360,13 @@ impl StreamCtx {
                     seq,
                     fingerprint,
                     payload,
-                } => self.applier.apply(seq, fingerprint, &payload),
+                } => {
+                    self.applier.apply(seq, fingerprint, &payload);
+                    if self.state.config.scheduling.event_yield {
+                        // Let a route handler queued on this CPU run now, not after a burst.
+                        std::thread::yield_now();
+                    }
+                }
                 Action::Drop {
                     why: DropReason::Duplicate,
                     ..

@@ -18,7 +18,8 @@
 //!    prompts (256 keys, what the filter sends), during churn.
 //!
 //! RSS is the indexer's `VmRSS` / `VmHWM` from `/proc/PID/status`. The indexer runs with its
-//! default `[scheduling]`; `KVROUTE_FLEET_SCHEDULING=off` turns it off, to compare, and
+//! default `[scheduling]`; `KVROUTE_FLEET_SCHEDULING=off` turns it off, to compare,
+//! `KVROUTE_FLEET_SCHEDULING=noyield` only its `event_yield`, and
 //! `KVROUTE_FLEET_SCHEDULING=<us>` sets the API threads' slice.
 //!
 //! ```text
@@ -410,10 +411,13 @@ async fn start_replicas(dir: &std::path::Path) -> (Vec<Replica>, std::path::Path
     // `KVROUTE_FLEET_SCHEDULING=off`: the kernel's defaults for every thread, to compare; a
     // number: that API slice in microseconds.
     match std::env::var("KVROUTE_FLEET_SCHEDULING").as_deref() {
-        Ok("off") => cfg.push_str("[scheduling]\napi_slice_us = 0\nbackground_batch = false\n"),
+        Ok("off") => cfg.push_str(
+            "[scheduling]\napi_slice_us = 0\nbackground_batch = false\nevent_yield = false\n",
+        ),
         Ok(us) if us.parse::<u64>().is_ok() => {
             cfg.push_str(&format!("[scheduling]\napi_slice_us = {us}\n"))
         }
+        Ok("noyield") => cfg.push_str("[scheduling]\nevent_yield = false\n"),
         _ => {}
     }
     // Defaults otherwise: scrape_interval_ms 1000, index.max_bytes 1 GiB (not reached here),
