@@ -3,9 +3,10 @@
 //!
 //! A route decision is on every request's critical path and takes ~0.1-0.3 ms; event intake,
 //! scrapes and snapshots are throughput work whose latency nobody sees. On a busy host the
-//! kernel's default slice (0.75 ms x (1 + log2 CPUs) under EEVDF) lets a woken API thread wait
+//! kernel's default slice (0.7 ms x (1 + log2 CPUs) under EEVDF) lets a woken API thread wait
 //! behind event workers and other processes for a millisecond or more. Two per-thread requests,
-//! both open to an unprivileged process:
+//! both open to an unprivileged process (the third measure, an event stream yielding its thread
+//! after each batch, is `scheduling.event_yield` in the subscriber):
 //!
 //! * the API runtime's threads ask for a short slice (`sched_attr.sched_runtime` of a
 //!   `SCHED_OTHER` thread, Linux 6.12+): a task with a shorter slice gets an earlier deadline and
