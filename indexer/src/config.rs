@@ -235,7 +235,8 @@ impl SchedulingSection {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        if self.api_slice_us != 0 && !(100..=100_000).contains(&self.api_slice_us) {
+        if self.api_slice_us != 0 && !crate::scheduling::SLICE_RANGE_US.contains(&self.api_slice_us)
+        {
             return Err(invalid(
                 "scheduling.api_slice_us",
                 "must be 0 (the kernel's default) or 100 ..= 100000",

@@ -120,9 +120,7 @@ fn init_logging() {
 /// The runtime of event intake, scrapes and snapshots, its threads scheduled as `class` asks.
 fn runtime(class: Option<ThreadClass>) -> anyhow::Result<tokio::runtime::Runtime> {
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(class) = class {
-        builder.on_thread_start(move || scheduling::apply_or_log(class, "events"));
-    }
+    scheduling::on_thread_start(&mut builder, class, "events");
     builder
         .enable_all()
         .build()

@@ -44,6 +44,21 @@ pub enum ThreadClass {
     Batch,
 }
 
+/// The slices the kernel accepts, in microseconds (`kernel/sched/syscalls.c`: 0.1 ms ..= 100 ms).
+pub const SLICE_RANGE_US: std::ops::RangeInclusive<u64> = 100..=100_000;
+
+/// Has every thread `builder` starts ask for `class` (`what` names the runtime in the log);
+/// nothing when `class` is `None`.
+pub fn on_thread_start(
+    builder: &mut tokio::runtime::Builder,
+    class: Option<ThreadClass>,
+    what: &'static str,
+) {
+    if let Some(class) = class {
+        builder.on_thread_start(move || apply_or_log(class, what));
+    }
+}
+
 /// Applies `class` to the calling thread.
 pub fn apply_to_current_thread(class: ThreadClass) -> Result<(), SchedError> {
     imp::apply(class)
@@ -66,11 +81,7 @@ pub fn apply_or_log(class: ThreadClass, what: &str) {
 
 #[cfg(target_os = "linux")]
 mod imp {
-    use super::{SchedError, ThreadClass};
-
-    /// The kernel's bounds on a requested slice (`kernel/sched/syscalls.c`: 0.1 ms ..= 100 ms).
-    const MIN_SLICE_NS: u64 = 100_000;
-    const MAX_SLICE_NS: u64 = 100_000_000;
+    use super::{SchedError, ThreadClass, SLICE_RANGE_US};
 
     fn attr_size() -> u32 {
         std::mem::size_of::<libc::sched_attr>() as u32
@@ -112,7 +123,8 @@ mod imp {
                     return Ok(());
                 }
                 attr.sched_policy = libc::SCHED_OTHER as u32;
-                attr.sched_runtime = (slice.as_nanos() as u64).clamp(MIN_SLICE_NS, MAX_SLICE_NS);
+                attr.sched_runtime = (slice.as_nanos() as u64)
+                    .clamp(SLICE_RANGE_US.start() * 1000, SLICE_RANGE_US.end() * 1000);
             }
             ThreadClass::Batch => {
                 if attr.sched_policy != libc::SCHED_OTHER as u32 {

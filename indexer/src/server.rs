@@ -102,9 +102,7 @@ fn api_runtime(
     class: Option<ThreadClass>,
 ) -> anyhow::Result<tokio::runtime::Runtime> {
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(class) = class {
-        builder.on_thread_start(move || scheduling::apply_or_log(class, "api"));
-    }
+    scheduling::on_thread_start(&mut builder, class, "api");
     builder
         .worker_threads(threads)
         .thread_name("kvroute-api")

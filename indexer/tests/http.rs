@@ -53,13 +53,10 @@ async fn prefix_hit_wins_and_errors_are_clear() {
     let inside = server_timing(resp.headers(), "route")
         .unwrap_or_else(|| panic!("no route Server-Timing: {:?}", resp.headers()));
     assert!(inside < Duration::from_secs(10), "{inside:?}");
-    // Its part in the index lookup, within it.
+    // Its part in the index lookup, within it (a sub-microsecond lookup reads 0.000 ms).
     let in_index = server_timing(resp.headers(), "index")
         .unwrap_or_else(|| panic!("no index Server-Timing: {:?}", resp.headers()));
-    assert!(
-        in_index > Duration::ZERO && in_index <= inside,
-        "{in_index:?} of {inside:?}"
-    );
+    assert!(in_index <= inside, "{in_index:?} of {inside:?}");
     let r: Value = resp.json().await.unwrap();
     assert_eq!(r["replica"], "r1", "{r}");
     assert_eq!(r["reason"], "prefix_hit");
