@@ -9,6 +9,9 @@
 //! * cold: every prompt is new text (nothing in the segment cache);
 //! * warm: a multi-turn conversation whose earlier turns were already seen, with a new last turn.
 //!
+//! Each body goes through both Envoys in turn (alternating which goes first), so both lines see
+//! the same moment of the machine.
+//!
 //! Results go to stdout and `<target>/bench/filter.json`. With `KVROUTE_FILTER_BUILD=native` the
 //! filter Envoy runs the native dynamic module instead (`<target>/bench/filter-native.json`).
 
@@ -28,22 +31,43 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[idx.min(sorted.len() - 1)]
 }
 
+/// Milliseconds of one request through the Envoy at `port`.
+fn time_one(port: u16, payload: &[u8]) -> f64 {
+    let t = Instant::now();
+    let r = http(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        &[("content-type", "application/json")],
+        payload,
+    );
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    assert_eq!(r.status, 200, "{}", r.text());
+    ms
+}
+
 fn measure(port: u16, bodies: &[Value]) -> Vec<f64> {
-    let mut out = Vec::with_capacity(bodies.len());
-    for b in bodies {
+    bodies
+        .iter()
+        .map(|b| time_one(port, b.to_string().as_bytes()))
+        .collect()
+}
+
+/// Each body through both Envoys in turn (the plain one first on even bodies, second on odd
+/// ones), so that a drift of the machine's speed during the run falls on both lines alike.
+fn measure_interleaved(plain: u16, with: u16, bodies: &[Value]) -> (Vec<f64>, Vec<f64>) {
+    let (mut base, mut kvr) = (Vec::new(), Vec::new());
+    for (i, b) in bodies.iter().enumerate() {
         let payload = b.to_string();
-        let t = Instant::now();
-        let r = http(
-            port,
-            "POST",
-            "/v1/chat/completions",
-            &[("content-type", "application/json")],
-            payload.as_bytes(),
-        );
-        out.push(t.elapsed().as_secs_f64() * 1e3);
-        assert_eq!(r.status, 200, "{}", r.text());
+        if i % 2 == 0 {
+            base.push(time_one(plain, payload.as_bytes()));
+            kvr.push(time_one(with, payload.as_bytes()));
+        } else {
+            kvr.push(time_one(with, payload.as_bytes()));
+            base.push(time_one(plain, payload.as_bytes()));
+        }
     }
-    out
+    (base, kvr)
 }
 
 #[test]
@@ -87,9 +111,9 @@ fn filter_added_latency() {
         "added p99"
     );
     for &(tokens, n_cold, n_warm) in &[
-        (1000usize, 40usize, 100usize),
-        (8000, 20, 60),
-        (32000, 8, 30),
+        (1000usize, 60usize, 200usize),
+        (8000, 40, 200),
+        (32000, 12, 60),
     ] {
         for warm in [false, true] {
             let n = if warm { n_warm } else { n_cold };
@@ -109,8 +133,7 @@ fn filter_added_latency() {
                 measure(with.port, &bodies[..1]);
             }
             measure(without.port, &bodies[..1]);
-            let mut base = measure(without.port, &bodies);
-            let mut kvr = measure(with.port, &bodies);
+            let (mut base, mut kvr) = measure_interleaved(without.port, with.port, &bodies);
             base.sort_by(f64::total_cmp);
             kvr.sort_by(f64::total_cmp);
             let row = json!({

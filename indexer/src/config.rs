@@ -194,11 +194,16 @@ pub struct SchedulingSection {
     /// other threads (default true).
     #[serde(default = "default_true")]
     pub background_batch: bool,
-    /// An event stream yields its thread to the kernel after each batch it applies, so a route
-    /// handler queued behind event intake on the same CPU runs before the rest of a burst
-    /// (default true).
-    #[serde(default = "default_true")]
-    pub event_yield: bool,
+    /// An event thread that has run this long since it last woke, in microseconds, yields its
+    /// CPU to the kernel after the batch at hand, so a route handler queued behind a burst of
+    /// event intake on the same CPU runs before the rest of the burst; short bursts (the common
+    /// case) never pay the system call. 0: never yields. Default 100.
+    #[serde(default = "default_event_yield_after_us")]
+    pub event_yield_after_us: u64,
+}
+
+fn default_event_yield_after_us() -> u64 {
+    100
 }
 
 fn default_api_slice_us() -> u64 {
@@ -213,7 +218,7 @@ impl Default for SchedulingSection {
         Self {
             api_slice_us: default_api_slice_us(),
             background_batch: true,
-            event_yield: true,
+            event_yield_after_us: default_event_yield_after_us(),
         }
     }
 }
@@ -234,7 +239,19 @@ impl SchedulingSection {
             .then_some(crate::scheduling::ThreadClass::Batch)
     }
 
+    /// How long an event thread runs before it yields after a batch (`None`: never).
+    pub fn event_yield_after(&self) -> Option<std::time::Duration> {
+        (self.event_yield_after_us > 0)
+            .then(|| std::time::Duration::from_micros(self.event_yield_after_us))
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
+        if self.event_yield_after_us > 1_000_000 {
+            return Err(invalid(
+                "scheduling.event_yield_after_us",
+                "must be 0 (never) ..= 1000000",
+            ));
+        }
         if self.api_slice_us != 0 && !crate::scheduling::SLICE_RANGE_US.contains(&self.api_slice_us)
         {
             return Err(invalid(
@@ -990,7 +1007,17 @@ events = ["tcp://127.0.0.1:5557"]
         let cfg = Config::parse(MINIMAL, "t").expect("valid");
         assert_eq!(cfg.scheduling.api_slice_us, 400);
         assert!(cfg.scheduling.background_batch);
-        assert!(cfg.scheduling.event_yield);
+        assert_eq!(
+            cfg.scheduling.event_yield_after(),
+            Some(std::time::Duration::from_micros(100))
+        );
+        let err = Config::parse(
+            &format!("{MINIMAL}\n[scheduling]\nevent_yield_after_us = 1000001\n"),
+            "t",
+        )
+        .expect_err("out of range")
+        .to_string();
+        assert!(err.contains("scheduling.event_yield_after_us"), "{err}");
         for us in [1, 99, 100_001] {
             let text = format!("{MINIMAL}\n[scheduling]\napi_slice_us = {us}\n");
             let err = Config::parse(&text, "t")
@@ -999,10 +1026,10 @@ events = ["tcp://127.0.0.1:5557"]
             assert!(err.contains("scheduling.api_slice_us"), "{err}");
         }
         let text = format!(
-            "{MINIMAL}\n[scheduling]\napi_slice_us = 0\nbackground_batch = false\nevent_yield = false\n"
+            "{MINIMAL}\n[scheduling]\napi_slice_us = 0\nbackground_batch = false\nevent_yield_after_us = 0\n"
         );
         let cfg = Config::parse(&text, "t").expect("valid");
-        assert!(!cfg.scheduling.event_yield);
+        assert_eq!(cfg.scheduling.event_yield_after(), None);
         assert_eq!(cfg.scheduling.api_class(), None);
         assert_eq!(cfg.scheduling.background_class(), None);
     }

@@ -217,7 +217,7 @@ impl RecentRemovals {
 /// followed, each sampled repeat standing for 1/rate.
 #[derive(Debug, Default)]
 pub struct FleetCache {
-    touched: HashMap<u64, u64>,
+    touched: HashMap<u64, u64, IdBuildHasher>,
     order: VecDeque<(u64, u64)>,
     clock: u64,
 }

@@ -5,8 +5,9 @@
 //! scrapes and snapshots are throughput work whose latency nobody sees. On a busy host the
 //! kernel's default slice (0.7 ms x (1 + log2 CPUs) under EEVDF) lets a woken API thread wait
 //! behind event workers and other processes for a millisecond or more. Two per-thread requests,
-//! both open to an unprivileged process (the third measure, an event stream yielding its thread
-//! after each batch, is `scheduling.event_yield` in the subscriber):
+//! both open to an unprivileged process (the third measure, an event thread yielding its CPU
+//! after a batch once it has run `scheduling.event_yield_after_us` since it woke, is
+//! [`yield_if_awake_for`], called by the subscriber):
 //!
 //! * the API runtime's threads ask for a short slice (`sched_attr.sched_runtime` of a
 //!   `SCHED_OTHER` thread, Linux 6.12+): a task with a shorter slice gets an earlier deadline and
@@ -18,8 +19,9 @@
 //! (an older kernel ignores the slice; a seccomp profile may refuse the call), the thread runs with
 //! the kernel's defaults: nothing else depends on it.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Why a thread's scheduling request was not applied.
 #[derive(Debug, thiserror::Error)]
@@ -47,16 +49,42 @@ pub enum ThreadClass {
 /// The slices the kernel accepts, in microseconds (`kernel/sched/syscalls.c`: 0.1 ms ..= 100 ms).
 pub const SLICE_RANGE_US: std::ops::RangeInclusive<u64> = 100..=100_000;
 
-/// Has every thread `builder` starts ask for `class` (`what` names the runtime in the log);
-/// nothing when `class` is `None`.
+/// Has every thread `builder` starts ask for `class` (`what` names the runtime in the log;
+/// nothing when `class` is `None`) and note when it wakes ([`yield_if_awake_for`]).
 pub fn on_thread_start(
     builder: &mut tokio::runtime::Builder,
     class: Option<ThreadClass>,
     what: &'static str,
 ) {
+    builder.on_thread_unpark(note_woke);
     if let Some(class) = class {
         builder.on_thread_start(move || apply_or_log(class, what));
     }
+}
+
+thread_local! {
+    /// When this thread last woke (its runtime's unpark hook) or last yielded.
+    static AWAKE_SINCE: Cell<Option<Instant>> = const { Cell::new(None) };
+}
+
+/// Notes that the calling thread woke now.
+pub fn note_woke() {
+    AWAKE_SINCE.with(|t| t.set(Some(Instant::now())));
+}
+
+/// Yields the calling thread's CPU (`sched_yield`) when it has run at least `after` since it last
+/// woke or yielded, and returns whether it did. A thread whose runtime has no wake hook counts
+/// from its first call.
+pub fn yield_if_awake_for(after: Duration) -> bool {
+    let now = Instant::now();
+    let since = AWAKE_SINCE.with(|t| *t.get().get_or_insert(now));
+    if now.duration_since(since) < after {
+        AWAKE_SINCE.with(|t| t.set(Some(since)));
+        return false;
+    }
+    std::thread::yield_now();
+    note_woke();
+    true
 }
 
 /// Applies `class` to the calling thread.
@@ -206,6 +234,24 @@ mod tests {
             "slice {} ns",
             after.sched_runtime
         );
+    }
+
+    #[test]
+    fn a_thread_yields_only_once_it_has_run_long_enough_since_it_woke() {
+        let (short, long, again) = on_thread(|| {
+            note_woke();
+            let short = yield_if_awake_for(Duration::from_secs(60));
+            let long = yield_if_awake_for(Duration::ZERO);
+            // The yield counts as a wake-up: the next burst starts from it.
+            let again = yield_if_awake_for(Duration::from_secs(60));
+            (short, long, again)
+        });
+        assert!(
+            !short,
+            "a thread awake for less than the budget keeps its CPU"
+        );
+        assert!(long, "a thread past the budget yields");
+        assert!(!again, "the budget starts again after a yield");
     }
 
     #[test]

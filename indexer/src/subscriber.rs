@@ -362,9 +362,9 @@ impl StreamCtx {
                     payload,
                 } => {
                     self.applier.apply(seq, fingerprint, &payload);
-                    if self.state.config.scheduling.event_yield {
+                    if let Some(after) = self.state.config.scheduling.event_yield_after() {
                         // Let a route handler queued on this CPU run now, not after a burst.
-                        std::thread::yield_now();
+                        crate::scheduling::yield_if_awake_for(after);
                     }
                 }
                 Action::Drop {
