@@ -136,6 +136,11 @@ pub struct MatchedTokens {
 pub struct RouteAnswer {
     /// `IP:port` to send the request to.
     pub endpoint: String,
+    /// Where to send it if `endpoint` cannot take it, best first (`IP:port`; the kv policies'
+    /// runner-up): the filter lists them after `endpoint` in `x-kvroute-destinations`, which
+    /// Envoy's `override_host` load balancing tries in order (docs/filter.md).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub alternates: Vec<String>,
     /// Replica name.
     #[serde(default)]
     pub replica: String,

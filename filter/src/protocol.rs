@@ -93,6 +93,9 @@ pub use kvroute_core::api::RouteRequest;
 pub struct RouteAnswer {
     /// `IP:port` of the chosen replica (validated).
     pub endpoint: String,
+    /// Where the request may go if `endpoint` cannot take it, best first (validated `IP:port`s
+    /// other than `endpoint`, at most [`MAX_ALTERNATES`]).
+    pub alternates: Vec<String>,
     /// Replica name, for debug headers.
     pub replica: Option<String>,
     /// Decision reason, for debug headers.
@@ -103,6 +106,9 @@ pub struct RouteAnswer {
     /// predates it, or when longer than [`MAX_DECISION_ID_BYTES`]).
     pub decision_id: Option<String>,
 }
+
+/// Most alternates kept from a route answer.
+pub const MAX_ALTERNATES: usize = 3;
 
 /// Longest `decision_id` kept from a route answer.
 pub const MAX_DECISION_ID_BYTES: usize = kvroute_core::api::MAX_ID_BYTES;
@@ -143,8 +149,19 @@ pub fn parse_route_answer(
         return Err(FailOpen::BadAnswer);
     }
     let some = |s: String| Some(s).filter(|s| !s.is_empty());
+    // An alternate that is not a literal IP:port is dropped, not fatal: the choice still stands.
+    let mut alternates: Vec<String> = Vec::new();
+    for alt in raw.alternates.iter().map(|a| a.trim()) {
+        let usable = alt.parse::<SocketAddr>().is_ok()
+            && alt != endpoint
+            && !alternates.iter().any(|a| a == alt);
+        if usable && alternates.len() < MAX_ALTERNATES {
+            alternates.push(alt.to_string());
+        }
+    }
     Ok(RouteAnswer {
         endpoint: endpoint.to_string(),
+        alternates,
         replica: some(raw.replica),
         reason: some(raw.reason),
         matched_gpu_tokens: Some(raw.matched_tokens.gpu),

@@ -36,6 +36,14 @@ use crate::usage::UsageScanner;
 /// The header Envoy's ORIGINAL_DST cluster (`use_http_header: true`) routes by.
 pub const DST_HEADER: &str = "x-envoy-original-dst-host";
 
+/// The chosen replica and its alternates, best first, comma-separated: what Envoy's
+/// `override_host` load balancing reads (it tries them in order on retries, then its fallback
+/// policy; docs/filter.md "Retrying onto the runner-up").
+pub const DESTINATIONS_HEADER: &str = "x-kvroute-destinations";
+
+/// The headers that pick an upstream: set only by kvroute, removed from every client request.
+const DESTINATION_HEADERS: [&str; 2] = [DST_HEADER, DESTINATIONS_HEADER];
+
 /// Longest session id forwarded to the indexer; longer values are not forwarded.
 const MAX_SESSION_BYTES: usize = 256;
 
@@ -413,26 +421,28 @@ impl Stream {
     /// Removes any client-supplied destination header. Returns false when that was impossible
     /// (the caller then refuses the request rather than let a client pick the upstream).
     fn strip_dst_header(&self, host: &mut impl StreamHost) -> bool {
-        let present = !matches!(host.header(Headers::Request, DST_HEADER), Ok(None));
-        if !present {
-            return true;
-        }
-        match host.remove_header(Headers::Request, DST_HEADER) {
-            Ok(()) => {
-                if self.plugin.is_some() {
-                    host.increment(Counter::SpoofedHeaderRemoved.into());
+        for name in DESTINATION_HEADERS {
+            let present = !matches!(host.header(Headers::Request, name), Ok(None));
+            if !present {
+                continue;
+            }
+            match host.remove_header(Headers::Request, name) {
+                Ok(()) => {
+                    if self.plugin.is_some() {
+                        host.increment(Counter::SpoofedHeaderRemoved.into());
+                    }
                 }
-                true
-            }
-            Err(e) => {
-                hlog!(
-                    host,
-                    Error,
-                    "kvroute: cannot remove a client {DST_HEADER} ({e}); refusing"
-                );
-                false
+                Err(e) => {
+                    hlog!(
+                        host,
+                        Error,
+                        "kvroute: cannot remove a client {name} ({e}); refusing"
+                    );
+                    return false;
+                }
             }
         }
+        true
     }
 
     fn reject(
@@ -647,11 +657,21 @@ impl Stream {
         self.sent_at_ns = host.now_nanos();
         // Shadow mode never sets the destination: Envoy's own load balancer decides.
         if !self.shadow {
-            host.set_header(Headers::Request, DST_HEADER, &answer.endpoint)
-                .map_err(|e| {
-                    hlog!(host, Warn, "kvroute: cannot set {DST_HEADER}: {e}");
-                    FailOpen::HostcallError
-                })?;
+            let destinations = std::iter::once(&answer.endpoint)
+                .chain(&answer.alternates)
+                .map(String::as_str)
+                .collect::<Vec<_>>()
+                .join(",");
+            for (name, value) in [
+                (DST_HEADER, answer.endpoint.as_str()),
+                (DESTINATIONS_HEADER, destinations.as_str()),
+            ] {
+                host.set_header(Headers::Request, name, value)
+                    .map_err(|e| {
+                        hlog!(host, Warn, "kvroute: cannot set {name}: {e}");
+                        FailOpen::HostcallError
+                    })?;
+            }
         }
         if plugin.cfg.debug_headers {
             if let Some(r) = &answer.replica {

@@ -12,7 +12,7 @@ use kvroute_filter::models::Lookup;
 use kvroute_filter::plugin::Plugin;
 use kvroute_filter::protocol::FailOpen;
 use kvroute_filter::seam::{CallReply, Flow, HostError};
-use kvroute_filter::stream::{Stream, DST_HEADER};
+use kvroute_filter::stream::{Stream, DESTINATIONS_HEADER, DST_HEADER};
 use serde_json::{json, Value};
 
 const CHAT: &str = "/v1/chat/completions";
@@ -110,6 +110,50 @@ fn a_client_destination_header_is_stripped_on_every_path() {
     let mut stream = Stream::new(2, None);
     assert_eq!(stream.on_request_headers(&mut host, false), Flow::Continue);
     assert_eq!(host.request_header(DST_HEADER), None);
+}
+
+#[test]
+fn a_client_destination_list_is_stripped_too() {
+    let plugin = default_plugin();
+    let mut host = FakeHost::post(
+        CHAT,
+        &[(DESTINATIONS_HEADER, "10.9.9.9:1,10.9.9.8:1")],
+        b"{}",
+    );
+    let mut stream = Stream::new(1, Some(plugin));
+    stream.on_request_headers(&mut host, false);
+    assert_eq!(host.request_header(DESTINATIONS_HEADER), None);
+    assert_eq!(host.count("kvroute.spoofed_header_removed"), 1);
+}
+
+#[test]
+fn the_destination_list_names_the_choice_then_its_valid_alternates() {
+    let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}}}));
+    let body = chat_body(&long_system());
+    for (alternates, expected) in [
+        (json!([]), "10.0.0.7:8000"),
+        (
+            json!([
+                "10.0.0.8:8000",
+                "not-an-address",
+                "10.0.0.7:8000",
+                "10.0.0.8:8000"
+            ]),
+            "10.0.0.7:8000,10.0.0.8:8000",
+        ),
+    ] {
+        let mut host = FakeHost::post(CHAT, &[], &body);
+        let mut stream = Stream::new(1, Some(Arc::clone(&plugin)));
+        assert_eq!(send_request(&mut stream, &mut host), Flow::Pause);
+        let route = host.last_call().clone();
+        let mut answer = route_answer("10.0.0.7:8000");
+        let mut answer_body: Value = serde_json::from_slice(&answer.body).expect("json");
+        answer_body["alternates"] = alternates;
+        answer.body = answer_body.to_string().into_bytes();
+        stream.on_call_reply(&mut host, route.id, &answer);
+        assert_eq!(host.request_header(DST_HEADER), Some("10.0.0.7:8000"));
+        assert_eq!(host.request_header(DESTINATIONS_HEADER), Some(expected));
+    }
 }
 
 #[test]

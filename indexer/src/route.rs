@@ -277,6 +277,18 @@ fn explain(lookup: &Lookup<'_>, cands: &[Candidate], d: &Decision) -> Vec<Candid
         .collect()
 }
 
+/// Where the request may go when the chosen replica cannot take it: the runner-up, when the
+/// policy ranked one and it is another endpoint.
+fn alternates(lookup: &Lookup<'_>, decision: &Decision) -> Vec<String> {
+    let chosen = lookup.replicas.get(decision.replica as usize);
+    decision
+        .runner_up
+        .and_then(|(i, _)| lookup.replicas.get(i as usize))
+        .filter(|r| chosen.is_none_or(|c| c.endpoint != r.endpoint))
+        .map(|r| vec![r.endpoint.clone()])
+        .unwrap_or_default()
+}
+
 /// Step three: the decision's load and metrics, and the answer.
 #[allow(clippy::too_many_arguments)]
 fn record(
@@ -318,6 +330,7 @@ fn record(
         tracing::debug!(model = %lookup.keys.model.name, replica = %chosen.name, %reason, predicted_tokens, %decision_id, "shadow decision");
         return RouteResponse {
             endpoint: chosen.endpoint.clone(),
+            alternates: alternates(lookup, decision),
             replica: chosen.name.clone(),
             matched_tokens,
             reason,
@@ -422,6 +435,7 @@ fn record(
     }
     RouteResponse {
         endpoint: chosen.endpoint.clone(),
+        alternates: alternates(lookup, decision),
         replica: chosen.name.clone(),
         matched_tokens,
         reason,

@@ -66,6 +66,12 @@ async fn prefix_hit_wins_and_errors_are_clear() {
         r["endpoint"],
         state.fleet.get("r1").unwrap().endpoint.as_str()
     );
+    // The runner-up, for Envoy's override_host to retry onto.
+    assert_eq!(
+        r["alternates"],
+        json!([state.fleet.get("r0").unwrap().endpoint.as_str()]),
+        "{r}"
+    );
 
     let resp = c
         .post(format!("{base}/v1/route"))

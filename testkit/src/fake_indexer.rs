@@ -30,6 +30,8 @@ pub fn tokenizer_answer_in_form(model: &str, block_size: usize, compact: bool) -
 pub enum RouteMode {
     /// `{"endpoint": <addr>}`.
     To(String),
+    /// `{"endpoint": <first>, "alternates": [<the rest>]}`.
+    Ranked(Vec<String>),
     /// Sleep this long, then route to the address.
     Slow(Duration, String),
     /// This status with a JSON error body.
@@ -115,6 +117,13 @@ impl FakeIndexer {
                             replica: "fake".into(),
                             reason: "test".into(),
                             ..to(&ep)
+                        },
+                    ),
+                    RouteMode::Ranked(ranked) => Reply::json(
+                        200,
+                        &RouteAnswer {
+                            alternates: ranked.iter().skip(1).cloned().collect(),
+                            ..to(ranked.first().map_or("", String::as_str))
                         },
                     ),
                     RouteMode::Slow(d, ep) => Reply {

@@ -16,10 +16,11 @@ use crate::setup;
 /// The e2e suites of the filter (`filter/tests/<name>.rs`) that run against both builds: once in
 /// the workspace's test step (the Wasm filter), once more with `KVROUTE_FILTER_BUILD=native` (the
 /// dynamic module). `e2e_native` pins the native build itself and runs once.
-const E2E_BOTH_BUILDS: [&str; 8] = [
+const E2E_BOTH_BUILDS: [&str; 9] = [
     "e2e_fail_open",
     "e2e_hostile",
     "e2e_inflight",
+    "e2e_override_host",
     "e2e_paths",
     "e2e_routing",
     "e2e_security",
