@@ -187,6 +187,11 @@ pub struct BenchOptions {
     /// `bench filter` measures both regardless.
     #[arg(long, default_value_t = FilterBuild::Wasm)]
     pub filter_build: FilterBuild,
+    /// The lines through the filter send routed requests through Envoy's `override_host` load
+    /// balancing on `x-kvroute-destinations` (the choice, then the runner-up, tried in order on
+    /// retries) instead of the ORIGINAL_DST cluster (docs/filter.md "Retrying onto the runner-up").
+    #[arg(long)]
+    pub override_host: bool,
     /// Trace replay, fleet speeds and scale-out (boxed: the options of every command share one
     /// enum).
     #[command(flatten)]
@@ -587,6 +592,7 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
                 stack.set_replica_args(index, fleet::sim_args(&opts.fleet.replica_speeds, index));
             }
             stack.set_health_checks(opts.fleet.scale_out_at.is_some());
+            stack.set_override_host(opts.override_host);
             for workload in all_workloads(layout, opts, &plan, replicas)? {
                 let hits = policies::ceiling_hits(&workload, 16);
                 let ceiling = policies::ceiling_of(&workload, &hits).hit_rate();
@@ -712,6 +718,11 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
         filter_build: opts.filter_build.to_string(),
         total_wall_s: begun.elapsed().as_secs_f64(),
     };
+    if opts.override_host {
+        facts.stack.push_str(
+            "; the filter's lines routed through Envoy's override_host load balancing on x-kvroute-destinations (the choice, then the runner-up on a retry) instead of the ORIGINAL_DST cluster",
+        );
+    }
     if opts.fleet.gateways.iter().any(|&n| n > 1) {
         facts.stack.push_str(
             "; lines named `(N gateways, shared|unshared)` ran N Envoy + indexer pairs in front of the same replicas, each indexer following every replica, the client spreading requests over them round robin (by a hash of `x-session-id` when the workload has sessions), the indexers sharing decisions through one local redis-server (`[peers]`) or not; their router CPU and memory sum every gateway's Envoy and indexer (not Redis)",
@@ -1400,6 +1411,12 @@ mod tests {
             parse(&["--filter", "mode=shadow"]).is_err(),
             "numbers and booleans only"
         );
+    }
+
+    #[test]
+    fn override_host_is_off_unless_asked() {
+        assert!(!parse(&[]).expect("parse").override_host);
+        assert!(parse(&["--override-host"]).expect("parse").override_host);
     }
 
     #[test]

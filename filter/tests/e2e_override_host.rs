@@ -13,28 +13,6 @@ mod common;
 use common::*;
 use serde_json::{json, Value};
 
-/// The shipped route to the chosen replica, and the same to the replicas' cluster with retries.
-const ROUTE_TO_CHOICE: &str = "                  cluster: kvroute_replicas_dst\n";
-const ROUTE_WITH_RETRIES: &str = "                  cluster: kvroute_replicas_fallback\n                  retry_policy: { retry_on: \"connect-failure,reset\", num_retries: 2 }\n";
-
-/// The replicas' cluster balancing by least request, and the same under `override_host`.
-const LEAST_REQUEST: &str = "    lb_policy: LEAST_REQUEST\n";
-const OVERRIDE_HOST: &str = r#"    load_balancing_policy:
-      policies:
-      - typed_extension_config:
-          name: envoy.load_balancing_policies.override_host
-          typed_config:
-            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
-            override_host_sources:
-            - header: x-kvroute-destinations
-            fallback_policy:
-              policies:
-              - typed_extension_config:
-                  name: envoy.load_balancing_policies.least_request
-                  typed_config:
-                    "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest
-"#;
-
 fn completion() -> Vec<u8> {
     serde_json::to_vec(&json!({"model": "qwen3", "prompt": "retry me", "max_tokens": 2}))
         .expect("json")
@@ -79,10 +57,10 @@ fn override_host_retries_onto_the_runner_up_where_original_dst_cannot() {
 
     // override_host on x-kvroute-destinations, with retries.
     let mut opts = EnvoyOptions::new(indexer.server.port, members, cfg);
-    opts.yaml_edits = vec![
-        (ROUTE_TO_CHOICE.into(), ROUTE_WITH_RETRIES.into()),
-        (LEAST_REQUEST.into(), OVERRIDE_HOST.into()),
-    ];
+    opts.yaml_edits = kvroute_testkit::stack::override_host_edits()
+        .iter()
+        .map(|&(from, to)| (from.to_string(), to.to_string()))
+        .collect();
     let envoy = Envoy::start("override-host", &opts, &dir);
     envoy.wait_tokenizers(1);
     let retries = "cluster.kvroute_replicas_fallback.upstream_rq_retry";

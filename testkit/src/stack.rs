@@ -238,6 +238,9 @@ pub struct Stack {
     replica_args: Vec<Vec<String>>,
     /// Baseline Envoys health-check the replicas (a replica may be down: scale-out).
     health_checks: bool,
+    /// The kvroute Envoys send routed requests through `override_host` ([`with_override_host`])
+    /// instead of the ORIGINAL_DST cluster.
+    override_host: bool,
     /// Ports handed out so far (more gateways take theirs from it).
     port_pool: PortPool,
     /// Envoy + indexer pairs in front of the replicas (1 unless [`Stack::set_gateways`]).
@@ -270,6 +273,7 @@ impl Stack {
             indexer_snapshot: None,
             replica_args: Vec::new(),
             health_checks: false,
+            override_host: false,
             port_pool,
             gateways: 1,
             peers: None,
@@ -408,6 +412,12 @@ impl Stack {
     /// down gets no traffic until it answers; Envoy's default otherwise (none).
     pub fn set_health_checks(&mut self, on: bool) {
         self.health_checks = on;
+    }
+
+    /// Makes the kvroute Envoys started from now on route through `override_host` on
+    /// `x-kvroute-destinations`, with retries onto the runner-up ([`with_override_host`]).
+    pub fn set_override_host(&mut self, on: bool) {
+        self.override_host = on;
     }
 
     /// Whether baseline Envoys health-check the replicas.
@@ -729,6 +739,9 @@ impl Stack {
         if shadow {
             yaml = with_round_robin_fallback(&yaml)?;
         }
+        if self.override_host {
+            yaml = with_override_host(&yaml)?;
+        }
         self.start_envoy(&name, &yaml, ports.admin)
     }
 
@@ -1020,6 +1033,53 @@ pub fn with_round_robin_fallback(yaml: &str) -> Result<String> {
     Ok(yaml.replacen(anchor, &anchor.replace("LEAST_REQUEST", "ROUND_ROBIN"), 1))
 }
 
+/// The kvroute Envoy template's route to the indexer's choice (ORIGINAL_DST), and the same
+/// route to the replicas' cluster with retries.
+const ROUTE_TO_CHOICE: &str = "                  cluster: kvroute_replicas_dst\n";
+const ROUTE_WITH_RETRIES: &str = "                  cluster: kvroute_replicas_fallback\n                  retry_policy: { retry_on: \"connect-failure,reset\", num_retries: 2 }\n";
+
+/// The replicas' cluster balancing by least request, and the same under `override_host` on
+/// `x-kvroute-destinations` with least request as its fallback (docs/filter.md "Retrying onto the
+/// runner-up").
+const LEAST_REQUEST: &str = "    lb_policy: LEAST_REQUEST\n";
+const OVERRIDE_HOST: &str = r#"    load_balancing_policy:
+      policies:
+      - typed_extension_config:
+          name: envoy.load_balancing_policies.override_host
+          typed_config:
+            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
+            override_host_sources:
+            - header: x-kvroute-destinations
+            fallback_policy:
+              policies:
+              - typed_extension_config:
+                  name: envoy.load_balancing_policies.least_request
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest
+"#;
+
+/// The text edits that turn a kvroute Envoy template (either build, rendered or not) into its
+/// `override_host` form: routed requests go to the replicas' cluster, which tries the filter's
+/// `x-kvroute-destinations` in order on retries and balances by least request without it.
+pub fn override_host_edits() -> [(&'static str, &'static str); 2] {
+    [
+        (ROUTE_TO_CHOICE, ROUTE_WITH_RETRIES),
+        (LEAST_REQUEST, OVERRIDE_HOST),
+    ]
+}
+
+/// A kvroute Envoy config in its `override_host` form ([`override_host_edits`]).
+pub fn with_override_host(yaml: &str) -> Result<String> {
+    let mut out = yaml.to_string();
+    for (from, to) in override_host_edits() {
+        if out.matches(from).count() != 1 {
+            bail!("the kvroute Envoy config has no single {from:?} to turn into override_host");
+        }
+        out = out.replacen(from, to, 1);
+    }
+    Ok(out)
+}
+
 /// A rendered single-cluster Envoy config (the baseline and session templates) with
 /// [`HEALTH_CHECKS`] added to its cluster (after its `connect_timeout`).
 pub fn with_health_checks(yaml: &str) -> Result<String> {
@@ -1142,6 +1202,28 @@ mod tests {
             let yaml = render(&text, &values)
                 .unwrap_or_else(|e| panic!("stack.rs must know every placeholder of {name}: {e}"));
             assert!(yaml.contains(path), "{name} names the filter artifact");
+        }
+    }
+
+    #[test]
+    fn the_override_host_form_routes_through_the_replicas_cluster_with_retries() {
+        for template in ["envoy.yaml", "envoy-native.yaml"] {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../envoy")
+                .join(template);
+            let yaml = std::fs::read_to_string(&path).expect("template");
+            let edited = super::with_override_host(&yaml).expect("override_host form");
+            assert!(
+                !edited.contains("cluster: kvroute_replicas_dst\n"),
+                "{template}"
+            );
+            assert!(edited.contains("retry_policy:"), "{template}");
+            assert!(
+                edited.contains("envoy.load_balancing_policies.override_host"),
+                "{template}"
+            );
+            assert!(!edited.contains("lb_policy: LEAST_REQUEST"), "{template}");
+            assert!(super::with_override_host(&edited).is_err(), "only once");
         }
     }
 
