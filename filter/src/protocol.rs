@@ -338,6 +338,14 @@ mod tests {
         );
         let a3 = parse_route_answer(Some(200), None, long.as_bytes(), 3, 100).unwrap();
         assert_eq!(a3.decision_id, None, "an absurd id is not echoed");
+        assert!(a.alternates.is_empty(), "an indexer without alternates");
+        let many = br#"{"endpoint":"127.0.0.1:8001","alternates":["127.0.0.1:8002","127.0.0.1:8003","127.0.0.1:8004","127.0.0.1:8005"]}"#;
+        let a4 = parse_route_answer(Some(200), None, many, 3, 100).unwrap();
+        assert_eq!(
+            a4.alternates,
+            ["127.0.0.1:8002", "127.0.0.1:8003", "127.0.0.1:8004"],
+            "at most MAX_ALTERNATES, in the indexer's order"
+        );
         assert_eq!(a.replica.as_deref(), Some("r0"));
         assert_eq!(a.matched_gpu_tokens, Some(48));
         assert_eq!(
