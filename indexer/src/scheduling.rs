@@ -77,9 +77,11 @@ pub fn note_woke() {
 /// from its first call.
 pub fn yield_if_awake_for(after: Duration) -> bool {
     let now = Instant::now();
-    let since = AWAKE_SINCE.with(|t| *t.get().get_or_insert(now));
+    let Some(since) = AWAKE_SINCE.with(Cell::get) else {
+        AWAKE_SINCE.with(|t| t.set(Some(now)));
+        return false;
+    };
     if now.duration_since(since) < after {
-        AWAKE_SINCE.with(|t| t.set(Some(since)));
         return false;
     }
     std::thread::yield_now();
