@@ -456,6 +456,8 @@ async fn vllm_own_msgspec_classes_decode_the_stream() {
         &events_config(p, r, ""),
     ]);
     let count = 4;
+    let ready = std::env::temp_dir().join(format!("kvroute-vllm-decoder-ready-{p}"));
+    let _ = std::fs::remove_file(&ready);
     let child = std::process::Command::new(&py)
         .arg(&script)
         .args([
@@ -470,12 +472,26 @@ async fn vllm_own_msgspec_classes_decode_the_stream() {
             "--timeout",
             "30",
             "--require-identical",
+            "--ready-file",
         ])
+        .arg(&ready)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("spawn python");
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Importing vLLM's modules takes seconds on a busy machine: publish only once the decoder is
+    // subscribed (a SUB that connects late misses what was sent before), then give its
+    // subscription a moment to reach the publisher.
+    let waited = std::time::Instant::now();
+    while !ready.exists() {
+        assert!(
+            waited.elapsed() < Duration::from_secs(60),
+            "vLLM's decoder did not subscribe within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let _ = std::fs::remove_file(&ready);
     let c = reqwest::Client::new();
     // 15 usable blocks. Stored with LoRA + salt (91 tokens); a 202-token prompt that evicts some
     // of those blocks; its repeat with a full re-announcement and a session; a reset.

@@ -73,6 +73,8 @@ def main() -> int:
                     help="seconds to wait for --count batches (default 30)")
     ap.add_argument("--require-identical", action="store_true",
                     help="also fail when vLLM's encoder would not write the same bytes")
+    ap.add_argument("--ready-file", help="with --endpoint: create this file once subscribed "
+                    "(vLLM's modules imported, the socket connected), for a caller to wait on")
     args = ap.parse_args()
 
     sys.path.insert(0, str(vllm_pkg_dir(args.vllm_dir)))
@@ -112,6 +114,9 @@ def main() -> int:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt_string(zmq.SUBSCRIBE, args.topic)
         sub.connect(args.endpoint)
+        if args.ready_file:
+            with open(args.ready_file, "w") as f:
+                f.write("subscribed\n")
         deadline = time.monotonic() + args.timeout
         received = 0
         while received < args.count:
