@@ -121,6 +121,8 @@ fn init_logging() {
 fn runtime(class: Option<ThreadClass>) -> anyhow::Result<tokio::runtime::Runtime> {
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     scheduling::on_thread_start(&mut builder, class, "events");
+    // Event streams yield after a burst counted from here (`scheduling::yield_if_awake_for`).
+    builder.on_thread_unpark(scheduling::note_woke);
     builder
         .enable_all()
         .build()

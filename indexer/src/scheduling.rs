@@ -49,14 +49,13 @@ pub enum ThreadClass {
 /// The slices the kernel accepts, in microseconds (`kernel/sched/syscalls.c`: 0.1 ms ..= 100 ms).
 pub const SLICE_RANGE_US: std::ops::RangeInclusive<u64> = 100..=100_000;
 
-/// Has every thread `builder` starts ask for `class` (`what` names the runtime in the log;
-/// nothing when `class` is `None`) and note when it wakes ([`yield_if_awake_for`]).
+/// Has every thread `builder` starts ask for `class` (`what` names the runtime in the log);
+/// nothing when `class` is `None`.
 pub fn on_thread_start(
     builder: &mut tokio::runtime::Builder,
     class: Option<ThreadClass>,
     what: &'static str,
 ) {
-    builder.on_thread_unpark(note_woke);
     if let Some(class) = class {
         builder.on_thread_start(move || apply_or_log(class, what));
     }
