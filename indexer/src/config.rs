@@ -200,6 +200,18 @@ pub struct SchedulingSection {
     /// case) never pay the system call. 0: never yields. Default 100.
     #[serde(default = "default_event_yield_after_us")]
     pub event_yield_after_us: u64,
+    /// The replicas' event streams run on one thread of their own that, each time it runs out of
+    /// work, sleeps this long, in milliseconds, before it waits for its sockets again: what every
+    /// stream sent meanwhile is read in one wake-up instead of one each. Events reach the index up
+    /// to this much later (a decision's own blocks are predicted at once, not waited for). 0:
+    /// the streams share the background runtime and each batch wakes a thread. At most 1000.
+    /// Default 20.
+    #[serde(default = "default_event_coalesce_ms")]
+    pub event_coalesce_ms: u64,
+}
+
+fn default_event_coalesce_ms() -> u64 {
+    20
 }
 
 fn default_event_yield_after_us() -> u64 {
@@ -219,6 +231,7 @@ impl Default for SchedulingSection {
             api_slice_us: default_api_slice_us(),
             background_batch: true,
             event_yield_after_us: default_event_yield_after_us(),
+            event_coalesce_ms: default_event_coalesce_ms(),
         }
     }
 }
@@ -245,7 +258,20 @@ impl SchedulingSection {
             .then(|| std::time::Duration::from_micros(self.event_yield_after_us))
     }
 
+    /// How long the event streams' thread sleeps before it waits for its sockets (`None`: the
+    /// streams run on the background runtime, without a pause).
+    pub fn event_coalesce(&self) -> Option<std::time::Duration> {
+        (self.event_coalesce_ms > 0)
+            .then(|| std::time::Duration::from_millis(self.event_coalesce_ms))
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
+        if self.event_coalesce_ms > 1_000 {
+            return Err(invalid(
+                "scheduling.event_coalesce_ms",
+                "must be 0 (no pause) ..= 1000",
+            ));
+        }
         if self.event_yield_after_us > 1_000_000 {
             return Err(invalid(
                 "scheduling.event_yield_after_us",
@@ -1018,6 +1044,17 @@ events = ["tcp://127.0.0.1:5557"]
         .expect_err("out of range")
         .to_string();
         assert!(err.contains("scheduling.event_yield_after_us"), "{err}");
+        assert_eq!(
+            cfg.scheduling.event_coalesce(),
+            Some(std::time::Duration::from_millis(20))
+        );
+        let err = Config::parse(
+            &format!("{MINIMAL}\n[scheduling]\nevent_coalesce_ms = 1001\n"),
+            "t",
+        )
+        .expect_err("out of range")
+        .to_string();
+        assert!(err.contains("scheduling.event_coalesce_ms"), "{err}");
         for us in [1, 99, 100_001] {
             let text = format!("{MINIMAL}\n[scheduling]\napi_slice_us = {us}\n");
             let err = Config::parse(&text, "t")
@@ -1026,10 +1063,11 @@ events = ["tcp://127.0.0.1:5557"]
             assert!(err.contains("scheduling.api_slice_us"), "{err}");
         }
         let text = format!(
-            "{MINIMAL}\n[scheduling]\napi_slice_us = 0\nbackground_batch = false\nevent_yield_after_us = 0\n"
+            "{MINIMAL}\n[scheduling]\napi_slice_us = 0\nbackground_batch = false\nevent_yield_after_us = 0\nevent_coalesce_ms = 0\n"
         );
         let cfg = Config::parse(&text, "t").expect("valid");
         assert_eq!(cfg.scheduling.event_yield_after(), None);
+        assert_eq!(cfg.scheduling.event_coalesce(), None);
         assert_eq!(cfg.scheduling.api_class(), None);
         assert_eq!(cfg.scheduling.background_class(), None);
     }

@@ -158,7 +158,21 @@ fn main() -> anyhow::Result<()> {
                 );
                 return Ok(());
             }
-            runtime(cfg.scheduling.background_class())?.block_on(server::serve(cfg, policy, listen))
+            let class = cfg.scheduling.background_class();
+            let streams = match cfg.scheduling.event_coalesce() {
+                Some(pause) => Some(
+                    scheduling::coalescing_runtime(class, pause)
+                        .context("starting the event streams' runtime")?,
+                ),
+                None => None,
+            };
+            let handle = streams.as_ref().map(|rt| rt.handle().clone());
+            let served = runtime(class)?.block_on(server::serve(cfg, policy, listen, handle));
+            // The subscribers block in their sockets: do not wait for them.
+            if let Some(rt) = streams {
+                rt.shutdown_background();
+            }
+            served
         }
         Command::Assess {
             config,

@@ -88,6 +88,23 @@ pub fn yield_if_awake_for(after: Duration) -> bool {
     true
 }
 
+/// The event streams' runtime (`scheduling.event_coalesce_ms`): one worker thread
+/// (`kvroute-events`, scheduled as `class` asks) that sleeps `pause` each time it runs out of work,
+/// before it waits for its sockets. What every stream sent during the pause is read in the next
+/// wake-up: the thread wakes at most once per `pause` however many streams send, instead of once
+/// per batch (one batch per engine step and replica).
+pub fn coalescing_runtime(
+    class: Option<ThreadClass>,
+    pause: Duration,
+) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.worker_threads(1).thread_name("kvroute-events");
+    on_thread_start(&mut builder, class, "event streams");
+    builder.on_thread_unpark(note_woke);
+    builder.on_thread_park(move || std::thread::sleep(pause));
+    builder.enable_all().build()
+}
+
 /// Applies `class` to the calling thread.
 pub fn apply_to_current_thread(class: ThreadClass) -> Result<(), SchedError> {
     imp::apply(class)
@@ -270,5 +287,58 @@ mod tests {
         // Only that thread changed.
         let here = imp::current().expect("getattr");
         assert_eq!(here.sched_policy, libc::SCHED_OTHER as u32);
+    }
+}
+
+#[cfg(test)]
+mod coalescing_tests {
+    use super::*;
+
+    #[test]
+    fn a_coalescing_runtime_drains_its_inputs_at_most_once_per_pause() {
+        let pause = Duration::from_millis(40);
+        let rt = coalescing_runtime(None, pause).expect("runtime");
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<u32>();
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        rt.spawn(async move {
+            use futures::FutureExt;
+            let (mut drains, mut received) = (0u32, 0u32);
+            while received < 30 {
+                // A drain starts when the task had to wait (its thread may then have parked).
+                let next = match rx.recv().now_or_never() {
+                    Some(next) => next,
+                    None => {
+                        drains += 1;
+                        rx.recv().await
+                    }
+                };
+                if next.is_none() {
+                    break;
+                }
+                received += 1;
+                while rx.try_recv().is_ok() {
+                    received += 1;
+                }
+            }
+            let _ = done_tx.send((drains, Instant::now()));
+        });
+        let start = Instant::now();
+        for i in 0..30 {
+            tx.send(i).expect("send");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let (drains, end) = done_rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("all 30 received");
+        let elapsed = end.duration_since(start);
+        // Each drain is followed by a pause before the next one can start (2 more for a message
+        // landing between the task's wait and its thread's park).
+        let bound = (elapsed.as_secs_f64() / pause.as_secs_f64()).floor() as u32 + 3;
+        assert!(
+            drains <= bound,
+            "{drains} drains in {elapsed:?}: at most {bound} with a {pause:?} pause"
+        );
+        assert!(drains < 30, "30 messages 5 ms apart were not coalesced");
+        rt.shutdown_background();
     }
 }

@@ -15,7 +15,16 @@ use crate::{api, load, lookup, peers, scrape, snapshot, subscriber};
 
 /// Starts every background task and returns the state (used by `serve` and by tests).
 pub fn start(config: Config, policy: Policy) -> anyhow::Result<Arc<AppState>> {
-    let state = AppState::new(config, policy)?;
+    start_on(config, policy, None)
+}
+
+/// [`start`], with the event streams on `streams` (else on the current runtime).
+pub fn start_on(
+    config: Config,
+    policy: Policy,
+    streams: Option<tokio::runtime::Handle>,
+) -> anyhow::Result<Arc<AppState>> {
+    let state = AppState::new(config, policy, streams)?;
     let restore = snapshot::load_and_reserve(&state);
     for m in &state.config.models {
         for r in &m.replicas {
@@ -50,13 +59,19 @@ async fn refresh_kv_release(state: Arc<AppState>) {
     }
 }
 
-/// Runs the server until a shutdown signal.
-pub async fn serve(config: Config, policy: Policy, listen: Option<String>) -> anyhow::Result<()> {
+/// Runs the server until a shutdown signal, the event streams on `streams` (else on the current
+/// runtime).
+pub async fn serve(
+    config: Config,
+    policy: Policy,
+    listen: Option<String>,
+    streams: Option<tokio::runtime::Handle>,
+) -> anyhow::Result<()> {
     let listen = listen.unwrap_or_else(|| config.listen.clone());
     let addr: SocketAddr = listen
         .parse()
         .with_context(|| format!("--listen {listen:?} is not IP:port"))?;
-    let state = start(config, policy)?;
+    let state = start_on(config, policy, streams)?;
     let listener =
         std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
     listener

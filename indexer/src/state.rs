@@ -244,8 +244,9 @@ pub struct AppState {
     pub admin_token: Option<String>,
     /// The decisions shared with peer gateways (`[peers]`).
     pub peers: Option<crate::peers::PeerLink>,
-    /// The runtime the state was built on, where event streams run (`None` outside one): a
-    /// replica added through the API gets its subscribers there, not on the API's runtime.
+    /// Where event streams run: the streams' own runtime when `serve` made one
+    /// (`scheduling.event_coalesce_ms`), else the runtime the state was built on (`None` outside
+    /// one). A replica added through the API gets its subscribers there, not on the API's runtime.
     pub background: Option<tokio::runtime::Handle>,
 }
 
@@ -267,8 +268,13 @@ impl AppState {
             .sum()
     }
 
-    /// Builds the state from a validated config (no replicas added yet).
-    pub fn new(config: Config, policy: Policy) -> anyhow::Result<Arc<AppState>> {
+    /// Builds the state from a validated config (no replicas added yet); event streams will run
+    /// on `streams`, or on the current runtime.
+    pub fn new(
+        config: Config,
+        policy: Policy,
+        streams: Option<tokio::runtime::Handle>,
+    ) -> anyhow::Result<Arc<AppState>> {
         let mut models = HashMap::new();
         for m in &config.models {
             let hash = match &m.hash {
@@ -335,7 +341,7 @@ impl AppState {
             reuse_counted_from_ms: std::sync::atomic::AtomicU64::new(unix_ms()),
             admin_token,
             peers,
-            background: tokio::runtime::Handle::try_current().ok(),
+            background: streams.or_else(|| tokio::runtime::Handle::try_current().ok()),
         }))
     }
 

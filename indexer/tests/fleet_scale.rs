@@ -20,7 +20,9 @@
 //! RSS is the indexer's `VmRSS` / `VmHWM` from `/proc/PID/status`. The indexer runs with its
 //! default `[scheduling]`; `KVROUTE_FLEET_SCHEDULING=off` turns it off, to compare,
 //! `KVROUTE_FLEET_SCHEDULING=noyield` only the event threads' yield, `yield=<us>` sets the event
-//! threads' `event_yield_after_us`, and `KVROUTE_FLEET_SCHEDULING=<us>` the API threads' slice.
+//! threads' `event_yield_after_us`, `coalesce=<ms>` the event streams' `event_coalesce_ms` (0:
+//! the streams on the background runtime, a wake-up per batch), and
+//! `KVROUTE_FLEET_SCHEDULING=<us>` the API threads' slice.
 //!
 //! ```text
 //! cargo test --release -p kvroute-indexer --test fleet_scale -- --ignored --nocapture
@@ -412,12 +414,16 @@ async fn start_replicas(dir: &std::path::Path) -> (Vec<Replica>, std::path::Path
     // number: that API slice in microseconds.
     match std::env::var("KVROUTE_FLEET_SCHEDULING").as_deref() {
         Ok("off") => cfg.push_str(
-            "[scheduling]\napi_slice_us = 0\nbackground_batch = false\nevent_yield_after_us = 0\n",
+            "[scheduling]\napi_slice_us = 0\nbackground_batch = false\nevent_yield_after_us = 0\nevent_coalesce_ms = 0\n",
         ),
         Ok(us) if us.parse::<u64>().is_ok() => {
             cfg.push_str(&format!("[scheduling]\napi_slice_us = {us}\n"))
         }
         Ok("noyield") => cfg.push_str("[scheduling]\nevent_yield_after_us = 0\n"),
+        Ok(other) if other.starts_with("coalesce=") => cfg.push_str(&format!(
+            "[scheduling]\nevent_coalesce_ms = {}\n",
+            &other["coalesce=".len()..]
+        )),
         Ok(other) if other.starts_with("yield=") => cfg.push_str(&format!(
             "[scheduling]\nevent_yield_after_us = {}\n",
             &other["yield=".len()..]
