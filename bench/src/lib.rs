@@ -984,6 +984,15 @@ fn run_policy(
     summary.decisions = decisions;
     summary.router_cost = (usage_after.processes > 0)
         .then(|| router_usage::RouterCost::between(&usage_before, &usage_after, total));
+    if let Some(c) = &summary.router_cost {
+        println!(
+            "    {:<14} router CPU {:.2} s per 1k requests ({}), peak RSS {:.0} MB",
+            ctx.policy,
+            c.cpu_s_per_1k,
+            c.split(),
+            c.peak_rss_mb
+        );
+    }
     if !opts.fleet.replica_speeds.is_empty() {
         summary.replica_shares = Some(fleet::shares(&opts.fleet.replica_speeds, &deltas));
     }

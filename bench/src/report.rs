@@ -467,15 +467,16 @@ pub fn router_cost_table(w: &WorkloadResults, filter_build: &str) -> Option<Stri
     table_start(
         &mut out,
         &format!("Router cost: user + system CPU of the router's processes during the replay per 1,000 requests, and their peak RSS (sum of `VmHWM`). The router is Envoy (with the filter's {filter_build} build for kv, random and approx-prefix) plus, for those, the indexer."),
-        &["fleet", "load", "policy", "router CPU s / 1k req", "peak RSS (MB)"],
+        &["fleet", "load", "policy", "router CPU s / 1k req", "by process", "peak RSS (MB)"],
     );
     for r in &w.runs {
         let Some(c) = &r.router_cost else { continue };
         let _ = writeln!(
             out,
-            "| {} | {:.2} | {:.0} |",
+            "| {} | {:.2} | {} | {:.0} |",
             run_cells(r),
             c.cpu_s_per_1k,
+            c.split(),
             c.peak_rss_mb
         );
     }
@@ -1243,12 +1244,19 @@ pub(crate) mod tests {
         assert!(router_cost_table(&w, "native").is_none());
         w.runs[0].router_cost = Some(crate::router_usage::RouterCost {
             cpu_s_per_1k: 1.5,
+            cpu_s_per_1k_by_process: [
+                ("envoy".to_string(), 1.25),
+                ("kvroute-indexer".to_string(), 0.25),
+            ]
+            .into(),
             peak_rss_mb: 210.4,
         });
         let cost = router_cost_table(&w, "native").expect("router cost");
         assert!(cost.contains("filter's native build"), "{cost}");
         assert!(
-            cost.contains("| 4 x 1000 | 2 req/s | kv | 1.50 | 210 |"),
+            cost.contains(
+                "| 4 x 1000 | 2 req/s | kv | 1.50 | envoy 1.25, kvroute-indexer 0.25 | 210 |"
+            ),
             "{cost}"
         );
         assert_eq!(cost.lines().filter(|l| l.starts_with("| 4 x")).count(), 1);

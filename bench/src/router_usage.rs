@@ -2,13 +2,16 @@
 //! process group is one of the router's (each supervised child leads its own group, so a
 //! router's worker processes and threads are counted with it).
 
+use std::collections::BTreeMap;
 use std::fs;
 
 /// CPU and memory of a set of process groups at one moment.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Usage {
     /// utime + stime of every live process in the groups, seconds.
     pub cpu_s: f64,
+    /// The same by command name (`envoy`, `kvroute-indexer`), seconds.
+    pub cpu_s_by_process: BTreeMap<String, f64>,
     /// Sum of the processes' `VmHWM` (each one's peak resident set), MB.
     pub peak_rss_mb: f64,
     /// Processes counted.
@@ -16,10 +19,13 @@ pub struct Usage {
 }
 
 /// Router cost of one run: CPU seconds per 1,000 requests and peak memory.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct RouterCost {
     /// Router CPU seconds (user + system) per 1,000 requests sent.
     pub cpu_s_per_1k: f64,
+    /// The same by command name (`envoy`, `kvroute-indexer`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub cpu_s_per_1k_by_process: BTreeMap<String, f64>,
     /// Peak resident memory of the router's processes (sum of VmHWM), MB.
     pub peak_rss_mb: f64,
 }
@@ -27,15 +33,34 @@ pub struct RouterCost {
 impl RouterCost {
     /// From usage samples taken before and after `requests` requests.
     pub fn between(before: &Usage, after: &Usage, requests: usize) -> Self {
-        let cpu = (after.cpu_s - before.cpu_s).max(0.0);
-        Self {
-            cpu_s_per_1k: if requests == 0 {
+        let per_1k = |cpu: f64| {
+            if requests == 0 {
                 0.0
             } else {
-                cpu * 1000.0 / requests as f64
-            },
+                cpu.max(0.0) * 1000.0 / requests as f64
+            }
+        };
+        Self {
+            cpu_s_per_1k: per_1k(after.cpu_s - before.cpu_s),
+            cpu_s_per_1k_by_process: after
+                .cpu_s_by_process
+                .iter()
+                .map(|(name, cpu)| {
+                    let was = before.cpu_s_by_process.get(name).copied().unwrap_or(0.0);
+                    (name.clone(), per_1k(cpu - was))
+                })
+                .collect(),
             peak_rss_mb: after.peak_rss_mb,
         }
+    }
+
+    /// `envoy 9.1, kvroute-indexer 1.8` (CPU s per 1k by process), empty when not split.
+    pub fn split(&self) -> String {
+        self.cpu_s_per_1k_by_process
+            .iter()
+            .map(|(name, cpu)| format!("{name} {cpu:.2}"))
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 }
 
@@ -61,7 +86,12 @@ pub fn sample(groups: &[u32]) -> Usage {
             continue;
         }
         usage.processes += 1;
-        usage.cpu_s += (fields.utime + fields.stime) as f64 / ticks;
+        let cpu = (fields.utime + fields.stime) as f64 / ticks;
+        usage.cpu_s += cpu;
+        *usage
+            .cpu_s_by_process
+            .entry(command_name(&stat).to_string())
+            .or_default() += cpu;
         if let Ok(status) = fs::read_to_string(format!("/proc/{pid}/status")) {
             usage.peak_rss_mb += status_kb(&status, "VmHWM:") as f64 / 1024.0;
         }
@@ -88,6 +118,14 @@ fn parse_stat(stat: &str) -> Option<StatFields> {
         utime: fields.get(11)?.parse().ok()?,
         stime: fields.get(12)?.parse().ok()?,
     })
+}
+
+/// The command name of a `/proc/<pid>/stat` line (between the first `(` and the last `)`).
+fn command_name(stat: &str) -> &str {
+    match (stat.find('('), stat.rfind(')')) {
+        (Some(a), Some(b)) if a < b => &stat[a + 1..b],
+        _ => "?",
+    }
 }
 
 fn status_kb(status: &str, key: &str) -> u64 {
@@ -125,6 +163,8 @@ mod tests {
             })
         );
         assert_eq!(parse_stat("garbage"), None);
+        assert_eq!(command_name(line), "we ird) (name)");
+        assert_eq!(command_name("garbage"), "?");
     }
 
     #[test]
@@ -141,6 +181,8 @@ mod tests {
         assert!(u.processes >= 1);
         assert!(u.cpu_s > 0.0);
         assert!(u.peak_rss_mb > 0.0);
+        let named: f64 = u.cpu_s_by_process.values().sum();
+        assert!((named - u.cpu_s).abs() < 1e-9, "{:?}", u.cpu_s_by_process);
         assert_eq!(sample(&[u32::MAX]).processes, 0);
     }
 }

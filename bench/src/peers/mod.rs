@@ -194,16 +194,24 @@ mod tests {
     fn cost_per_thousand_requests() {
         let before = Usage {
             cpu_s: 10.0,
+            cpu_s_by_process: [("envoy".to_string(), 10.0)].into(),
             peak_rss_mb: 50.0,
             processes: 1,
         };
         let after = Usage {
-            cpu_s: 13.0,
+            cpu_s: 13.5,
+            cpu_s_by_process: [
+                ("envoy".to_string(), 13.0),
+                ("kvroute-indexer".to_string(), 0.5),
+            ]
+            .into(),
             peak_rss_mb: 80.0,
-            processes: 1,
+            processes: 2,
         };
         let c = RouterCost::between(&before, &after, 500);
-        assert!((c.cpu_s_per_1k - 6.0).abs() < 1e-9);
+        assert!((c.cpu_s_per_1k - 7.0).abs() < 1e-9);
+        // A process that appeared during the run counts from zero.
+        assert_eq!(c.split(), "envoy 6.00, kvroute-indexer 1.00");
         assert_eq!(c.peak_rss_mb, 80.0);
         assert_eq!(RouterCost::between(&before, &after, 0).cpu_s_per_1k, 0.0);
     }
