@@ -1037,30 +1037,23 @@ events = ["tcp://127.0.0.1:5557"]
             cfg.scheduling.event_yield_after(),
             Some(std::time::Duration::from_micros(100))
         );
-        let err = Config::parse(
-            &format!("{MINIMAL}\n[scheduling]\nevent_yield_after_us = 1000001\n"),
-            "t",
-        )
-        .expect_err("out of range")
-        .to_string();
-        assert!(err.contains("scheduling.event_yield_after_us"), "{err}");
         assert_eq!(
             cfg.scheduling.event_coalesce(),
             Some(std::time::Duration::from_millis(20))
         );
-        let err = Config::parse(
-            &format!("{MINIMAL}\n[scheduling]\nevent_coalesce_ms = 1001\n"),
-            "t",
-        )
-        .expect_err("out of range")
-        .to_string();
-        assert!(err.contains("scheduling.event_coalesce_ms"), "{err}");
-        for us in [1, 99, 100_001] {
-            let text = format!("{MINIMAL}\n[scheduling]\napi_slice_us = {us}\n");
+        let out_of_range = [
+            ("event_yield_after_us", 1_000_001),
+            ("event_coalesce_ms", 1001),
+            ("api_slice_us", 1),
+            ("api_slice_us", 99),
+            ("api_slice_us", 100_001),
+        ];
+        for (key, value) in out_of_range {
+            let text = format!("{MINIMAL}\n[scheduling]\n{key} = {value}\n");
             let err = Config::parse(&text, "t")
                 .expect_err("out of range")
                 .to_string();
-            assert!(err.contains("scheduling.api_slice_us"), "{err}");
+            assert!(err.contains(&format!("scheduling.{key}")), "{err}");
         }
         let text = format!(
             "{MINIMAL}\n[scheduling]\napi_slice_us = 0\nbackground_batch = false\nevent_yield_after_us = 0\nevent_coalesce_ms = 0\n"
