@@ -18,6 +18,10 @@
 //! Each request keeps the thread's nice value. Elsewhere than Linux, or when the kernel refuses
 //! (an older kernel ignores the slice; a seccomp profile may refuse the call), the thread runs with
 //! the kernel's defaults: nothing else depends on it.
+//!
+//! Apart from the kernel, the event streams wake the indexer less often: they run on a thread of
+//! their own that pauses before it waits for its sockets ([`coalescing_runtime`]), so one wake-up
+//! reads what every replica published during the pause.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
