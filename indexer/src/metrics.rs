@@ -520,6 +520,14 @@ pub fn render(state: &AppState) -> String {
     for (option, value) in crate::allocator::in_effect() {
         let _ = writeln!(out, "{full}{{option=\"{option}\"}} {value}");
     }
+    let full = format!("{p}_event_thread_wakeups_total");
+    header(
+        &mut out,
+        &full,
+        "counter",
+        "Wake-ups of the event streams' thread (scheduling.event_coalesce_ms; 0 when the streams share the main runtime): event_batches_total over this is the batches read per wake-up.",
+    );
+    let _ = writeln!(out, "{full} {}", crate::scheduling::event_wakeups());
     let full = format!("{p}_uptime_seconds");
     header(&mut out, &full, "gauge", "Seconds since start.");
     let _ = writeln!(out, "{full} {}", state.started.elapsed().as_secs_f64());

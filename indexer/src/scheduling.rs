@@ -24,7 +24,7 @@
 //! reads what every replica published during the pause.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Why a thread's scheduling request was not applied.
@@ -104,9 +104,21 @@ pub fn coalescing_runtime(
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     builder.worker_threads(1).thread_name("kvroute-events");
     on_thread_start(&mut builder, class, "event streams");
-    builder.on_thread_unpark(note_woke);
+    builder.on_thread_unpark(|| {
+        note_woke();
+        EVENT_WAKEUPS.fetch_add(1, Ordering::Relaxed);
+    });
     builder.on_thread_park(move || std::thread::sleep(pause));
     builder.enable_all().build()
+}
+
+/// Wake-ups of the event streams' paused thread ([`coalescing_runtime`]) in this process.
+static EVENT_WAKEUPS: AtomicU64 = AtomicU64::new(0);
+
+/// How many times the event streams' paused thread has woken (0 without one): against the event
+/// batches applied, how many batches each wake-up read.
+pub fn event_wakeups() -> u64 {
+    EVENT_WAKEUPS.load(Ordering::Relaxed)
 }
 
 /// Applies `class` to the calling thread.
@@ -334,6 +346,7 @@ mod coalescing_tests {
         let (drains, end) = done_rx
             .recv_timeout(Duration::from_secs(30))
             .expect("all 30 received");
+        assert!(event_wakeups() >= 1, "the thread's wake-ups are counted");
         let elapsed = end.duration_since(start);
         // Each drain is followed by a pause before the next one can start (2 more for a message
         // landing between the task's wait and its thread's park).

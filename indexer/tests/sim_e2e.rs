@@ -381,6 +381,21 @@ async fn indexer_routes_a_simulated_fleet_found_through_kv_event_sources() {
     assert_eq!(hit2, (150 - 1) / BS * BS);
     wait_blocks(&c, &base, &p1, a.name, hit1 / BS).await;
     wait_blocks(&c, &base, &p2, b.name, hit2 / BS).await;
+    // The binary's default `[scheduling]` reads the streams on a paused thread of their own.
+    let metrics = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let wakeups =
+        kvroute_core::prometheus::sum(&metrics, "kvroute_indexer_event_thread_wakeups_total");
+    assert!(
+        wakeups.is_some_and(|w| w >= 1.0),
+        "the event streams' thread never woke: {wakeups:?}"
+    );
 
     let r1 = route(&c, &base, &p1).await;
     assert_eq!(r1["endpoint"], a.addr(), "{r1}");
