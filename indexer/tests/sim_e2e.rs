@@ -382,14 +382,7 @@ async fn indexer_routes_a_simulated_fleet_found_through_kv_event_sources() {
     wait_blocks(&c, &base, &p1, a.name, hit1 / BS).await;
     wait_blocks(&c, &base, &p2, b.name, hit2 / BS).await;
     // The binary's default `[scheduling]` reads the streams on a paused thread of their own.
-    let metrics = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = get_text(&c, &format!("{base}/metrics")).await;
     let wakeups =
         kvroute_core::prometheus::sum(&metrics, "kvroute_indexer_event_thread_wakeups_total");
     assert!(
