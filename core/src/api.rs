@@ -18,10 +18,10 @@ pub use crate::request::TokenizerDigest;
 use crate::scoring::{CostTerms, Load, ReplicaRates};
 
 /// Version of this contract. Raise it with any change an older peer would misread.
-pub const CONTRACT_VERSION: u32 = 3;
+pub const CONTRACT_VERSION: u32 = 4;
 
 /// [`CONTRACT_VERSION`] as a header value.
-pub const CONTRACT_VERSION_STR: &str = "3";
+pub const CONTRACT_VERSION_STR: &str = "4";
 
 /// The header that carries [`CONTRACT_VERSION`], on requests and answers.
 pub const CONTRACT_HEADER: &str = "x-kvroute-contract";
@@ -66,8 +66,13 @@ pub struct RouteRequest {
     /// The prompt's token ids.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
-    /// Router keys of the prompt's full blocks, computed by the caller.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Router keys of the prompt's full blocks, computed by the caller. Sent packed
+    /// ([`crate::packed_keys`]); a JSON array of integers is read too.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "crate::packed_keys::option"
+    )]
     pub router_keys: Option<Vec<u64>>,
     /// Prompt length in tokens (with `router_keys`; default keys x block size).
     #[serde(default, skip_serializing_if = "Option::is_none")]

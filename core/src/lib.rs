@@ -19,6 +19,7 @@ pub mod calibration;
 pub mod events;
 pub mod hashing;
 pub mod hybrid;
+pub mod packed_keys;
 #[cfg(feature = "peers")]
 pub mod peers;
 pub mod prometheus;

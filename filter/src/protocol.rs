@@ -423,7 +423,7 @@ mod tests {
     }
 
     #[test]
-    fn route_request_serialises_u64_keys_exactly() {
+    fn route_request_serialises_u64_keys_exactly_and_packed() {
         let r = RouteRequest {
             model: "m".into(),
             router_keys: Some(vec![u64::MAX, 1]),
@@ -436,7 +436,7 @@ mod tests {
         let s = serde_json::to_string(&r).unwrap();
         assert_eq!(
             s,
-            r#"{"model":"m","router_keys":[18446744073709551615,1],"num_tokens":33,"block_size":16,"request_id":"id","callout_id":"c1-2"}"#
+            r#"{"model":"m","router_keys":"//////////8BAAAAAAAAAA==","num_tokens":33,"block_size":16,"request_id":"id","callout_id":"c1-2"}"#
         );
         let with_session = RouteRequest {
             session: Some("user-42".into()),

@@ -125,6 +125,29 @@ async fn prefix_hit_wins_and_errors_are_clear() {
         .await
         .unwrap();
     assert_eq!(r2["replica"], "r1", "{r2}");
+    // The same keys packed, as the filter sends them, match the same blocks.
+    let key_list: Vec<u64> = serde_json::from_value(keys).unwrap();
+    let packed = kvroute_core::packed_keys::encode(&key_list);
+    let r3: Value = c
+        .post(format!("{base}/v1/route"))
+        .json(&json!({"model": "m", "router_keys": packed, "num_tokens": 21, "block_size": 4}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r3["replica"], "r1", "{r3}");
+    assert_eq!(r3["matched_tokens"], r2["matched_tokens"], "{r3}");
+    let resp = c
+        .post(format!("{base}/v1/route"))
+        .json(&json!({"model": "m", "router_keys": "AQID", "num_tokens": 21, "block_size": 4}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400, "3 bytes are not a key");
+    let text = resp.text().await.unwrap();
+    assert!(text.contains("not a whole number of 8-byte keys"), "{text}");
     let resp = c
         .post(format!("{base}/v1/route"))
         .json(&json!({"model": "m", "router_keys": [1], "block_size": 16}))
