@@ -21,6 +21,7 @@ mod ideal;
 mod peers;
 mod policies;
 mod prediction;
+mod repeats;
 mod replay;
 mod replica_counters;
 mod report;
@@ -192,6 +193,11 @@ pub struct BenchOptions {
     /// retries) instead of the ORIGINAL_DST cluster (docs/filter.md "Retrying onto the runner-up").
     #[arg(long)]
     pub override_host: bool,
+    /// Runs every line of each workload this many times, interleaved (all lines, then all lines
+    /// again), and prints each line's spread (median, min, max) and its router CPU against the
+    /// first load-only line's, round by round. Later rounds are labelled `<line> (run k)`.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub repeat: u32,
     /// Trace replay, fleet speeds and scale-out (boxed: the options of every command share one
     /// enum).
     #[command(flatten)]
@@ -629,6 +635,7 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
                             description: workload.description.clone(),
                             notes: Vec::new(),
                             runs: Vec::new(),
+                            spreads: Vec::new(),
                         });
                         results.len() - 1
                     }
@@ -649,8 +656,10 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
                     time_scale: opts.time_scale,
                     slo_ms: opts.slo_ms,
                 };
-                for (policy, setup) in plan.lines(opts) {
-                    let ctx = context(&setup.label(policy.name()));
+                let lines = plan.lines(opts);
+                let rounds = (1..=opts.repeat).flat_map(|k| lines.iter().map(move |&l| (k, l)));
+                for (round, (policy, setup)) in rounds {
+                    let ctx = context(&repeats::run_label(&setup.label(policy.name()), round));
                     let extras = RunExtras {
                         hits: &hits,
                         uncached: &uncached,
@@ -681,6 +690,29 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
                     };
                     print_line(&summary);
                     results[slot].runs.push(summary);
+                    write_json(&out_dir.join("results.json"), &results)?;
+                }
+                if opts.repeat > 1 {
+                    let labels: Vec<String> =
+                        lines.iter().map(|(p, s)| s.label(p.name())).collect();
+                    let baseline = lines
+                        .iter()
+                        .find(|(p, s)| p.load_only() && s.gateways <= 1)
+                        .map(|(p, s)| s.label(p.name()));
+                    let here: Vec<RunSummary> = results[slot]
+                        .runs
+                        .iter()
+                        .filter(|r| {
+                            r.load == workload.load_label()
+                                && r.replicas == replicas
+                                && r.gpu_blocks == gpu_blocks
+                        })
+                        .cloned()
+                        .collect();
+                    let spreads =
+                        repeats::spreads(&here, &labels, opts.repeat, baseline.as_deref());
+                    repeats::print(&spreads, opts.repeat);
+                    results[slot].spreads.extend(spreads);
                     write_json(&out_dir.join("results.json"), &results)?;
                 }
                 if !peer_bench.is_empty() {
@@ -1174,6 +1206,7 @@ fn write_json(path: &Path, results: &[WorkloadResults]) -> Result<()> {
                 "description": w.description,
                 "notes": w.notes,
                 "runs": w.runs,
+                "spreads": w.spreads,
             })
         })
         .collect();
@@ -1420,6 +1453,14 @@ mod tests {
             parse(&["--filter", "mode=shadow"]).is_err(),
             "numbers and booleans only"
         );
+    }
+
+    #[test]
+    fn repeat_is_one_unless_asked_and_bounded() {
+        assert_eq!(parse(&[]).expect("parse").repeat, 1);
+        assert_eq!(parse(&["--repeat", "3"]).expect("parse").repeat, 3);
+        assert!(parse(&["--repeat", "0"]).is_err());
+        assert!(parse(&["--repeat", "21"]).is_err());
     }
 
     #[test]

@@ -50,6 +50,8 @@ pub struct WorkloadResults {
     pub notes: Vec<String>,
     /// Every run of it (all load points, fleets and policies).
     pub runs: Vec<RunSummary>,
+    /// With `--repeat`: each line's spread over its runs, per load point and fleet.
+    pub spreads: Vec<crate::repeats::LineSpread>,
 }
 
 fn fmt_ms(v: Option<f64>) -> String {
@@ -1090,6 +1092,7 @@ pub(crate) mod tests {
                 name: "shared-prefix".into(),
                 description: "d".into(),
                 notes: vec!["a note".into()],
+                spreads: Vec::new(),
                 runs: vec![
                     run("kv", "2 req/s", 2.0, 0.58, 100.0),
                     run("round-robin", "2 req/s", 2.0, 0.2, 250.0),
@@ -1101,6 +1104,7 @@ pub(crate) mod tests {
                 name: "no-sharing".into(),
                 description: "d".into(),
                 notes: vec![],
+                spreads: Vec::new(),
                 runs: vec![
                     run("kv", "4 req/s", 4.0, 0.0, 104.0),
                     run("least-request", "4 req/s", 4.0, 0.0, 100.0),
@@ -1149,6 +1153,7 @@ pub(crate) mod tests {
             name: "shared-prefix".into(),
             description: "d".into(),
             notes: vec![],
+            spreads: Vec::new(),
             runs: vec![
                 run("kv", "2 req/s", 2.0, 0.58, 100.0),
                 behind("kv (2 gateways, shared)", 2, true, 0.575, 108.0),
