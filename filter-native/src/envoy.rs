@@ -315,34 +315,50 @@ impl Stream {
 
     /// Appends the chunks of the bodies `kinds`, in order, to `out`: their first `max` bytes.
     pub fn read_bodies(&self, kinds: &[abi::CEnum], max: usize, out: &mut Vec<u8>) {
+        self.visit_bodies(kinds, max, &mut |part| out.extend_from_slice(part));
+    }
+
+    /// Hands the chunks of the bodies `kinds`, in order, to `visit` where Envoy holds them (no
+    /// copy): their first `max` bytes.
+    pub fn visit_bodies(&self, kinds: &[abi::CEnum], max: usize, visit: &mut dyn FnMut(&[u8])) {
         let Some(cb) = callbacks() else { return };
+        const NONE: EnvoyBuffer = EnvoyBuffer {
+            ptr: std::ptr::null(),
+            length: 0,
+        };
+        let mut room = max;
         for &kind in kinds {
             // SAFETY: stream pointer live during the hook.
             let count = unsafe { (cb.http_get_body_chunks_size)(self.0, kind) };
             if count == 0 {
                 continue;
             }
-            let mut chunks = vec![
-                EnvoyBuffer {
-                    ptr: std::ptr::null(),
-                    length: 0
-                };
-                count
-            ];
+            // A streamed chunk is one or a few slices: those fit on the stack.
+            let mut few = [NONE; 8];
+            let mut many = Vec::new();
+            let chunks: &mut [EnvoyBuffer] = if count <= few.len() {
+                &mut few[..count]
+            } else {
+                many.resize(count, NONE);
+                &mut many
+            };
             // SAFETY: `chunks` has room for the `count` buffers Envoy reported.
             if !unsafe { (cb.http_get_body_chunks)(self.0, kind, chunks.as_mut_ptr()) } {
                 continue;
             }
-            for chunk in chunks {
-                let room = max.saturating_sub(out.len());
+            for chunk in chunks.iter() {
                 if room == 0 {
                     return;
                 }
-                let take = EnvoyBuffer {
-                    ptr: chunk.ptr,
-                    length: chunk.length.min(room),
-                };
-                out.extend(envoy_bytes(take));
+                if chunk.ptr.is_null() || chunk.length == 0 {
+                    continue;
+                }
+                let take = chunk.length.min(room);
+                // SAFETY: Envoy guarantees `length` readable bytes at `ptr` until the hook
+                // returns; the slice does not outlive this call.
+                let part = unsafe { std::slice::from_raw_parts(chunk.ptr.cast::<u8>(), take) };
+                visit(part);
+                room -= take;
             }
         }
     }

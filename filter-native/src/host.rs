@@ -127,6 +127,12 @@ impl StreamHost for NativeStreamHost<'_> {
         Ok(out)
     }
 
+    fn visit_body(&self, body: Body, max: usize, visit: &mut dyn FnMut(&[u8])) -> HostResult<()> {
+        let (buffered, received) = body_kinds(body);
+        self.stream.visit_bodies(&[buffered, received], max, visit);
+        Ok(())
+    }
+
     fn replace_body(&mut self, body: Body, current_len: usize, new: &[u8]) -> HostResult<()> {
         let (buffered, received) = body_kinds(body);
         let (held, arrived) = (

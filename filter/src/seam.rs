@@ -134,6 +134,12 @@ pub trait StreamHost: Host {
     fn remove_header(&mut self, map: Headers, name: &str) -> HostResult<()>;
     /// Reads up to `max` bytes of a body from its start.
     fn read_body(&self, body: Body, max: usize) -> HostResult<Vec<u8>>;
+    /// Hands up to `max` bytes of a body from its start to `visit`, in one or more pieces (a
+    /// host that can lend its buffers does so without copying them).
+    fn visit_body(&self, body: Body, max: usize, visit: &mut dyn FnMut(&[u8])) -> HostResult<()> {
+        visit(&self.read_body(body, max)?);
+        Ok(())
+    }
     /// Replaces the first `current_len` bytes of `body` (all of the buffered request body, or the
     /// current response chunk, which after a [`Flow::Pause`] holds everything buffered) with
     /// `new`.

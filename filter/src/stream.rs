@@ -396,9 +396,11 @@ impl Stream {
             }
         }
         if let Some(scanner) = &mut self.scanner {
-            match host.read_body(Body::Response, chunk_size) {
-                Ok(chunk) => scanner.push(&chunk),
-                Err(_) => self.scanner = None,
+            if host
+                .visit_body(Body::Response, chunk_size, &mut |part| scanner.push(part))
+                .is_err()
+            {
+                self.scanner = None;
             }
         }
         Flow::Continue
