@@ -157,7 +157,17 @@ async fn route_latency_over_loopback() {
         &c,
         &url,
         &json!({"model": "m", "router_keys": keys, "num_tokens": PROMPT_TOKENS, "block_size": BS}),
-        "router_keys (512 keys)",
+        "router_keys (512 keys, JSON array)",
+    )
+    .await;
+    // What the filter sends: the same keys packed (kvroute_core::packed_keys).
+    let key_list: Vec<u64> = serde_json::from_value(keys.clone()).expect("router keys");
+    let packed = kvroute_core::packed_keys::encode(&key_list);
+    measure(
+        &c,
+        &url,
+        &json!({"model": "m", "router_keys": packed, "num_tokens": PROMPT_TOKENS, "block_size": BS}),
+        "router_keys (512 keys, packed)",
     )
     .await;
     let short: Vec<u32> = prompt[..256].to_vec();
