@@ -53,6 +53,10 @@ impl Spread {
 pub struct LineSpread {
     /// The line's label (its first round's).
     pub policy: String,
+    /// The load point and fleet of its runs.
+    pub load: String,
+    pub replicas: usize,
+    pub gpu_blocks: usize,
     /// Runs found (failed runs are left out).
     pub runs: usize,
     pub hit_rate: Option<Spread>,
@@ -97,8 +101,12 @@ pub fn spreads(
                     .collect(),
                 _ => Vec::new(),
             };
+            let at = of_line.first();
             LineSpread {
                 policy: label.clone(),
+                load: at.map(|r| r.load.clone()).unwrap_or_default(),
+                replicas: at.map_or(0, |r| r.replicas),
+                gpu_blocks: at.map_or(0, |r| r.gpu_blocks),
                 runs: of_line.len(),
                 hit_rate: Spread::of(of_line.iter().map(|r| r.hit_rate)),
                 ttft_p50_ms: Spread::of(of_line.iter().filter_map(|r| r.ttft_p50_ms)),
@@ -205,6 +213,7 @@ mod tests {
         let labels = vec!["kv".to_string(), "round-robin".to_string()];
         let s = spreads(&runs, &labels, 3, Some("round-robin"));
         assert_eq!(s[0].runs, 2);
+        assert_eq!((s[0].load.as_str(), s[0].replicas), ("6", 4));
         assert_eq!(s[0].cpu_ratio_by_round, vec![1.2, 1.0]);
         assert_eq!(s[0].cpu_baseline.as_deref(), Some("round-robin"));
         let p90 = s[0].ttft_p90_ms.expect("p90");
