@@ -692,6 +692,17 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
                     results[slot].runs.push(summary);
                     write_json(&out_dir.join("results.json"), &results)?;
                 }
+                // This load point's and fleet's runs (the workload's results hold every one).
+                let ours: Vec<RunSummary> = results[slot]
+                    .runs
+                    .iter()
+                    .filter(|r| {
+                        r.load == workload.load_label()
+                            && r.replicas == replicas
+                            && r.gpu_blocks == gpu_blocks
+                    })
+                    .cloned()
+                    .collect();
                 if opts.repeat > 1 {
                     let labels: Vec<String> =
                         lines.iter().map(|(p, s)| s.label(p.name())).collect();
@@ -699,33 +710,13 @@ fn routing(layout: &Layout, opts: &BenchOptions, setup: Setup) -> Result<()> {
                         .iter()
                         .find(|(p, s)| p.load_only() && s.gateways <= 1)
                         .map(|(p, s)| s.label(p.name()));
-                    let here: Vec<RunSummary> = results[slot]
-                        .runs
-                        .iter()
-                        .filter(|r| {
-                            r.load == workload.load_label()
-                                && r.replicas == replicas
-                                && r.gpu_blocks == gpu_blocks
-                        })
-                        .cloned()
-                        .collect();
                     let spreads =
-                        repeats::spreads(&here, &labels, opts.repeat, baseline.as_deref());
+                        repeats::spreads(&ours, &labels, opts.repeat, baseline.as_deref());
                     repeats::print(&spreads, opts.repeat);
                     results[slot].spreads.extend(spreads);
                     write_json(&out_dir.join("results.json"), &results)?;
                 }
                 if !peer_bench.is_empty() {
-                    let ours: Vec<RunSummary> = results[slot]
-                        .runs
-                        .iter()
-                        .filter(|r| {
-                            r.load == workload.load_label()
-                                && r.replicas == replicas
-                                && r.gpu_blocks == gpu_blocks
-                        })
-                        .cloned()
-                        .collect();
                     let ctx = context("");
                     peer_bench.set_fleet(gpu_blocks, &work_dir);
                     peer_bench.run_workload(&mut stack, &workload, &ctx, &ours, print_line)?;
