@@ -34,16 +34,10 @@ impl Spread {
             return None;
         }
         v.sort_by(f64::total_cmp);
-        let n = v.len();
-        let median = if n % 2 == 1 {
-            v[n / 2]
-        } else {
-            (v[n / 2 - 1] + v[n / 2]) / 2.0
-        };
         Some(Self {
             min: v[0],
-            median,
-            max: v[n - 1],
+            median: crate::stats::percentile(&v, 50.0)?,
+            max: v[v.len() - 1],
         })
     }
 }
@@ -122,7 +116,7 @@ pub fn spreads(
 }
 
 /// `median [min-max]` with `digits` decimals, times `scale`.
-pub fn show(s: Option<Spread>, scale: f64, digits: usize) -> String {
+fn show(s: Option<Spread>, scale: f64, digits: usize) -> String {
     match s {
         Some(s) => format!(
             "{:.d$} [{:.d$}-{:.d$}]",
