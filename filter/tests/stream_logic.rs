@@ -1,6 +1,9 @@
 //! The filter's logic (`plugin` + `stream`) against a fake host, natively, with the real Qwen3
 //! tokenizer: the same code the proxy-wasm build runs, without Envoy. The e2e tests check the
 //! adapters in the real Envoy.
+//!
+//! Tests that read a request's completion report configure `"complete_hold_ms": 0` (each report
+//! sent by itself, at once); holding reports for a route call has its own tests at the end.
 
 mod fake_host;
 
@@ -183,7 +186,9 @@ fn a_header_that_cannot_be_stripped_refuses_the_request() {
 
 #[test]
 fn a_routed_request_gets_the_header_and_its_completion_is_reported() {
-    let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}}, "debug_headers": true}));
+    let plugin = plugin_with_qwen3(
+        json!({"models": {"qwen3": {}}, "debug_headers": true, "complete_hold_ms": 0}),
+    );
     let body = chat_body(&long_system());
     let mut host = FakeHost::post(
         CHAT,
@@ -258,7 +263,8 @@ fn a_routed_request_gets_the_header_and_its_completion_is_reported() {
 #[test]
 fn shadow_mode_asks_but_never_sets_the_destination_and_reports_the_real_upstream() {
     let plugin = plugin_with_qwen3(
-        json!({"models": {"qwen3": {}}, "mode": "shadow", "debug_headers": true}),
+        json!({"models": {"qwen3": {}}, "mode": "shadow", "debug_headers": true,
+               "complete_hold_ms": 0}),
     );
     let body = chat_body(&long_system());
     let mut host = FakeHost::post(
@@ -325,7 +331,7 @@ fn shadow_mode_asks_but_never_sets_the_destination_and_reports_the_real_upstream
 
 #[test]
 fn routing_mode_reports_no_upstream_field() {
-    let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}}}));
+    let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}}, "complete_hold_ms": 0}));
     let mut host = FakeHost::post(CHAT, &[], &chat_body(&long_system()));
     host.upstream = Some("10.0.0.8:8000".into());
     let mut stream = Stream::new(1, Some(plugin));
@@ -419,7 +425,8 @@ fn route_call_fails(plugin: &Arc<Plugin>, reply: CallReply, wait_ms: u64) -> (Fa
 
 #[test]
 fn every_indexer_failure_fails_open_with_its_reason() {
-    let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}}, "route_timeout_ms": 100}));
+    let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}}, "route_timeout_ms": 100,
+                                          "complete_hold_ms": 0}));
     let status = |s: u16, body: &str| CallReply {
         status: Some(s),
         contract: None,
@@ -752,7 +759,7 @@ fn agreement_reports(host: &FakeHost) -> Vec<Value> {
 
 #[test]
 fn the_online_check_asks_for_token_ids_strips_them_and_reports_a_mismatch() {
-    let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}},
+    let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}}, "complete_hold_ms": 0,
         "token_check": {"sample_one_in": 1000, "first_requests": 2}}));
     let body = chat_body("short");
     let parsed = RequestBody::parse(&body, Endpoint::ChatCompletions).expect("json");

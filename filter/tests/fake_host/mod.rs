@@ -296,9 +296,10 @@ pub fn qwen3_bundle_json() -> Vec<u8> {
 /// One plugin with `{"models": {"qwen3": {}}}` for the tests that do not change its models.
 pub fn default_plugin() -> Arc<Plugin> {
     static PLUGIN: OnceLock<Arc<Plugin>> = OnceLock::new();
-    Arc::clone(
-        PLUGIN.get_or_init(|| plugin_with_qwen3(serde_json::json!({"models": {"qwen3": {}}}))),
-    )
+    // Reports go at once (not held for a route call): tests sharing this plugin each see their own.
+    Arc::clone(PLUGIN.get_or_init(|| {
+        plugin_with_qwen3(serde_json::json!({"models": {"qwen3": {}}, "complete_hold_ms": 0}))
+    }))
 }
 
 /// A configured plugin whose `qwen3` tokenizer was fetched from the (fake) indexer.

@@ -1,0 +1,332 @@
+//! Envoy's CPU per streamed request, with and without the kvroute filter (benchmark, `#[ignore]`d;
+//! run with `cargo test -p kvroute-filter --release --test bench_filter_cpu -- --ignored --nocapture`,
+//! `KVROUTE_FILTER_BUILD=native` for the dynamic module).
+//!
+//! The routing benchmark's router CPU moves ~15 % between runs of one line: the simulator, the
+//! load generator and the indexer share the machine's two cores with Envoy and change its event
+//! batching. Here only Envoy runs the work that is measured: two Envoys (concurrency 1; plain, and
+//! with the filter and an instant fake indexer) in front of one upstream that streams every
+//! response as server-sent events, one event per write with a pause between (one read per token
+//! in Envoy, as with a real engine), the last with `usage`. The same requests go through each
+//! Envoy in alternating rounds; each round reads the Envoy process's CPU time (user + system,
+//! `/proc/<pid>/stat`) before and after, so the number is Envoy's own (the test's client, upstream
+//! and fake indexer run in this process).
+//!
+//! Rows: token-id completions (the routing benchmark's form) and warm chat, each with
+//! `KVROUTE_CPU_EVENTS` events per response (default 200). Results go to stdout and
+//! `<target>/bench/filter-cpu[-native].json`.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvroute_testkit::text::chat_conversation;
+use serde_json::{json, Value};
+
+/// Client threads sending at once.
+const CLIENTS: usize = 16;
+/// Rounds per Envoy (alternating).
+const ROUNDS: usize = 5;
+
+fn events_per_response() -> usize {
+    std::env::var("KVROUTE_CPU_EVENTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200)
+}
+
+/// An upstream that streams `events` SSE events per request, one write each, `gap` apart.
+fn start_streaming_upstream(events: usize, gap: Duration) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind upstream");
+    let port = listener.local_addr().expect("addr").port();
+    thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            thread::spawn(move || serve_streaming(conn, events, gap));
+        }
+    });
+    port
+}
+
+fn serve_streaming(conn: TcpStream, events: usize, gap: Duration) {
+    let _ = conn.set_nodelay(true);
+    let Ok(mut w) = conn.try_clone() else { return };
+    let mut r = BufReader::new(conn);
+    loop {
+        let mut length = 0usize;
+        let mut first = true;
+        loop {
+            let mut line = String::new();
+            match r.read_line(&mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+            let line = line.trim_end();
+            if line.is_empty() && !first {
+                break;
+            }
+            first = false;
+            if let Some((k, v)) = line.split_once(':') {
+                if k.eq_ignore_ascii_case("content-length") {
+                    length = v.trim().parse().unwrap_or(0);
+                }
+            }
+        }
+        let mut body = vec![0; length];
+        if r.read_exact(&mut body).is_err() {
+            return;
+        }
+        let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+        if w.write_all(head.as_bytes()).is_err() {
+            return;
+        }
+        for i in 0..=events {
+            let event = if i < events {
+                format!("data: {{\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"choices\":[{{\"index\":0,\"text\":\" tok{i}\",\"finish_reason\":null}}],\"usage\":null}}\n\n")
+            } else {
+                format!("data: {{\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"choices\":[],\"usage\":{{\"prompt_tokens\":8000,\"completion_tokens\":{events},\"total_tokens\":{},\"prompt_tokens_details\":{{\"cached_tokens\":7000}}}}}}\n\ndata: [DONE]\n\n", 8000 + events)
+            };
+            let chunk = format!("{:x}\r\n{event}\r\n", event.len());
+            if w.write_all(chunk.as_bytes()).is_err() {
+                return;
+            }
+            thread::sleep(gap);
+        }
+        if w.write_all(b"0\r\n\r\n").is_err() {
+            return;
+        }
+    }
+}
+
+/// Listens on `path` and forwards every connection to 127.0.0.1:`port`.
+fn uds_pump(path: &std::path::Path, port: u16) {
+    use std::os::unix::net::UnixListener;
+    let _ = std::fs::remove_file(path);
+    let listener = UnixListener::bind(path).expect("bind the unix socket");
+    thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let Ok(tcp) = TcpStream::connect(("127.0.0.1", port)) else {
+                continue;
+            };
+            let _ = tcp.set_nodelay(true);
+            let (Ok(mut conn2), Ok(mut tcp2)) = (conn.try_clone(), tcp.try_clone()) else {
+                continue;
+            };
+            let (mut conn, mut tcp) = (conn, tcp);
+            thread::spawn(move || {
+                let _ = std::io::copy(&mut conn, &mut tcp);
+            });
+            thread::spawn(move || {
+                let _ = std::io::copy(&mut tcp2, &mut conn2);
+            });
+        }
+    });
+}
+
+/// User + system CPU seconds of process `pid` so far.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("read /proc/pid/stat");
+    // Fields after the command (which may hold spaces) start after the last ')'.
+    let rest = &stat[stat.rfind(')').expect("stat format") + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 =
+        fields[11].parse::<f64>().expect("utime") + fields[12].parse::<f64>().expect("stime");
+    ticks / 100.0
+}
+
+/// Sends every body once through `port` from [`CLIENTS`] threads; returns wall seconds.
+fn send_all(port: u16, path: &'static str, bodies: &Arc<Vec<String>>) -> f64 {
+    let next = Arc::new(AtomicUsize::new(0));
+    let t = Instant::now();
+    let workers: Vec<_> = (0..CLIENTS)
+        .map(|_| {
+            let (next, bodies) = (Arc::clone(&next), Arc::clone(bodies));
+            thread::spawn(move || loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(body) = bodies.get(i) else { return };
+                let r = http(
+                    port,
+                    "POST",
+                    path,
+                    &[("content-type", "application/json")],
+                    body.as_bytes(),
+                );
+                assert_eq!(r.status, 200, "{}", r.text());
+                assert!(r.text().contains("[DONE]"), "stream cut short");
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().expect("client thread");
+    }
+    t.elapsed().as_secs_f64()
+}
+
+fn token_id_bodies(n: usize, tokens: usize) -> Vec<String> {
+    // Sessions of growing prompts, as the routing benchmark's token-id traffic: each body
+    // extends an earlier one, so most of its prefix is shared.
+    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+    let mut base: Vec<u32> = Vec::new();
+    (0..n)
+        .map(|i| {
+            if i % 8 == 0 {
+                base.clear();
+            }
+            let grow = if base.is_empty() { tokens } else { 256 };
+            for _ in 0..grow {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                base.push((x % 150_000) as u32);
+            }
+            json!({"model": "qwen3", "prompt": base, "max_tokens": 200, "stream": true,
+                   "stream_options": {"include_usage": true}})
+            .to_string()
+        })
+        .collect()
+}
+
+fn chat_bodies(n: usize, tokens: usize) -> Vec<String> {
+    (0..n as u64)
+        .map(|i| {
+            let mut body = chat_conversation(tokens as u64 * 7 + 1, tokens, 900_000 + i);
+            body["stream"] = json!(true);
+            body["stream_options"] = json!({"include_usage": true});
+            body.to_string()
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "benchmark: run with --ignored --nocapture"]
+fn envoy_cpu_per_streamed_request() {
+    let dir = scratch("bench-filter-cpu");
+    let events = events_per_response();
+    let upstream = start_streaming_upstream(events, Duration::from_micros(300));
+    let upstream_addr = format!("127.0.0.1:{upstream}");
+    let indexer = FakeIndexer::start(
+        "qwen3",
+        RouteMode::To(upstream_addr.clone()),
+        TokenizerMode::Serve,
+    );
+    let cfg = json!({"route_timeout_ms": 5000, "models": {"qwen3": {}}});
+    let start_filtered = |name: &str, cfg: Value, edits: Vec<(String, String)>| {
+        let mut opts = EnvoyOptions::new(indexer.server.port, vec![upstream_addr.clone()], cfg);
+        opts.yaml_edits = edits;
+        Envoy::start(name, &opts, &dir)
+    };
+    let mut envoys = vec![("plain", {
+        let mut plain_opts = EnvoyOptions::new(
+            indexer.server.port,
+            vec![upstream_addr.clone()],
+            cfg.clone(),
+        );
+        plain_opts.with_filter = false;
+        Envoy::start("cpu-plain", &plain_opts, &dir)
+    })];
+    envoys.push((
+        "filter",
+        start_filtered("cpu-with", cfg.clone(), Vec::new()),
+    ));
+    // A variant of the filter's settings beside the default (e.g. `{"report_completion": false}`).
+    if let Some(extra) = std::env::var("KVROUTE_CPU_FILTER_CONFIG")
+        .ok()
+        .and_then(|v| serde_json::from_str::<serde_json::Map<String, Value>>(&v).ok())
+    {
+        let mut variant = cfg.clone();
+        for (k, v) in extra {
+            variant[k] = v;
+        }
+        envoys.push((
+            "variant",
+            start_filtered("cpu-variant", variant, Vec::new()),
+        ));
+    }
+    // The indexer over a Unix socket (a pump in this process forwards to the fake indexer).
+    if std::env::var_os("KVROUTE_CPU_UDS").is_some() {
+        let path = dir.join("indexer.sock");
+        uds_pump(&path, indexer.server.port);
+        let edit = (
+            "socket_address: { address: 127.0.0.1, port_value: {{INDEXER_PORT}} }".to_string(),
+            format!("pipe: {{ path: {} }}", path.display()),
+        );
+        envoys.push(("uds", start_filtered("cpu-uds", cfg.clone(), vec![edit])));
+    }
+    for (_, envoy) in &envoys[1..] {
+        envoy.wait_tokenizers(1);
+    }
+
+    let rows: [(&str, &'static str, Vec<String>); 2] = [
+        (
+            "token ids ~4k, growing",
+            "/v1/completions",
+            token_id_bodies(480, 4000),
+        ),
+        (
+            "chat ~8k, warm",
+            "/v1/chat/completions",
+            chat_bodies(480, 8000),
+        ),
+    ];
+    println!("{events} events per response, {CLIENTS} clients, {ROUNDS} rounds per Envoy");
+    let mut results = Vec::new();
+    for (name, path, bodies) in rows {
+        let bodies = Arc::new(bodies);
+        // Warm-up: connection pools, the segment cache, the page cache.
+        for (_, envoy) in &envoys {
+            send_all(envoy.port, path, &Arc::new(bodies[..32].to_vec()));
+        }
+        let mut per_request: Vec<Vec<f64>> = vec![Vec::new(); envoys.len()];
+        for round in 0..ROUNDS {
+            // Every round starts with a different Envoy, so a drift falls on all alike.
+            for k in 0..envoys.len() {
+                let e = (k + round) % envoys.len();
+                let pid = envoys[e].1.proc.pid();
+                let before = cpu_seconds(pid);
+                send_all(envoys[e].1.port, path, &bodies);
+                per_request[e].push((cpu_seconds(pid) - before) * 1e6 / bodies.len() as f64);
+            }
+        }
+        let medians: Vec<f64> = per_request
+            .iter()
+            .map(|v| {
+                let mut v = v.clone();
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            })
+            .collect();
+        println!("{name}: Envoy CPU us per request, median of {ROUNDS} rounds [each round]");
+        let mut row = json!({"row": name});
+        for (e, (label, _)) in envoys.iter().enumerate() {
+            println!(
+                "  {label:<8} {:>7.0}  {:.2}x plain  {:.0?}",
+                medians[e],
+                medians[e] / medians[0],
+                per_request[e]
+            );
+            row[*label] = json!(per_request[e]);
+        }
+        results.push(row);
+    }
+    let with = &envoys[1].1;
+    assert!(with.kv("routed") > 0, "the filter routed nothing");
+    let out = target_dir().join("bench");
+    std::fs::create_dir_all(&out).expect("mkdir <target>/bench");
+    let file = match filter_build() {
+        FilterBuild::Wasm => "filter-cpu.json",
+        FilterBuild::Native => "filter-cpu-native.json",
+    };
+    let report = json!({"events_per_response": events, "clients": CLIENTS, "rounds": ROUNDS,
+                        "variant": std::env::var("KVROUTE_CPU_FILTER_CONFIG").ok(),
+                        "results": results});
+    std::fs::write(
+        out.join(file),
+        serde_json::to_string_pretty(&report).unwrap_or_default(),
+    )
+    .expect("write the report under <target>/bench");
+}
