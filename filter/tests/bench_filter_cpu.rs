@@ -31,8 +31,16 @@ use serde_json::{json, Value};
 
 /// Client threads sending at once.
 const CLIENTS: usize = 16;
-/// Rounds per Envoy (alternating).
+/// Rounds per Envoy (alternating), unless `KVROUTE_CPU_ROUNDS` says otherwise.
 const ROUNDS: usize = 5;
+
+fn rounds() -> usize {
+    std::env::var("KVROUTE_CPU_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(ROUNDS)
+}
 
 fn events_per_response() -> usize {
     std::env::var("KVROUTE_CPU_EVENTS")
@@ -206,7 +214,7 @@ fn chat_bodies(n: usize, tokens: usize) -> Vec<String> {
 #[ignore = "benchmark: run with --ignored --nocapture"]
 fn envoy_cpu_per_streamed_request() {
     let dir = scratch("bench-filter-cpu");
-    let events = events_per_response();
+    let (events, rounds) = (events_per_response(), rounds());
     let upstream = start_streaming_upstream(events, Duration::from_micros(300));
     let upstream_addr = format!("127.0.0.1:{upstream}");
     let indexer = FakeIndexer::start(
@@ -273,7 +281,7 @@ fn envoy_cpu_per_streamed_request() {
             chat_bodies(480, 8000),
         ),
     ];
-    println!("{events} events per response, {CLIENTS} clients, {ROUNDS} rounds per Envoy");
+    println!("{events} events per response, {CLIENTS} clients, {rounds} rounds per Envoy");
     let mut results = Vec::new();
     for (name, path, bodies) in rows {
         let bodies = Arc::new(bodies);
@@ -282,7 +290,7 @@ fn envoy_cpu_per_streamed_request() {
             send_all(envoy.port, path, &Arc::new(bodies[..32].to_vec()));
         }
         let mut per_request: Vec<Vec<f64>> = vec![Vec::new(); envoys.len()];
-        for round in 0..ROUNDS {
+        for round in 0..rounds {
             // Every round starts with a different Envoy, so a drift falls on all alike.
             for k in 0..envoys.len() {
                 let e = (k + round) % envoys.len();
@@ -300,7 +308,7 @@ fn envoy_cpu_per_streamed_request() {
                 v[v.len() / 2]
             })
             .collect();
-        println!("{name}: Envoy CPU us per request, median of {ROUNDS} rounds [each round]");
+        println!("{name}: Envoy CPU us per request, median of {rounds} rounds [each round]");
         let mut row = json!({"row": name});
         for (e, (label, _)) in envoys.iter().enumerate() {
             println!(
@@ -321,7 +329,7 @@ fn envoy_cpu_per_streamed_request() {
         FilterBuild::Wasm => "filter-cpu.json",
         FilterBuild::Native => "filter-cpu-native.json",
     };
-    let report = json!({"events_per_response": events, "clients": CLIENTS, "rounds": ROUNDS,
+    let report = json!({"events_per_response": events, "clients": CLIENTS, "rounds": rounds,
                         "variant": std::env::var("KVROUTE_CPU_FILTER_CONFIG").ok(),
                         "results": results});
     std::fs::write(
