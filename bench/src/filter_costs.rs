@@ -3,9 +3,11 @@
 //! * `bench_filter`, once per build (`KVROUTE_FILTER_BUILD=wasm|native`): the latency the filter
 //!   adds to 1k, 8k and 32k-token chats, cold and warm, against plain Envoy;
 //! * `bench_memory` (`KVROUTE_MEMORY_CONCURRENCY=2,8,16`): Envoy's RSS, idle and after 320 routed
-//!   requests, for plain Envoy, the Wasm filter and the native module at each concurrency.
+//!   requests, for plain Envoy, the Wasm filter and the native module at each concurrency;
+//! * `bench_filter_cpu`, once per build: Envoy's CPU per streamed request with and without the
+//!   filter (token-id and warm chat prompts, 20 and 200 events per response).
 //!
-//! Each test writes its JSON under `<target>/bench/`; this reads them back and prints one table.
+//! Each test writes its JSON under `<target>/bench/`; this reads them back and prints two tables.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -65,6 +67,14 @@ pub fn run(
         "bench_memory",
         &[("KVROUTE_MEMORY_CONCURRENCY", &levels.join(","))],
     )?;
+    for build in FilterBuild::ALL {
+        println!("==> bench: Envoy CPU per streamed request, {build} build against plain Envoy");
+        run_test(
+            layout,
+            "bench_filter_cpu",
+            &[("KVROUTE_FILTER_BUILD", build.name())],
+        )?;
+    }
     let latency = [
         (
             FilterBuild::Wasm,
@@ -77,7 +87,50 @@ pub fn run(
     ];
     let memory = read_json(&out.join("memory.json"))?;
     println!("\n{}", table(&latency, &memory));
+    let cpu = [
+        (
+            FilterBuild::Wasm,
+            read_json(&out.join(cpu_file(FilterBuild::Wasm)))?,
+        ),
+        (
+            FilterBuild::Native,
+            read_json(&out.join(cpu_file(FilterBuild::Native)))?,
+        ),
+    ];
+    println!("{}", cpu_table(&cpu));
     Ok(())
+}
+
+/// The file `bench_filter_cpu` writes for `build`.
+fn cpu_file(build: FilterBuild) -> &'static str {
+    match build {
+        FilterBuild::Wasm => "filter-cpu.json",
+        FilterBuild::Native => "filter-cpu-native.json",
+    }
+}
+
+/// One row per build and case: the median Envoy CPU per request of plain Envoy and of the filter
+/// Envoy of the same run, and their ratio.
+pub fn cpu_table(cpu: &[(FilterBuild, Value)]) -> String {
+    let mut out = String::from(
+        "Envoy CPU per streamed request (user + system, us; median of the rounds; plain Envoy \
+         measured in the same run, taking turns with the filter Envoy).\n\n\
+         | build | prompt | events | plain us | filter us | ratio |\n|---|---|---|---|---|---|\n",
+    );
+    for (build, report) in cpu {
+        for row in report["results"].as_array().into_iter().flatten() {
+            let median = |line: &str| row[line]["median_us"].as_f64().unwrap_or(f64::NAN);
+            let (plain, filter) = (median("plain"), median("filter"));
+            let _ = writeln!(
+                out,
+                "| {build} | {} | {} | {plain:.0} | {filter:.0} | {:.2}x |",
+                row["row"].as_str().unwrap_or("?"),
+                row["events"].as_u64().unwrap_or(0),
+                filter / plain
+            );
+        }
+    }
+    out
 }
 
 /// The file `bench_filter` writes for `build`.
@@ -199,6 +252,29 @@ mod tests {
             {"tokens": 1000, "warm": false, "added_p50_ms": added_p50, "added_p99_ms": 2.0},
             {"tokens": 32000, "warm": true, "added_p50_ms": 9.5, "added_p99_ms": 12.25},
         ]})
+    }
+
+    #[test]
+    fn the_cpu_table_has_a_row_per_build_and_case_with_the_ratio_to_plain_envoy() {
+        let report = |filter: f64| {
+            json!({"results": [
+                {"row": "chat ~8k, warm", "events": 20,
+                 "plain": {"median_us": 500.0, "rounds_us": [500.0]},
+                 "filter": {"median_us": filter, "rounds_us": [filter]}},
+            ]})
+        };
+        let t = cpu_table(&[
+            (FilterBuild::Wasm, report(900.0)),
+            (FilterBuild::Native, report(625.0)),
+        ]);
+        assert!(
+            t.contains("| wasm | chat ~8k, warm | 20 | 500 | 900 | 1.80x |"),
+            "{t}"
+        );
+        assert!(
+            t.contains("| native | chat ~8k, warm | 20 | 500 | 625 | 1.25x |"),
+            "{t}"
+        );
     }
 
     #[test]

@@ -12,9 +12,13 @@
 //! `/proc/<pid>/stat`) before and after, so the number is Envoy's own (the test's client, upstream
 //! and fake indexer run in this process).
 //!
-//! Rows: token-id completions (the routing benchmark's form) and warm chat, each with
-//! `KVROUTE_CPU_EVENTS` events per response (default 200). Results go to stdout and
-//! `<target>/bench/filter-cpu[-native].json`.
+//! Rows: token-id completions (the routing benchmark's form) and warm chat, each with every count
+//! of events per response in `KVROUTE_CPU_EVENTS` (default `20,200`: the filter's fixed cost per
+//! request shows at 20, a typical reply at 200). `KVROUTE_CPU_ROUNDS` sets the rounds (5);
+//! `KVROUTE_CPU_FILTER_CONFIG` adds a third Envoy whose filter has these settings merged into the
+//! default ones (e.g. `{"complete_hold_ms": 0}`); `KVROUTE_CPU_UDS` one whose indexer cluster is
+//! a Unix socket. Results go to stdout and `<target>/bench/filter-cpu[-native].json`
+//! (`cargo xtask bench filter` runs it for both builds and prints the table).
 
 mod common;
 
@@ -42,31 +46,41 @@ fn rounds() -> usize {
         .unwrap_or(ROUNDS)
 }
 
-fn events_per_response() -> usize {
-    std::env::var("KVROUTE_CPU_EVENTS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(200)
+/// The request header that tells the upstream how many events to stream.
+const EVENTS_HEADER: &str = "x-bench-events";
+
+fn event_counts() -> Vec<usize> {
+    let list = std::env::var("KVROUTE_CPU_EVENTS").unwrap_or_else(|_| "20,200".into());
+    let counts: Vec<usize> = list
+        .split(',')
+        .filter_map(|v| v.trim().parse().ok())
+        .collect();
+    assert!(
+        !counts.is_empty(),
+        "KVROUTE_CPU_EVENTS: a list of counts, not {list:?}"
+    );
+    counts
 }
 
-/// An upstream that streams `events` SSE events per request, one write each, `gap` apart.
-fn start_streaming_upstream(events: usize, gap: Duration) -> u16 {
+/// An upstream that streams, per request, as many SSE events as its [`EVENTS_HEADER`] asks
+/// (200 without it), one write each, `gap` apart.
+fn start_streaming_upstream(gap: Duration) -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind upstream");
     let port = listener.local_addr().expect("addr").port();
     thread::spawn(move || {
         for conn in listener.incoming().flatten() {
-            thread::spawn(move || serve_streaming(conn, events, gap));
+            thread::spawn(move || serve_streaming(conn, gap));
         }
     });
     port
 }
 
-fn serve_streaming(conn: TcpStream, events: usize, gap: Duration) {
+fn serve_streaming(conn: TcpStream, gap: Duration) {
     let _ = conn.set_nodelay(true);
     let Ok(mut w) = conn.try_clone() else { return };
     let mut r = BufReader::new(conn);
     loop {
-        let mut length = 0usize;
+        let (mut length, mut events) = (0usize, 200usize);
         let mut first = true;
         loop {
             let mut line = String::new();
@@ -82,6 +96,8 @@ fn serve_streaming(conn: TcpStream, events: usize, gap: Duration) {
             if let Some((k, v)) = line.split_once(':') {
                 if k.eq_ignore_ascii_case("content-length") {
                     length = v.trim().parse().unwrap_or(0);
+                } else if k.eq_ignore_ascii_case(EVENTS_HEADER) {
+                    events = v.trim().parse().unwrap_or(events);
                 }
             }
         }
@@ -147,8 +163,9 @@ fn cpu_seconds(pid: u32) -> f64 {
     ticks / 100.0
 }
 
-/// Sends every body once through `port` from [`CLIENTS`] threads; returns wall seconds.
-fn send_all(port: u16, path: &'static str, bodies: &Arc<Vec<String>>) -> f64 {
+/// Sends every body once through `port` from [`CLIENTS`] threads, each asking for `events`
+/// events; returns wall seconds.
+fn send_all(port: u16, path: &'static str, bodies: &Arc<Vec<String>>, events: usize) -> f64 {
     let next = Arc::new(AtomicUsize::new(0));
     let t = Instant::now();
     let workers: Vec<_> = (0..CLIENTS)
@@ -157,11 +174,15 @@ fn send_all(port: u16, path: &'static str, bodies: &Arc<Vec<String>>) -> f64 {
             thread::spawn(move || loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(body) = bodies.get(i) else { return };
+                let events = events.to_string();
                 let r = http(
                     port,
                     "POST",
                     path,
-                    &[("content-type", "application/json")],
+                    &[
+                        ("content-type", "application/json"),
+                        (EVENTS_HEADER, events.as_str()),
+                    ],
                     body.as_bytes(),
                 );
                 assert_eq!(r.status, 200, "{}", r.text());
@@ -214,8 +235,8 @@ fn chat_bodies(n: usize, tokens: usize) -> Vec<String> {
 #[ignore = "benchmark: run with --ignored --nocapture"]
 fn envoy_cpu_per_streamed_request() {
     let dir = scratch("bench-filter-cpu");
-    let (events, rounds) = (events_per_response(), rounds());
-    let upstream = start_streaming_upstream(events, Duration::from_micros(300));
+    let (counts, rounds) = (event_counts(), rounds());
+    let upstream = start_streaming_upstream(Duration::from_micros(300));
     let upstream_addr = format!("127.0.0.1:{upstream}");
     let indexer = FakeIndexer::start(
         "qwen3",
@@ -269,25 +290,28 @@ fn envoy_cpu_per_streamed_request() {
         envoy.wait_tokenizers(1);
     }
 
-    let rows: [(&str, &'static str, Vec<String>); 2] = [
+    let rows: [(&str, &'static str, Arc<Vec<String>>); 2] = [
         (
             "token ids ~4k, growing",
             "/v1/completions",
-            token_id_bodies(480, 4000),
+            Arc::new(token_id_bodies(480, 4000)),
         ),
         (
             "chat ~8k, warm",
             "/v1/chat/completions",
-            chat_bodies(480, 8000),
+            Arc::new(chat_bodies(480, 8000)),
         ),
     ];
-    println!("{events} events per response, {CLIENTS} clients, {rounds} rounds per Envoy");
+    println!("{CLIENTS} clients, {rounds} rounds per Envoy");
     let mut results = Vec::new();
-    for (name, path, bodies) in rows {
-        let bodies = Arc::new(bodies);
+    for (events, (name, path, bodies)) in counts
+        .iter()
+        .flat_map(|&n| rows.iter().map(move |row| (n, row)))
+    {
+        let path: &'static str = path;
         // Warm-up: connection pools, the segment cache, the page cache.
         for (_, envoy) in &envoys {
-            send_all(envoy.port, path, &Arc::new(bodies[..32].to_vec()));
+            send_all(envoy.port, path, &Arc::new(bodies[..32].to_vec()), events);
         }
         let mut per_request: Vec<Vec<f64>> = vec![Vec::new(); envoys.len()];
         for round in 0..rounds {
@@ -296,7 +320,7 @@ fn envoy_cpu_per_streamed_request() {
                 let e = (k + round) % envoys.len();
                 let pid = envoys[e].1.proc.pid();
                 let before = cpu_seconds(pid);
-                send_all(envoys[e].1.port, path, &bodies);
+                send_all(envoys[e].1.port, path, bodies, events);
                 per_request[e].push((cpu_seconds(pid) - before) * 1e6 / bodies.len() as f64);
             }
         }
@@ -308,8 +332,10 @@ fn envoy_cpu_per_streamed_request() {
                 v[v.len() / 2]
             })
             .collect();
-        println!("{name}: Envoy CPU us per request, median of {rounds} rounds [each round]");
-        let mut row = json!({"row": name});
+        println!(
+            "{name}, {events} events: Envoy CPU us per request, median of {rounds} rounds [each round]"
+        );
+        let mut row = json!({"row": name, "events": events});
         for (e, (label, _)) in envoys.iter().enumerate() {
             println!(
                 "  {label:<8} {:>7.0}  {:.2}x plain  {:.0?}",
@@ -317,7 +343,7 @@ fn envoy_cpu_per_streamed_request() {
                 medians[e] / medians[0],
                 per_request[e]
             );
-            row[*label] = json!(per_request[e]);
+            row[*label] = json!({"median_us": medians[e], "rounds_us": per_request[e]});
         }
         results.push(row);
     }
@@ -329,7 +355,7 @@ fn envoy_cpu_per_streamed_request() {
         FilterBuild::Wasm => "filter-cpu.json",
         FilterBuild::Native => "filter-cpu-native.json",
     };
-    let report = json!({"events_per_response": events, "clients": CLIENTS, "rounds": rounds,
+    let report = json!({"clients": CLIENTS, "rounds": rounds,
                         "variant": std::env::var("KVROUTE_CPU_FILTER_CONFIG").ok(),
                         "results": results});
     std::fs::write(
