@@ -49,14 +49,11 @@ pub fn run(
         filter_build::build_stack(layout, false, &FilterBuild::ALL)?;
     }
     let out = layout.target_dir.join("bench");
-    for build in FilterBuild::ALL {
-        println!("==> bench: filter latency in Envoy, {build} build (1k/8k/32k-token chats, cold and warm)");
-        run_test(
-            layout,
-            "bench_filter",
-            &[("KVROUTE_FILTER_BUILD", build.name())],
-        )?;
-    }
+    run_per_build(
+        layout,
+        "bench_filter",
+        "filter latency in Envoy (1k/8k/32k-token chats, cold and warm)",
+    )?;
     let levels: Vec<String> = CONCURRENCY.iter().map(usize::to_string).collect();
     println!(
         "==> bench: Envoy RSS at --concurrency {}: plain, wasm, native",
@@ -67,38 +64,36 @@ pub fn run(
         "bench_memory",
         &[("KVROUTE_MEMORY_CONCURRENCY", &levels.join(","))],
     )?;
-    for build in FilterBuild::ALL {
-        println!("==> bench: Envoy CPU per streamed request, {build} build against plain Envoy");
-        run_test(
-            layout,
-            "bench_filter_cpu",
-            &[("KVROUTE_FILTER_BUILD", build.name())],
-        )?;
-    }
-    let latency = [
-        (
-            FilterBuild::Wasm,
-            read_json(&out.join(latency_file(FilterBuild::Wasm)))?,
-        ),
-        (
-            FilterBuild::Native,
-            read_json(&out.join(latency_file(FilterBuild::Native)))?,
-        ),
-    ];
+    run_per_build(
+        layout,
+        "bench_filter_cpu",
+        "Envoy CPU per streamed request against plain Envoy",
+    )?;
+    let latency = read_per_build(&out, latency_file)?;
     let memory = read_json(&out.join("memory.json"))?;
     println!("\n{}", table(&latency, &memory));
-    let cpu = [
-        (
-            FilterBuild::Wasm,
-            read_json(&out.join(cpu_file(FilterBuild::Wasm)))?,
-        ),
-        (
-            FilterBuild::Native,
-            read_json(&out.join(cpu_file(FilterBuild::Native)))?,
-        ),
-    ];
-    println!("{}", cpu_table(&cpu));
+    println!("{}", cpu_table(&read_per_build(&out, cpu_file)?));
     Ok(())
+}
+
+/// Runs test `name` once per filter build, announcing each run as `what`.
+fn run_per_build(layout: &Layout, name: &str, what: &str) -> Result<()> {
+    for build in FilterBuild::ALL {
+        println!("==> bench: {what}, {build} build");
+        run_test(layout, name, &[("KVROUTE_FILTER_BUILD", build.name())])?;
+    }
+    Ok(())
+}
+
+/// Each build's report, read from `<out>/<file(build)>`.
+fn read_per_build(
+    out: &Path,
+    file: fn(FilterBuild) -> &'static str,
+) -> Result<Vec<(FilterBuild, Value)>> {
+    FilterBuild::ALL
+        .into_iter()
+        .map(|build| Ok((build, read_json(&out.join(file(build)))?)))
+        .collect()
 }
 
 /// The file `bench_filter_cpu` writes for `build`.

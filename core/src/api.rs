@@ -176,6 +176,12 @@ pub struct RouteAnswer {
     /// Every candidate's inputs and terms, when the request asked for `explain`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub explain: Option<Vec<CandidateExplain>>,
+    /// How long the caller may hold its completion reports for a later route call to carry,
+    /// ms: 0 when this indexer shares its decisions with other gateways' (`[peers]`: they would
+    /// count a finished request as running meanwhile), else its `[inflight] report_hold_ms`.
+    /// Absent (an older indexer): send each report at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub report_hold_ms: Option<u64>,
 }
 
 /// One candidate of a decision, explained: what the model knew of it and what it predicted.

@@ -131,10 +131,11 @@ pub struct FilterConfig {
     /// Report each routed request's end to the indexer (`POST /v1/complete`).
     pub report_completion: bool,
     /// Longest a completion report is held to ride on a later route call (ms) before it is sent
-    /// by itself (with any others held); 0 (the default) sends each at once. Another worker or
-    /// gateway sees a request that ended as running until then (the deciding one applies them
-    /// first).
-    pub complete_hold_ms: u64,
+    /// by itself (with any others held); 0 sends each at once. Unset (the default): what the
+    /// indexer's last route answer allows (`report_hold_ms`: 0 when it shares decisions with other
+    /// gateways, whose view of a finished request would lag; else its own setting, 250 ms by
+    /// default), 0 until an answer says. The deciding indexer applies carried reports first.
+    pub complete_hold_ms: Option<u64>,
     /// Most completion reports held; a full queue is sent at once.
     pub max_held_completions: usize,
     /// Client header whose value is forwarded to the indexer as the request's session (used by the
@@ -181,7 +182,7 @@ impl Default for FilterConfig {
             inject_kv_cache_report_mode: false,
             debug_headers: false,
             report_completion: true,
-            complete_hold_ms: DEFAULT_COMPLETE_HOLD_MS,
+            complete_hold_ms: None,
             max_held_completions: 64,
             session_header: "x-session-id".into(),
             max_response_scan_bytes: 1024 * 1024,
@@ -222,11 +223,6 @@ fn invalid(field: impl Into<String>, problem: impl Into<String>) -> ConfigError 
 }
 
 const MAX_TIMEOUT_MS: u64 = 600_000;
-/// Default hold of a completion report (ms): none. Holding spares Envoy an exchange with the
-/// indexer per request (0.1-0.15 ms of CPU), but other gateways then learn of the end later,
-/// which cost several gateways hit rate and TTFT (docs/filter.md, "Envoy's CPU per streamed
-/// request"); a single gateway can set it (250 measured).
-pub const DEFAULT_COMPLETE_HOLD_MS: u64 = 0;
 const MAX_BODY_LIMIT: usize = 256 * 1024 * 1024;
 const MAX_BLOCK_SIZE: usize = 4096;
 
@@ -310,13 +306,10 @@ impl FilterConfig {
                 format!("must be at most {MAX_SANE_MODEL_MAX_LENGTH}"),
             ));
         }
-        if self.complete_hold_ms > MAX_TIMEOUT_MS {
+        if let Some(hold) = self.complete_hold_ms.filter(|&h| h > MAX_TIMEOUT_MS) {
             return Err(invalid(
                 "complete_hold_ms",
-                format!(
-                    "must be in 0..={MAX_TIMEOUT_MS}, got {}",
-                    self.complete_hold_ms
-                ),
+                format!("must be in 0..={MAX_TIMEOUT_MS}, got {hold}"),
             ));
         }
         if self.max_held_completions == 0 || self.max_held_completions > MAX_REPORTS_PER_CALL {

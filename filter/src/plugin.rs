@@ -6,6 +6,7 @@
 //! build; it is `Sync`, so a native build can share one per process.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -24,6 +25,9 @@ use crate::metrics::Counter;
 use crate::models::{log_name, Lookup, ModelRegistry, RegistryPolicy};
 use crate::protocol::percent_encode;
 use crate::seam::{CallId, CallReply, Callout, Host};
+
+/// Longest hold of completion reports a route answer can set (ms; the indexer's own bound).
+const MAX_INDEXER_HOLD_MS: u64 = 10_000;
 
 /// How often the host should call [`Plugin::on_tick`] (tokenizer fetches due, completion reports
 /// held past `complete_hold_ms`).
@@ -49,6 +53,8 @@ pub struct Plugin {
     fetches: Mutex<HashMap<CallId, String>>,
     /// Completion reports waiting to ride on the next route call.
     held: Mutex<HeldReports>,
+    /// The hold the indexer's last route answer allowed (ms; 0 until one says).
+    indexer_hold_ms: AtomicU64,
 }
 
 impl std::fmt::Debug for Plugin {
@@ -89,6 +95,7 @@ impl Plugin {
         let plugin = Self {
             models: Mutex::new(ModelRegistry::new(policy, configured)),
             held: Mutex::new(HeldReports::new(cfg.max_held_completions)),
+            indexer_hold_ms: AtomicU64::new(0),
             cfg,
             fetches: Mutex::new(HashMap::new()),
         };
@@ -112,20 +119,34 @@ impl Plugin {
         self.held.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// How long a completion report may be held now (ms): `complete_hold_ms` when configured,
+    /// else what the indexer's last route answer allowed.
+    pub fn report_hold_ms(&self) -> u64 {
+        self.cfg
+            .complete_hold_ms
+            .unwrap_or_else(|| self.indexer_hold_ms.load(Ordering::Relaxed))
+    }
+
+    /// Records the hold a route answer allowed (`None`: an indexer that says nothing, so reports
+    /// go at once), bounded by the longest `complete_hold_ms` accepted.
+    pub fn note_indexer_hold(&self, hold_ms: Option<u64>) {
+        let hold = hold_ms.unwrap_or(0).min(MAX_INDEXER_HOLD_MS);
+        self.indexer_hold_ms.store(hold, Ordering::Relaxed);
+    }
+
     /// Takes a request's end report: held for the next route call, or returned with everything
-    /// held when it must go now (`complete_hold_ms` 0, or the queue is full).
+    /// held when it must go now (no hold allowed, or the queue is full).
     pub fn report_end(&self, report: CompleteReport, now_ms: u64) -> Option<Vec<CompleteReport>> {
-        if self.cfg.complete_hold_ms == 0 {
-            return Some(vec![report]);
+        if self.report_hold_ms() == 0 {
+            let mut due = self.held().take();
+            due.push(report);
+            return Some(due);
         }
         self.held().hold(report, now_ms)
     }
 
-    /// The held reports, for a route call to carry (none when holding is off: no lock taken).
+    /// The held reports, for a route call to carry.
     pub fn take_held(&self) -> Vec<CompleteReport> {
-        if self.cfg.complete_hold_ms == 0 {
-            return Vec::new();
-        }
         self.held().take()
     }
 
@@ -149,14 +170,13 @@ impl Plugin {
 
     /// Sends the completion reports held too long, and starts the tokenizer fetches that are due.
     pub fn on_tick(&self, host: &mut impl Host) {
-        if self.cfg.complete_hold_ms > 0 {
-            let overdue = self
-                .held()
-                .take_due(host.now_millis(), self.cfg.complete_hold_ms);
-            send_reports(host, &self.cfg, &overdue, |h, call| {
-                h.dispatch(call).map(|_| ())
-            });
-        }
+        // Also when holding was just turned off: what is still held goes now.
+        let overdue = self
+            .held()
+            .take_due(host.now_millis(), self.report_hold_ms());
+        send_reports(host, &self.cfg, &overdue, |h, call| {
+            h.dispatch(call).map(|_| ())
+        });
         let due = self.models().due_fetches(host.now_millis());
         for model in due {
             let source = self

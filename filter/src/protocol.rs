@@ -105,6 +105,9 @@ pub struct RouteAnswer {
     /// The indexer's key for this decision, echoed in `/v1/complete` (`None` from an indexer that
     /// predates it, or when longer than [`MAX_DECISION_ID_BYTES`]).
     pub decision_id: Option<String>,
+    /// How long completion reports may be held for a later route call to carry (ms; `None`
+    /// from an indexer that does not say: send each at once).
+    pub report_hold_ms: Option<u64>,
 }
 
 /// Most alternates kept from a route answer.
@@ -166,6 +169,7 @@ pub fn parse_route_answer(
         reason: some(raw.reason),
         matched_gpu_tokens: Some(raw.matched_tokens.gpu),
         decision_id: some(raw.decision_id).filter(|d| d.len() <= MAX_DECISION_ID_BYTES),
+        report_hold_ms: raw.report_hold_ms,
     })
 }
 

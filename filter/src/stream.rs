@@ -654,6 +654,7 @@ impl Stream {
         })?;
         // The indexer counted this request in flight: report its end whatever happens next.
         self.unanswered_callout = None;
+        plugin.note_indexer_hold(answer.report_hold_ms);
         self.decision_id = answer.decision_id.clone();
         self.routed_to = Some(answer.endpoint.clone());
         self.sent_at_ns = host.now_nanos();

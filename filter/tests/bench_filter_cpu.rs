@@ -243,6 +243,9 @@ fn envoy_cpu_per_streamed_request() {
         RouteMode::To(upstream_addr.clone()),
         TokenizerMode::Serve,
     );
+    // As the real indexer answers without `[peers]`: the filter may hold its completion reports
+    // for its next route call (`{"complete_hold_ms": 0}` as the variant gives a fleet's filter).
+    indexer.set_report_hold_ms(Some(250));
     let cfg = json!({"route_timeout_ms": 5000, "models": {"qwen3": {}}});
     let start_filtered = |name: &str, cfg: Value, edits: Vec<(String, String)>| {
         let mut opts = EnvoyOptions::new(indexer.server.port, vec![upstream_addr.clone()], cfg);

@@ -874,13 +874,27 @@ fn route_answer_for(decision_id: &str) -> CallReply {
     answer
 }
 
+/// A route answer with its own `decision_id` allowing reports to be held `hold_ms`.
+fn route_answer_holding(decision_id: &str, hold_ms: u64) -> CallReply {
+    let mut answer = route_answer_for(decision_id);
+    let mut body: Value = serde_json::from_slice(&answer.body).expect("json");
+    body["report_hold_ms"] = json!(hold_ms);
+    answer.body = body.to_string().into_bytes();
+    answer
+}
+
 /// One request routed by `plugin` to a decision `decision_id`, answered and ended.
 fn run_routed(plugin: &Arc<Plugin>, decision_id: &str) -> FakeHost {
+    run_answered(plugin, &route_answer_for(decision_id))
+}
+
+/// One request routed by `plugin`, answered with `answer` and ended.
+fn run_answered(plugin: &Arc<Plugin>, answer: &CallReply) -> FakeHost {
     let mut host = FakeHost::post(CHAT, &[], &chat_body("short"));
     let mut stream = Stream::new(1, Some(Arc::clone(plugin)));
     assert_eq!(send_request(&mut stream, &mut host), Flow::Pause);
     let id = host.last_call().id;
-    stream.on_call_reply(&mut host, id, &route_answer_for(decision_id));
+    stream.on_call_reply(&mut host, id, answer);
     respond(&mut stream, &mut host, "text/event-stream", &[SSE_USAGE]);
     stream.on_stream_end(&mut host);
     host
@@ -927,6 +941,43 @@ fn a_completion_report_rides_on_the_next_route_call() {
     // Carried once: the next call carries only what ended since.
     let third = run_routed(&plugin, "d-third");
     assert_eq!(carried_ids(&third.calls[0].json()), Vec::<String>::new());
+}
+
+#[test]
+fn unless_configured_reports_are_held_as_long_as_the_indexer_allows() {
+    let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}}}));
+    assert_eq!(plugin.report_hold_ms(), 0, "nothing held before an answer says");
+    // An indexer alone (no other gateways to keep informed) allows 250 ms.
+    let first = run_answered(&plugin, &route_answer_holding("d-1", 250));
+    assert_eq!(plugin.report_hold_ms(), 250);
+    assert!(first.detached_calls().is_empty(), "held, not sent alone");
+
+    // The next route call carries it; its answer says nothing of holding (an indexer of a
+    // fleet, or an older one): from then on each report goes at once.
+    let mut host = FakeHost::post(CHAT, &[], &chat_body("short"));
+    let mut stream = Stream::new(2, Some(Arc::clone(&plugin)));
+    send_request(&mut stream, &mut host);
+    let route = host.last_call().clone();
+    assert_eq!(carried_ids(&route.json()), ["d-1"]);
+    stream.on_call_reply(&mut host, route.id, &route_answer_for("d-2"));
+    assert_eq!(plugin.report_hold_ms(), 0);
+    respond(&mut stream, &mut host, "text/event-stream", &[SSE_USAGE]);
+    stream.on_stream_end(&mut host);
+    let sent = host.detached_calls();
+    assert_eq!(sent.len(), 1, "sent at once");
+    assert_eq!(sent[0].json()["decision_id"], "d-2");
+
+    // An answer cannot hold reports for longer than the indexer's own bound.
+    run_answered(&plugin, &route_answer_holding("d-3", u64::MAX));
+    assert_eq!(plugin.report_hold_ms(), 10_000);
+}
+
+#[test]
+fn a_configured_hold_overrides_the_indexers() {
+    let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}}, "complete_hold_ms": 0}));
+    let host = run_answered(&plugin, &route_answer_holding("d-1", 250));
+    assert_eq!(plugin.report_hold_ms(), 0);
+    assert_eq!(host.detached_calls().len(), 1, "sent at once, as configured");
 }
 
 #[test]

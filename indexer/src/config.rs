@@ -609,6 +609,17 @@ fn default_dp() -> u32 {
 }
 
 impl Config {
+    /// How long filters may hold completion reports for a route call to carry (ms), as every
+    /// route answer tells them: 0 with `[peers]` (other gateways learn of an end only when its
+    /// report arrives), else `[inflight] report_hold_ms`.
+    pub fn report_hold_ms(&self) -> u64 {
+        if self.peers.is_some() {
+            0
+        } else {
+            self.inflight.report_hold_ms
+        }
+    }
+
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
@@ -921,6 +932,9 @@ pub fn expand_ranks(list: &[String], dp: u32) -> Vec<String> {
         .collect()
 }
 
+/// Longest `[inflight] report_hold_ms`.
+pub const MAX_REPORT_HOLD_MS: u64 = 10_000;
+
 /// `[inflight]`: how long a routed request counts as in flight without a completion.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -941,6 +955,13 @@ pub struct InflightConfig {
     /// Most decisions (and early abandons) remembered (default 200000).
     #[serde(default = "default_max_pending")]
     pub max_pending: usize,
+    /// How long a filter may hold its completion reports for its next route call to carry, ms
+    /// (default 250; at most 10000): told to the filter with every route answer. One exchange
+    /// then serves a report and a decision, which saves the filter's Envoy 0.1-0.2 ms of CPU per
+    /// request. With `[peers]` the answer says 0 whatever this is: the other gateways would
+    /// count a finished request as running until its report arrives.
+    #[serde(default = "default_report_hold_ms")]
+    pub report_hold_ms: u64,
 }
 
 impl Default for InflightConfig {
@@ -951,8 +972,12 @@ impl Default for InflightConfig {
             decode_tokens_per_s: default_decode_tokens_per_s(),
             default_max_tokens: default_max_tokens(),
             max_pending: default_max_pending(),
+            report_hold_ms: default_report_hold_ms(),
         }
     }
+}
+fn default_report_hold_ms() -> u64 {
+    250
 }
 fn default_expiry_floor_ms() -> u64 {
     30_000
@@ -984,6 +1009,12 @@ impl InflightConfig {
         }
         if self.max_pending == 0 {
             return Err(("max_pending", "must be > 0".into()));
+        }
+        if self.report_hold_ms > MAX_REPORT_HOLD_MS {
+            return Err((
+                "report_hold_ms",
+                format!("must be <= {MAX_REPORT_HOLD_MS}"),
+            ));
         }
         Ok(())
     }
@@ -1026,6 +1057,26 @@ events = ["tcp://127.0.0.1:5557"]
         assert_eq!(cfg.listen, "127.0.0.1:8190");
         assert_eq!(cfg.models[0].replicas[0].route_endpoint(), "127.0.0.1:8001");
         assert_eq!(cfg.index.max_bytes, 1 << 30);
+    }
+
+    #[test]
+    fn filters_may_hold_reports_unless_other_gateways_share_the_decisions() {
+        let alone = Config::parse(MINIMAL, "t").expect("valid");
+        assert_eq!(alone.report_hold_ms(), 250);
+        let set = Config::parse(&format!("{MINIMAL}[inflight]\nreport_hold_ms = 40\n"), "t")
+            .expect("valid");
+        assert_eq!(set.report_hold_ms(), 40);
+        let shared = Config::parse(
+            &format!(
+                "{MINIMAL}[inflight]\nreport_hold_ms = 40\n[peers]\nredis = \"127.0.0.1:6379\"\n"
+            ),
+            "t",
+        )
+        .expect("valid");
+        assert_eq!(shared.report_hold_ms(), 0, "a gateway of a fleet never asks to hold");
+        let too_long = format!("{MINIMAL}[inflight]\nreport_hold_ms = 10001\n");
+        let err = Config::parse(&too_long, "t").expect_err("over the bound");
+        assert!(err.to_string().contains("report_hold_ms"), "{err}");
     }
 
     #[test]

@@ -345,6 +345,7 @@ fn record(
             cost: decision.terms.cost_s,
             predicted_ttft_ms: decision.terms.ttft_s * 1000.0,
             explain,
+            report_hold_ms: Some(state.config.report_hold_ms()),
         };
     }
     let routed = state.load.routed(NewDecision {
@@ -446,5 +447,6 @@ fn record(
         cost: t.cost_s,
         predicted_ttft_ms: t.ttft_s * 1000.0,
         explain,
+        report_hold_ms: Some(state.config.report_hold_ms()),
     }
 }

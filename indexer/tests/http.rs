@@ -63,6 +63,10 @@ async fn prefix_hit_wins_and_errors_are_clear() {
     assert_eq!(r["matched_tokens"]["gpu"], 20);
     assert_eq!(r["request_id"], "req-1");
     assert_eq!(
+        r["report_hold_ms"], 250,
+        "an indexer without peers lets the filter hold reports"
+    );
+    assert_eq!(
         r["endpoint"],
         state.fleet.get("r1").unwrap().endpoint.as_str()
     );

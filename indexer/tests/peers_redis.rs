@@ -156,6 +156,10 @@ async fn a_sibling_burst_split_across_two_gateways_lands_on_one_replica() {
     // The burst's first request reaches gateway A; its decision reaches B through Redis.
     let first = route(&c, &a, &sibling(1, 0)).await;
     let chosen = first["replica"].as_str().expect("replica").to_string();
+    assert_eq!(
+        first["report_hold_ms"], 0,
+        "a gateway of a fleet has its filter report each end at once"
+    );
     wait_for("B applied A's decision", || {
         peer_stat(&b, |s| s.applied_routed.load(Ordering::Relaxed)) == 1
     })
@@ -231,6 +235,7 @@ async fn without_sharing_the_other_gateway_knows_nothing_of_the_burst() {
     let c = reqwest::Client::new();
     let first = route(&c, &a, &sibling(2, 0)).await;
     let chosen = first["replica"].as_str().expect("replica").to_string();
+    assert_eq!(first["report_hold_ms"], 250, "alone, the filter may hold its reports");
     // What sharing gives B in the test above, B lacks here: it would choose blind.
     assert!(predicted(&c, &a, &sibling(2, 1), &chosen).await >= 200);
     assert_eq!(predicted(&c, &b, &sibling(2, 1), &chosen).await, 0);

@@ -53,6 +53,9 @@ pub struct FakeIndexer {
     pub server: TestServer,
     pub route: Arc<Mutex<RouteMode>>,
     pub tokenizer: Arc<Mutex<TokenizerMode>>,
+    /// The `report_hold_ms` of its route answers (`None`, the default: not said, as an indexer
+    /// of a fleet or an older one; the real indexer alone says 250).
+    pub report_hold_ms: Arc<Mutex<Option<u64>>>,
 }
 
 impl FakeIndexer {
@@ -66,7 +69,8 @@ impl FakeIndexer {
         );
         let route = Arc::new(Mutex::new(route));
         let tokenizer = Arc::new(Mutex::new(tokenizer));
-        let (r2, t2) = (route.clone(), tokenizer.clone());
+        let report_hold_ms = Arc::new(Mutex::new(None));
+        let (r2, t2, h2) = (route.clone(), tokenizer.clone(), report_hold_ms.clone());
         let respond = move |req: &Request| {
             let prefix = "/v1/models/";
             if req.method == "GET" && req.path.starts_with(prefix) {
@@ -107,6 +111,7 @@ impl FakeIndexer {
                 }
                 let to = |endpoint: &str| RouteAnswer {
                     endpoint: endpoint.to_string(),
+                    report_hold_ms: *h2.lock().expect("lock"),
                     ..RouteAnswer::default()
                 };
                 let mode = r2.lock().expect("lock").clone();
@@ -151,7 +156,13 @@ impl FakeIndexer {
             server,
             route,
             tokenizer,
+            report_hold_ms,
         }
+    }
+
+    /// Sets the `report_hold_ms` its route answers carry.
+    pub fn set_report_hold_ms(&self, hold_ms: Option<u64>) {
+        *self.report_hold_ms.lock().expect("lock") = hold_ms;
     }
 
     pub fn set_route(&self, m: RouteMode) {
