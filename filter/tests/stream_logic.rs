@@ -946,7 +946,11 @@ fn a_completion_report_rides_on_the_next_route_call() {
 #[test]
 fn unless_configured_reports_are_held_as_long_as_the_indexer_allows() {
     let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}}}));
-    assert_eq!(plugin.report_hold_ms(), 0, "nothing held before an answer says");
+    assert_eq!(
+        plugin.report_hold_ms(),
+        0,
+        "nothing held before an answer says"
+    );
     // An indexer alone (no other gateways to keep informed) allows 250 ms.
     let first = run_answered(&plugin, &route_answer_holding("d-1", 250));
     assert_eq!(plugin.report_hold_ms(), 250);
@@ -977,7 +981,11 @@ fn a_configured_hold_overrides_the_indexers() {
     let plugin = plugin_with_qwen3(json!({"models": {"qwen3": {}}, "complete_hold_ms": 0}));
     let host = run_answered(&plugin, &route_answer_holding("d-1", 250));
     assert_eq!(plugin.report_hold_ms(), 0);
-    assert_eq!(host.detached_calls().len(), 1, "sent at once, as configured");
+    assert_eq!(
+        host.detached_calls().len(),
+        1,
+        "sent at once, as configured"
+    );
 }
 
 #[test]

@@ -1011,10 +1011,7 @@ impl InflightConfig {
             return Err(("max_pending", "must be > 0".into()));
         }
         if self.report_hold_ms > MAX_REPORT_HOLD_MS {
-            return Err((
-                "report_hold_ms",
-                format!("must be <= {MAX_REPORT_HOLD_MS}"),
-            ));
+            return Err(("report_hold_ms", format!("must be <= {MAX_REPORT_HOLD_MS}")));
         }
         Ok(())
     }
@@ -1073,7 +1070,11 @@ events = ["tcp://127.0.0.1:5557"]
             "t",
         )
         .expect("valid");
-        assert_eq!(shared.report_hold_ms(), 0, "a gateway of a fleet never asks to hold");
+        assert_eq!(
+            shared.report_hold_ms(),
+            0,
+            "a gateway of a fleet never asks to hold"
+        );
         let too_long = format!("{MINIMAL}[inflight]\nreport_hold_ms = 10001\n");
         let err = Config::parse(&too_long, "t").expect_err("over the bound");
         assert!(err.to_string().contains("report_hold_ms"), "{err}");

@@ -235,7 +235,10 @@ async fn without_sharing_the_other_gateway_knows_nothing_of_the_burst() {
     let c = reqwest::Client::new();
     let first = route(&c, &a, &sibling(2, 0)).await;
     let chosen = first["replica"].as_str().expect("replica").to_string();
-    assert_eq!(first["report_hold_ms"], 250, "alone, the filter may hold its reports");
+    assert_eq!(
+        first["report_hold_ms"], 250,
+        "alone, the filter may hold its reports"
+    );
     // What sharing gives B in the test above, B lacks here: it would choose blind.
     assert!(predicted(&c, &a, &sibling(2, 1), &chosen).await >= 200);
     assert_eq!(predicted(&c, &b, &sibling(2, 1), &chosen).await, 0);
