@@ -2,7 +2,7 @@
 //! run with `cargo test -p kvroute-filter --release --test bench_filter_cpu -- --ignored --nocapture`,
 //! `KVROUTE_FILTER_BUILD=native` for the dynamic module).
 //!
-//! The routing benchmark's router CPU moves ~15 % between runs of one line: the simulator, the
+//! The routing benchmark's router CPU moves 10-30 % between runs of one line: the simulator, the
 //! load generator and the indexer share the machine's two cores with Envoy and change its event
 //! batching. Here only Envoy runs the work that is measured: two Envoys (concurrency 1; plain, and
 //! with the filter and an instant fake indexer) in front of one upstream that streams every
