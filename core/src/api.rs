@@ -136,6 +136,9 @@ pub struct MatchedTokens {
     pub predicted: u64,
 }
 
+/// Longest hold of completion reports a route answer's `report_hold_ms` may ask for (ms).
+pub const MAX_REPORT_HOLD_MS: u64 = 10_000;
+
 /// Answer of `POST /v1/route`. Readers take missing fields other than `endpoint` as empty.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RouteAnswer {

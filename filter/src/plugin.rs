@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use kvroute_core::api::{
     check_contract, AgreementReport, CompleteReport, ContractCheck, TokenizerBundle,
-    CONTRACT_HEADER, CONTRACT_VERSION_STR, TOKENIZER_FORM_COMPACT,
+    CONTRACT_HEADER, CONTRACT_VERSION_STR, MAX_REPORT_HOLD_MS, TOKENIZER_FORM_COMPACT,
 };
 use serde_json::Value;
 
@@ -25,9 +25,6 @@ use crate::metrics::Counter;
 use crate::models::{log_name, Lookup, ModelRegistry, RegistryPolicy};
 use crate::protocol::percent_encode;
 use crate::seam::{CallId, CallReply, Callout, Host};
-
-/// Longest hold of completion reports a route answer can set (ms; the indexer's own bound).
-const MAX_INDEXER_HOLD_MS: u64 = 10_000;
 
 /// How often the host should call [`Plugin::on_tick`] (tokenizer fetches due, completion reports
 /// held past `complete_hold_ms`).
@@ -128,9 +125,9 @@ impl Plugin {
     }
 
     /// Records the hold a route answer allowed (`None`: an indexer that says nothing, so reports
-    /// go at once), bounded by the longest `complete_hold_ms` accepted.
+    /// go at once), at most [`MAX_REPORT_HOLD_MS`].
     pub fn note_indexer_hold(&self, hold_ms: Option<u64>) {
-        let hold = hold_ms.unwrap_or(0).min(MAX_INDEXER_HOLD_MS);
+        let hold = hold_ms.unwrap_or(0).min(MAX_REPORT_HOLD_MS);
         self.indexer_hold_ms.store(hold, Ordering::Relaxed);
     }
 

@@ -932,8 +932,7 @@ pub fn expand_ranks(list: &[String], dp: u32) -> Vec<String> {
         .collect()
 }
 
-/// Longest `[inflight] report_hold_ms`.
-pub const MAX_REPORT_HOLD_MS: u64 = 10_000;
+pub use kvroute_core::api::MAX_REPORT_HOLD_MS;
 
 /// `[inflight]`: how long a routed request counts as in flight without a completion.
 #[derive(Debug, Clone, Deserialize, Serialize)]
