@@ -73,8 +73,11 @@ fn shadow_mode_never_routes_and_the_indexer_learns_what_it_would_have_saved() {
         // Let the KV events reach the indexer before the next decision.
         std::thread::sleep(Duration::from_millis(300));
     }
+    // Round robin alternates, but Envoy restarts it at a random host whenever the host set is
+    // rebuilt (a health-check round on a loaded machine): a full test run saw [1, 5]. Pinning by kvroute
+    // would put all six on the replica holding the prefix.
     assert!(
-        served.iter().all(|&s| s >= 2),
+        served.iter().all(|&s| s >= 1),
         "Envoy's round robin spread the requests, kvroute did not pin them: {served:?}"
     );
     assert_eq!(

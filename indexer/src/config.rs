@@ -7,6 +7,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use kvroute_core::api::MAX_REPORT_HOLD_MS;
 use kvroute_core::hashing::{ExtraKeyStyle, HashAlgo, HashConfig};
 use kvroute_core::scoring::ScoringConfig;
 use serde::{Deserialize, Serialize};
@@ -931,8 +932,6 @@ pub fn expand_ranks(list: &[String], dp: u32) -> Vec<String> {
         })
         .collect()
 }
-
-pub use kvroute_core::api::MAX_REPORT_HOLD_MS;
 
 /// `[inflight]`: how long a routed request counts as in flight without a completion.
 #[derive(Debug, Clone, Deserialize, Serialize)]
