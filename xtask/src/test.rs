@@ -28,6 +28,11 @@ const E2E_BOTH_BUILDS: [&str; 9] = [
     "e2e_tokens",
 ];
 
+/// Suites in real Envoy beside the e2e ones that also run against both builds:
+/// `dashboard_queries` checks that the dashboard and alert rules name metrics the filter exports,
+/// which must not depend on the build.
+const OTHER_SUITES_BOTH_BUILDS: [&str; 1] = ["dashboard_queries"];
+
 /// proptest's seed variable, and the seed `cargo xtask test` uses when it is not set.
 const PROPTEST_SEED_VAR: &str = "PROPTEST_RNG_SEED";
 const PROPTEST_SEED: &str = "20261201";
@@ -271,7 +276,7 @@ fn native_e2e(nextest: bool, filters: &[String]) -> Command {
         command.args(["test", "--no-fail-fast"]);
     }
     command.args(["-p", "kvroute-filter"]);
-    for suite in E2E_BOTH_BUILDS {
+    for suite in E2E_BOTH_BUILDS.iter().chain(&OTHER_SUITES_BOTH_BUILDS) {
         command.args(["--test", suite]);
     }
     if nextest {
