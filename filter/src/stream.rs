@@ -391,8 +391,10 @@ impl Stream {
         }
         // The first bytes of a stream carry the first token; a whole JSON body says nothing of it.
         if chunk_size > 0 && self.scanner.as_ref().is_some_and(UsageScanner::streaming) {
-            if let (Some(sent), Some(now)) = (self.sent_at_ns.take(), host.now_nanos()) {
-                self.ttft_us = Some(now.saturating_sub(sent) / 1_000);
+            if let Some(sent) = self.sent_at_ns.take() {
+                if let Some(now) = host.now_nanos() {
+                    self.ttft_us = Some(now.saturating_sub(sent) / 1_000);
+                }
             }
         }
         if let Some(scanner) = &mut self.scanner {

@@ -97,6 +97,14 @@ impl SseLines {
     }
 
     fn push(&mut self, chunk: &[u8]) {
+        // Most chunks are token events: nothing carried over and no usage key anywhere in the
+        // chunk, so none of its complete lines can be kept; only its unfinished end is carried.
+        // One search over the chunk instead of one per line.
+        if self.partial.is_empty() && !self.skipping && usage_finder().find(chunk).is_none() {
+            let unfinished = memchr::memrchr(b'\n', chunk).map_or(chunk, |nl| &chunk[nl + 1..]);
+            self.extend_partial(unfinished);
+            return;
+        }
         let mut rest = chunk;
         while let Some(nl) = memchr::memchr(b'\n', rest) {
             let piece = &rest[..nl];
