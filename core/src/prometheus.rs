@@ -36,14 +36,38 @@ pub fn samples(text: &str) -> impl Iterator<Item = Sample<'_>> {
     text.lines().filter_map(sample)
 }
 
+/// The samples of `text` whose name `pick` maps to a series, with that series. A line's name is
+/// read first, so the lines of other series (most of an engine's text: histogram buckets) cost a
+/// name search and nothing more.
+pub fn picked<'a, K>(
+    text: &'a str,
+    pick: impl Fn(&str) -> Option<K> + 'a,
+) -> impl Iterator<Item = (K, Sample<'a>)> + 'a {
+    text.lines().filter_map(move |line| {
+        let (name, rest) = split_name(line)?;
+        let series = pick(name)?;
+        Some((series, sample_after(name, rest)?))
+    })
+}
+
 /// Parses one line, `None` for comments, blank and malformed lines.
 pub fn sample(line: &str) -> Option<Sample<'_>> {
+    let (name, rest) = split_name(line)?;
+    sample_after(name, rest)
+}
+
+/// A sample line's name and what follows it; `None` for comments and blank lines.
+fn split_name(line: &str) -> Option<(&str, &str)> {
     let line = line.trim();
     if line.is_empty() || line.starts_with('#') {
         return None;
     }
     let i = line.find(['{', ' '])?;
-    let (name, rest) = (&line[..i], &line[i..]);
+    Some((&line[..i], &line[i..]))
+}
+
+/// The sample named `name` whose labels and value are `rest`.
+fn sample_after<'a>(name: &'a str, rest: &'a str) -> Option<Sample<'a>> {
     let (labels, rest) = match rest.strip_prefix('{') {
         Some(inner) => {
             let j = inner.rfind('}')?;
@@ -102,6 +126,19 @@ mod tests {
         assert_eq!(all[2].labels, "");
         assert_eq!(all[3].value, 4.0, "the timestamp is not the value");
         assert!(all[4].value.is_nan());
+    }
+
+    #[test]
+    fn picked_samples_are_the_samples_of_the_picked_names() {
+        let pick = |name: &str| (name == "vllm:num_requests_running").then_some(7);
+        let running: Vec<(i32, Sample)> = picked(TEXT, pick).collect();
+        let all: Vec<(i32, Sample)> = samples(TEXT)
+            .filter(|s| s.name == "vllm:num_requests_running")
+            .map(|s| (7, s))
+            .collect();
+        assert_eq!(running, all);
+        assert_eq!(running.len(), 2);
+        assert_eq!(picked(TEXT, |n| (n == "broken").then_some(())).count(), 0);
     }
 
     #[test]

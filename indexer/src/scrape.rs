@@ -34,18 +34,59 @@ pub struct EngineMetrics {
     pub reuse: EngineReuse,
 }
 
+/// The engine series [`parse_metrics`] reads.
+#[derive(Debug, Clone, Copy)]
+enum Series {
+    Waiting,
+    Running,
+    KvUsage,
+    ProcessStart,
+    PrefillTokens,
+    PrefillTimeSum,
+    PrefillTimeCount,
+    CacheHits,
+    CacheQueries,
+    Preemptions,
+    ItlSum,
+    ItlCount,
+    CacheConfig,
+}
+
+impl Series {
+    /// The series a sample named `name` belongs to, `None` for the many kvroute does not read
+    /// (their lines are then skipped before their value is parsed).
+    fn named(name: &str) -> Option<Self> {
+        Some(match name {
+            "vllm:num_requests_waiting" => Self::Waiting,
+            "vllm:num_requests_running" => Self::Running,
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => Self::KvUsage,
+            "process_start_time_seconds" => Self::ProcessStart,
+            "vllm:request_prefill_kv_computed_tokens_sum" => Self::PrefillTokens,
+            "vllm:request_prefill_time_seconds_sum" => Self::PrefillTimeSum,
+            "vllm:request_prefill_time_seconds_count" => Self::PrefillTimeCount,
+            "vllm:prefix_cache_hits_total" => Self::CacheHits,
+            "vllm:prefix_cache_queries_total" => Self::CacheQueries,
+            "vllm:num_preemptions_total" => Self::Preemptions,
+            "vllm:inter_token_latency_seconds_sum" => Self::ItlSum,
+            "vllm:inter_token_latency_seconds_count" => Self::ItlCount,
+            "vllm:cache_config_info" => Self::CacheConfig,
+            _ => return None,
+        })
+    }
+}
+
 /// Parses Prometheus text exposition (only the series kvroute needs).
 pub fn parse_metrics(text: &str) -> EngineMetrics {
     let mut m = EngineMetrics::default();
     let mut prefill_engines = std::collections::BTreeSet::new();
-    for sample in prometheus::samples(text) {
-        let (name, labels, value) = (sample.name, sample.labels, sample.value);
+    for (series, sample) in prometheus::picked(text, Series::named) {
+        let (labels, value) = (sample.labels, sample.value);
         if !value.is_finite() {
             continue;
         }
-        match name {
-            "vllm:num_requests_waiting" | "vllm:num_requests_running" => {
-                if name.ends_with("waiting") {
+        match series {
+            Series::Waiting | Series::Running => {
+                if matches!(series, Series::Waiting) {
                     m.waiting += value;
                 } else {
                     m.running += value;
@@ -54,31 +95,28 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
                     *m.busy_by_engine.entry(engine).or_default() += value;
                 }
             }
-            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
-                m.kv_usage = m.kv_usage.max(value)
-            }
-            "process_start_time_seconds" => {
+            Series::KvUsage => m.kv_usage = m.kv_usage.max(value),
+            Series::ProcessStart => {
                 m.process_start = Some(m.process_start.map_or(value, |p: f64| p.min(value)))
             }
-            "vllm:request_prefill_kv_computed_tokens_sum" => m.totals.prefill_tokens += value,
-            "vllm:request_prefill_time_seconds_sum" => {
+            Series::PrefillTokens => m.totals.prefill_tokens += value,
+            Series::PrefillTimeSum => {
                 m.totals.prefill_time_s += value;
                 prefill_engines.insert(engine_label(labels));
             }
-            "vllm:request_prefill_time_seconds_count" => m.totals.prefills += value,
-            "vllm:prefix_cache_hits_total" => m.reuse.cache_hit_tokens += value,
-            "vllm:prefix_cache_queries_total" => m.reuse.cache_query_tokens += value,
-            "vllm:num_preemptions_total" => m.reuse.preemptions += value,
-            "vllm:inter_token_latency_seconds_sum" => m.totals.itl_sum_s += value,
-            "vllm:inter_token_latency_seconds_count" => m.totals.itl_count += value,
-            "vllm:cache_config_info" => {
+            Series::PrefillTimeCount => m.totals.prefills += value,
+            Series::CacheHits => m.reuse.cache_hit_tokens += value,
+            Series::CacheQueries => m.reuse.cache_query_tokens += value,
+            Series::Preemptions => m.reuse.preemptions += value,
+            Series::ItlSum => m.totals.itl_sum_s += value,
+            Series::ItlCount => m.totals.itl_count += value,
+            Series::CacheConfig => {
                 if let Some(blocks) =
                     prometheus::label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok())
                 {
                     m.totals.kv_capacity_blocks = Some(blocks);
                 }
             }
-            _ => {}
         }
     }
     m.totals.engines = u32::try_from(prefill_engines.len()).unwrap_or(u32::MAX);
@@ -120,12 +158,16 @@ async fn scrape_one(state: Arc<AppState>, replica: Arc<Replica>, timeout: Durati
     let result = async {
         let resp = state.http.get(&url).timeout(timeout).send().await?;
         let resp = resp.error_for_status()?;
-        resp.text().await
+        resp.bytes().await
     }
     .await;
     match result {
-        Ok(text) => {
-            let m = parse_metrics(&text);
+        Ok(body) => {
+            // Engines send UTF-8: validated in one pass, copied only if it is not.
+            let m = match std::str::from_utf8(&body) {
+                Ok(text) => parse_metrics(text),
+                Err(_) => parse_metrics(&String::from_utf8_lossy(&body)),
+            };
             let now = Instant::now();
             let restarted = {
                 let mut s = lock(&replica.scraped);
