@@ -267,7 +267,8 @@ fn plan(opts: &TestOptions) -> Vec<Step> {
     steps
 }
 
-/// The e2e suites once more, in Envoy with the native dynamic module instead of the Wasm filter.
+/// The e2e suites (and [`OTHER_SUITES_BOTH_BUILDS`]) once more, in Envoy with the native dynamic
+/// module instead of the Wasm filter.
 fn native_e2e(nextest: bool, filters: &[String]) -> Command {
     let mut command = Command::new(cargo_bin());
     if nextest {
