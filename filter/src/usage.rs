@@ -265,6 +265,33 @@ mod tests {
         assert_eq!(sse(&bytes).cached_tokens(), Some(32), "one byte per chunk");
     }
 
+    /// A token event as vLLM streams it: no `usage` key at all until the final event.
+    fn vllm_token_event(i: usize) -> Vec<u8> {
+        format!("data: {{\"choices\":[{{\"delta\":{{\"content\":\"w{i}\"}}}}]}}\n\n").into_bytes()
+    }
+
+    #[test]
+    fn token_events_without_a_usage_key_are_passed_over_at_every_cut() {
+        // Chunks of whole token events take the one-search path; the usage event then starts in
+        // one chunk and ends in the next, wherever the cut falls.
+        let mut stream: Vec<u8> = (0..3).flat_map(vllm_token_event).collect();
+        stream.extend_from_slice(USAGE);
+        stream.extend_from_slice(b"data: [DONE]\n\n");
+        for cut in 0..=stream.len() {
+            let (a, b) = stream.split_at(cut);
+            assert_eq!(sse(&[a, b]).cached_tokens(), Some(32), "cut at {cut}");
+        }
+        let events: Vec<Vec<u8>> = (0..50).map(vllm_token_event).collect();
+        let refs: Vec<&[u8]> = events.iter().map(Vec::as_slice).collect();
+        let scanner = sse(&refs);
+        assert_eq!(scanner.cached_tokens(), None);
+        assert_eq!(
+            scanner.held_bytes(),
+            0,
+            "nothing is carried between whole events"
+        );
+    }
+
     #[test]
     fn a_stream_without_usage_has_none() {
         let events: Vec<Vec<u8>> = (0..50).map(token_event).collect();
