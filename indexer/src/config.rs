@@ -206,13 +206,13 @@ pub struct SchedulingSection {
     /// stream sent meanwhile is read in one wake-up instead of one each. Events reach the index up
     /// to this much later (a decision's own blocks are predicted at once, not waited for). 0:
     /// the streams share the background runtime and each batch wakes a thread. At most 1000.
-    /// Default 20.
+    /// Default 50.
     #[serde(default = "default_event_coalesce_ms")]
     pub event_coalesce_ms: u64,
 }
 
 fn default_event_coalesce_ms() -> u64 {
-    20
+    50
 }
 
 fn default_event_yield_after_us() -> u64 {
@@ -1089,7 +1089,7 @@ events = ["tcp://127.0.0.1:5557"]
         );
         assert_eq!(
             cfg.scheduling.event_coalesce(),
-            Some(std::time::Duration::from_millis(20))
+            Some(std::time::Duration::from_millis(50))
         );
         let out_of_range = [
             ("event_yield_after_us", 1_000_001),

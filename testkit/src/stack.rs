@@ -653,6 +653,7 @@ impl Stack {
         if let Some(peers) = &self.peers {
             toml.push_str(&peers.toml()?);
         }
+        toml.push_str(&indexer_extra_toml());
         for (index, ports) in self.ports.replicas.iter().enumerate() {
             toml.push_str(&format!(
                 "\n[[models.replicas]]\nname = \"r{index}\"\nhttp = \"127.0.0.1:{}\"\n\
@@ -1136,6 +1137,14 @@ pub fn render(template: &str, values: &[(&str, String)]) -> Result<String> {
 /// `warn,kvroute_indexer::route=debug` to log every decision and every prefix given away).
 fn indexer_log_filter() -> String {
     std::env::var("KVROUTE_STACK_INDEXER_LOG").unwrap_or_else(|_| "warn".to_string())
+}
+
+/// Extra TOML for a local stack's indexers, before the replicas (`KVROUTE_STACK_INDEXER_TOML`,
+/// e.g. `[scheduling]\nevent_coalesce_ms = 50` to try a setting in the benchmark; empty unset).
+fn indexer_extra_toml() -> String {
+    std::env::var("KVROUTE_STACK_INDEXER_TOML")
+        .map(|extra| format!("\n{}\n", extra.replace("\\n", "\n")))
+        .unwrap_or_default()
 }
 
 #[cfg(test)]
