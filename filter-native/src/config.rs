@@ -14,7 +14,7 @@ use serde_json::Value;
 use crate::config_host::{ConfigHost, ConfigSide};
 use crate::envoy::log_error;
 use crate::envoy::{CalloutRequest, CalloutStart, ConfigHandle};
-use crate::main_thread::{MainThread, EVENT_FLUSH, EVENT_TICK};
+use crate::main_thread::{MainThread, EVENT_FLUSH, EVENT_TICK, IDLE_WAIT};
 
 /// Most detached callouts (completion reports) waiting for the main thread; more are refused (and
 /// counted as `complete_failed`), so a stalled main thread cannot grow memory without bound.
@@ -84,10 +84,25 @@ impl NativeConfig {
         let scheduler = envoy
             .new_scheduler()
             .ok_or(NativeConfigError::NoScheduler)?;
+        let plugin = Arc::new(plugin);
+        // Weak both ways: the plugin and the ticker do not keep each other alive.
+        let due_of = Arc::downgrade(&plugin);
+        let main = MainThread::start(
+            scheduler,
+            TICK,
+            IDLE_WAIT,
+            Box::new(move || due_of.upgrade().and_then(|p| p.next_tick_ms())),
+        );
+        let ticker = Arc::downgrade(&main);
+        plugin.set_tick_waker(Box::new(move |due_ms| {
+            if let Some(main) = ticker.upgrade() {
+                main.wake(due_ms);
+            }
+        }));
         Ok(Self {
             side,
-            plugin: Arc::new(plugin),
-            main: MainThread::start(scheduler, TICK),
+            plugin,
+            main,
             queued: Mutex::new(Vec::new()),
             flush_posted: AtomicBool::new(false),
         })

@@ -15,7 +15,8 @@
 //!   for a request and for the shared plugin.
 //! * [`config`]: one filter configuration: the shared [`kvroute_filter::plugin::Plugin`] (one
 //!   tokenizer and one segment cache per process), stat ids, queued detached callouts.
-//! * [`main_thread`]: the configuration scheduler and the ticker that drives tokenizer fetches.
+//! * [`main_thread`]: the configuration scheduler and the ticker that drives tokenizer fetches and
+//!   held completion reports when they fall due.
 //! * [`filter`]: one stream, forwarding every hook to [`kvroute_filter::stream::Stream`].
 //! * [`hooks`]: the exported event hooks Envoy calls; they only translate pointers and dispatch.
 //!

@@ -62,6 +62,12 @@ impl HeldReports {
         std::mem::take(&mut self.reports)
     }
 
+    /// When [`HeldReports::take_due`] with `hold_ms` will take something (host ms): the oldest
+    /// report's end of hold; `None` while nothing is held.
+    pub fn due_at_ms(&self, hold_ms: u64) -> Option<u64> {
+        (!self.reports.is_empty()).then(|| self.since_ms.saturating_add(hold_ms))
+    }
+
     /// Takes everything held when the oldest report has waited `hold_ms` or more.
     pub fn take_due(&mut self, now_ms: u64, hold_ms: u64) -> Vec<CompleteReport> {
         if !self.reports.is_empty() && now_ms.saturating_sub(self.since_ms) >= hold_ms {

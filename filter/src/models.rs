@@ -190,6 +190,29 @@ impl<T> ModelRegistry<T> {
         due
     }
 
+    /// The earliest time (ms) [`ModelRegistry::due_fetches`] will return a model: 0 when one is
+    /// wanted now; a retry's time; a lost fetch's timeout. `None` when no fetch is pending (every
+    /// model ready, unknown or loading within its timeout is waited for by nothing but a lookup,
+    /// and a lookup that wants a fetch marks it wanted).
+    pub fn next_fetch_ms(&self) -> Option<u64> {
+        let lost_at = |since_ms: u64| {
+            since_ms
+                .saturating_add(self.policy.loading_timeout_ms)
+                .saturating_add(1)
+        };
+        let entries = self.entries.values().filter_map(|e| match e.state {
+            State::Wanted => Some(0),
+            State::Failed { retry_at_ms } => Some(retry_at_ms),
+            State::Loading { since_ms } => Some(lost_at(since_ms)),
+            State::Ready(_) | State::Unknown { .. } => None,
+        });
+        let probes = self.probes.values().map(|p| match *p {
+            Probe::Wanted => 0,
+            Probe::Loading { since_ms } => lost_at(since_ms),
+        });
+        entries.chain(probes).min()
+    }
+
     /// The fetch succeeded. Returns false when the model was a probe and no slot is free (the
     /// tokenizer is dropped; the name is asked about again later).
     pub fn loaded(&mut self, model: &str, t: T) -> bool {
@@ -326,6 +349,36 @@ mod tests {
         assert!(r.loaded("a", 7));
         assert!(matches!(r.lookup("a", 2), Lookup::Ready(t) if *t == 7));
         assert!(matches!(r.lookup("b", 2), Lookup::Unknown), "no discovery");
+    }
+
+    #[test]
+    fn the_next_fetch_is_due_when_due_fetches_would_return_it() {
+        let mut r: ModelRegistry<u32> = ModelRegistry::new(policy(true), ["a".to_string()]);
+        assert_eq!(
+            r.next_fetch_ms(),
+            Some(0),
+            "a configured model is wanted at once"
+        );
+        r.due_fetches(10);
+        assert_eq!(r.next_fetch_ms(), Some(5011), "loading: due once lost");
+        assert!(r.due_fetches(5010).is_empty());
+        r.failed("a", 20);
+        assert_eq!(r.next_fetch_ms(), Some(120), "its retry");
+        assert!(r.due_fetches(119).is_empty());
+        assert_eq!(r.due_fetches(120), vec!["a"]);
+        r.loaded("a", 1);
+        assert_eq!(r.next_fetch_ms(), None, "ready: nothing to fetch");
+        // A discovered name is a probe, wanted at once, then watched while it loads.
+        assert!(matches!(r.lookup("b", 200), Lookup::NotReady));
+        assert_eq!(r.next_fetch_ms(), Some(0));
+        assert_eq!(r.due_fetches(200), vec!["b"]);
+        assert_eq!(r.next_fetch_ms(), Some(5201));
+        r.unknown("b", 300);
+        assert_eq!(
+            r.next_fetch_ms(),
+            None,
+            "a negative answer waits for a lookup"
+        );
     }
 
     #[test]

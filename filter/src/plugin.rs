@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use kvroute_core::api::{
@@ -52,7 +52,13 @@ pub struct Plugin {
     held: Mutex<HeldReports>,
     /// The hold the indexer's last route answer allowed (ms; 0 until one says).
     indexer_hold_ms: AtomicU64,
+    /// Told the time (host ms) from which [`Plugin::on_tick`] has new work, by a host that ticks
+    /// only when [`Plugin::next_tick_ms`] says (none: the host ticks every [`TICK`]).
+    tick_waker: OnceLock<TickWaker>,
 }
+
+/// A host's way to hear that [`Plugin::on_tick`] has work from the given time (host ms).
+pub type TickWaker = Box<dyn Fn(u64) + Send + Sync>;
 
 impl std::fmt::Debug for Plugin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -93,6 +99,7 @@ impl Plugin {
             models: Mutex::new(ModelRegistry::new(policy, configured)),
             held: Mutex::new(HeldReports::new(cfg.max_held_completions)),
             indexer_hold_ms: AtomicU64::new(0),
+            tick_waker: OnceLock::new(),
             cfg,
             fetches: Mutex::new(HashMap::new()),
         };
@@ -128,18 +135,50 @@ impl Plugin {
     /// go at once), at most [`MAX_REPORT_HOLD_MS`].
     pub fn note_indexer_hold(&self, hold_ms: Option<u64>) {
         let hold = hold_ms.unwrap_or(0).min(MAX_REPORT_HOLD_MS);
-        self.indexer_hold_ms.store(hold, Ordering::Relaxed);
+        let was = self.indexer_hold_ms.swap(hold, Ordering::Relaxed);
+        if hold < was {
+            // What is held may be due sooner than the ticking host planned.
+            let due = self.held().due_at_ms(self.report_hold_ms());
+            self.wake_ticker(due);
+        }
+    }
+
+    /// Lets a host tick only when there is work ([`Plugin::next_tick_ms`]): `wake` is told each
+    /// time work is added, with the time it is due. Set once; false if a waker was set already.
+    pub fn set_tick_waker(&self, wake: TickWaker) -> bool {
+        self.tick_waker.set(wake).is_ok()
+    }
+
+    /// The host time (ms) from which [`Plugin::on_tick`] has something to do (the oldest held
+    /// report's end of hold, the earliest tokenizer fetch due), `None` while nothing is pending.
+    pub fn next_tick_ms(&self) -> Option<u64> {
+        let held = self.held().due_at_ms(self.report_hold_ms());
+        let fetch = self.models().next_fetch_ms();
+        held.into_iter().chain(fetch).min()
+    }
+
+    fn wake_ticker(&self, due_ms: Option<u64>) {
+        if let (Some(wake), Some(due)) = (self.tick_waker.get(), due_ms) {
+            wake(due);
+        }
     }
 
     /// Takes a request's end report: held for the next route call, or returned with everything
     /// held when it must go now (no hold allowed, or the queue is full).
     pub fn report_end(&self, report: CompleteReport, now_ms: u64) -> Option<Vec<CompleteReport>> {
-        if self.report_hold_ms() == 0 {
+        let hold_ms = self.report_hold_ms();
+        if hold_ms == 0 {
             let mut due = self.held().take();
             due.push(report);
             return Some(due);
         }
-        self.held().hold(report, now_ms)
+        let (full, due_ms) = {
+            let mut held = self.held();
+            let full = held.hold(report, now_ms);
+            (full, held.due_at_ms(hold_ms))
+        };
+        self.wake_ticker(due_ms);
+        full
     }
 
     /// The held reports, for a route call to carry.
@@ -157,12 +196,24 @@ impl Plugin {
         if reports.is_empty() {
             return None;
         }
-        self.held().give_back(reports, now_ms)
+        let (full, due_ms) = {
+            let mut held = self.held();
+            let full = held.give_back(reports, now_ms);
+            (full, held.due_at_ms(self.report_hold_ms()))
+        };
+        self.wake_ticker(due_ms);
+        full
     }
 
     /// Can `model` be routed now? Asking for an unknown model schedules its fetch.
     pub fn lookup(&self, model: &str, now_ms: u64) -> Lookup<LoadedModel> {
-        self.models().lookup(model, now_ms)
+        let found = self.models().lookup(model, now_ms);
+        if matches!(found, Lookup::NotReady) {
+            // Maybe a fetch it just wanted (due at once).
+            let due = self.models().next_fetch_ms();
+            self.wake_ticker(due);
+        }
+        found
     }
 
     /// Sends the completion reports held too long, and starts the tokenizer fetches that are due.
@@ -238,6 +289,9 @@ impl Plugin {
             return false;
         };
         self.on_tokenizer_reply(host, model, reply);
+        // A failed fetch's retry is due later.
+        let due = self.models().next_fetch_ms();
+        self.wake_ticker(due);
         true
     }
 

@@ -7,14 +7,14 @@
 
 mod fake_host;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use fake_host::*;
 use kvroute_core::request::{Endpoint, RequestBody};
 use kvroute_filter::models::Lookup;
 use kvroute_filter::plugin::Plugin;
 use kvroute_filter::protocol::FailOpen;
-use kvroute_filter::seam::{CallReply, Flow, HostError};
+use kvroute_filter::seam::{CallReply, Flow, Host, HostError};
 use kvroute_filter::stream::{Stream, DESTINATIONS_HEADER, DST_HEADER};
 use serde_json::{json, Value};
 
@@ -1008,6 +1008,87 @@ fn a_report_no_route_call_took_goes_by_itself_after_the_hold_time() {
     assert_eq!(host.count("kvroute.complete_sent"), 1);
     plugin.on_tick(&mut host);
     assert_eq!(host.calls.len(), before + 1, "sent once");
+}
+
+/// A waker that records every due time it is told.
+fn recording_waker(plugin: &Plugin) -> Arc<Mutex<Vec<u64>>> {
+    let told = Arc::new(Mutex::new(Vec::new()));
+    let heard = Arc::clone(&told);
+    assert!(plugin.set_tick_waker(Box::new(move |due| {
+        heard.lock().expect("waker log").push(due);
+    })));
+    assert!(
+        !plugin.set_tick_waker(Box::new(|_| {})),
+        "set once, like the host's ticker"
+    );
+    told
+}
+
+#[test]
+fn a_ticking_host_hears_when_a_held_report_falls_due() {
+    let plugin = holding_plugin(json!({}));
+    assert_eq!(
+        plugin.next_tick_ms(),
+        None,
+        "nothing held and the tokenizer loaded: no tick is needed"
+    );
+    let told = recording_waker(&plugin);
+    let first = run_routed(&plugin, "d-1");
+    let due = first.now_millis() + 250;
+    assert_eq!(
+        plugin.next_tick_ms(),
+        Some(due),
+        "the held report's end of hold"
+    );
+    assert_eq!(told.lock().expect("log").last(), Some(&due), "told at once");
+
+    // The next route call carries it; then only that request's own report is pending.
+    let second = run_routed(&plugin, "d-2");
+    assert_eq!(carried_ids(&second.calls[0].json()), ["d-1"]);
+    let due = second.now_millis() + 250;
+    assert_eq!(plugin.next_tick_ms(), Some(due));
+
+    // Due: the tick sends it and nothing is pending any more.
+    let mut host = FakeHost::new();
+    host.now_ns.set(due * 1_000_000);
+    plugin.on_tick(&mut host);
+    assert_eq!(host.last_call().header(":path"), Some("/v1/complete"));
+    assert_eq!(plugin.next_tick_ms(), None);
+}
+
+#[test]
+fn a_ticking_host_hears_of_tokenizer_fetches_and_their_retries() {
+    let mut host = FakeHost::new();
+    let config = json!({"models": {"qwen3": {}}});
+    let plugin = Plugin::configure(&host, config.to_string().as_bytes(), b"").expect("configure");
+    assert_eq!(
+        plugin.next_tick_ms(),
+        Some(0),
+        "the first fetch is due at once"
+    );
+    let told = recording_waker(&plugin);
+
+    plugin.on_tick(&mut host);
+    let fetch = host.last_call().clone();
+    let lost_at = plugin.next_tick_ms().expect("a fetch in flight is watched");
+    assert!(
+        lost_at > host.now_millis() + plugin.cfg.tokenizer_timeout_ms,
+        "a fetch in flight is due again only once it is lost"
+    );
+
+    let failed = CallReply {
+        status: Some(500),
+        contract: None,
+        body: Vec::new(),
+    };
+    assert!(plugin.on_call_reply(&mut host, fetch.id, &failed));
+    let retry = host.now_millis() + plugin.cfg.tokenizer_retry.initial_ms;
+    assert_eq!(plugin.next_tick_ms(), Some(retry), "due again at its retry");
+    assert_eq!(
+        told.lock().expect("log").last(),
+        Some(&retry),
+        "and told so"
+    );
 }
 
 #[test]
