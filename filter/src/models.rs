@@ -191,9 +191,8 @@ impl<T> ModelRegistry<T> {
     }
 
     /// The earliest time (ms) [`ModelRegistry::due_fetches`] will return a model: 0 when one is
-    /// wanted now; a retry's time; a lost fetch's timeout. `None` when no fetch is pending (every
-    /// model ready, unknown or loading within its timeout is waited for by nothing but a lookup,
-    /// and a lookup that wants a fetch marks it wanted).
+    /// wanted now, a failed fetch's retry, a fetch in flight's timeout. `None` when only a lookup
+    /// can make a fetch due (every model ready or unknown to the indexer, no probe).
     pub fn next_fetch_ms(&self) -> Option<u64> {
         let lost_at = |since_ms: u64| {
             since_ms
