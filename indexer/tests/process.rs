@@ -231,6 +231,15 @@ async fn wait_http<F: Fn(&Value) -> bool>(c: &reqwest::Client, base: &str, f: F)
     }
 }
 
+/// Snapshots the indexer has written (`snapshots_written_total`).
+async fn snapshots_written(c: &reqwest::Client, base: &str) -> f64 {
+    kvroute_core::prometheus::sum(
+        &metrics_text(c, base).await,
+        "kvroute_indexer_snapshots_written_total",
+    )
+    .unwrap_or(0.0)
+}
+
 /// The allocator options `/metrics` reports, by name.
 async fn allocator_options(c: &reqwest::Client, base: &str) -> Vec<(String, i64)> {
     metrics_text(c, base)
@@ -318,8 +327,17 @@ async fn kill_and_restart_resumes_from_snapshot_and_replay() {
         before.push(lookup(&c, &ix.base, pr).await);
     }
     assert_eq!(before, vec![1, 2, 3, 4, 5, 0]);
-    // Let a snapshot capture everything, then kill -9.
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // Let a snapshot capture everything (two more written: the first may have begun before the
+    // last batch was applied), then kill -9.
+    let written = snapshots_written(&c, &ix.base).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while snapshots_written(&c, &ix.base).await < written + 2.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no snapshot written within 15 s"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
     drop(ix);
     assert!(snap.exists(), "snapshot written");
 
