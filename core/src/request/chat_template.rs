@@ -10,7 +10,8 @@ use std::fmt::Write as _;
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, Error, ErrorKind};
 
-use super::RequestError;
+use super::openai::detect_content_format;
+use super::{ChatContentFormat, RequestError};
 
 /// The template to use when the model names several: transformers picks `tool_use` when tools
 /// are given and that name exists, else `default`.
@@ -22,6 +23,8 @@ pub(crate) struct ChatTemplates {
     env: Environment<'static>,
     /// Template name -> source (a single unnamed template is stored as `default`).
     sources: BTreeMap<String, String>,
+    /// Template name -> the content format its source expects (vLLM's detection, done once).
+    formats: BTreeMap<String, ChatContentFormat>,
 }
 
 impl std::fmt::Debug for ChatTemplates {
@@ -78,7 +81,15 @@ impl ChatTemplates {
             env.add_template_owned(name.clone(), source.clone())
                 .map_err(|e| RequestError::Template(describe(&e)))?;
         }
-        Ok(Self { env, sources })
+        let formats = sources
+            .iter()
+            .map(|(name, source)| (name.clone(), detect_content_format(source)))
+            .collect();
+        Ok(Self {
+            env,
+            sources,
+            formats,
+        })
     }
 
     /// The template name transformers would pick.
@@ -103,6 +114,14 @@ impl ChatTemplates {
     /// The source of a template returned by [`Self::select`].
     pub(crate) fn source(&self, name: &str) -> &str {
         self.sources.get(name).map(String::as_str).unwrap_or("")
+    }
+
+    /// The content format template `name` expects, as [`detect_content_format`] finds it.
+    pub(crate) fn detected_format(&self, name: &str) -> ChatContentFormat {
+        self.formats
+            .get(name)
+            .copied()
+            .unwrap_or_else(|| detect_content_format(self.source(name)))
     }
 
     /// Renders template `name` with `context` (a JSON object of template variables).

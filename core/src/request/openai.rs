@@ -414,31 +414,15 @@ fn parse_message(
             .filter(|v| !v.is_null())
             .cloned(),
     };
-    let mut parts: Vec<Value> = match msg.get("content") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::String(s)) => vec![serde_json::json!({"type": "text", "text": s})],
-        Some(Value::Array(parts)) => parts.clone(),
-        Some(_) => {
-            return Err(invalid_message(
-                index,
-                "content must be a string, a list or null",
-            ))
+    let (mut texts, media_at) = match msg.get("content") {
+        // Most messages: one string, which vLLM reads as one text part of that same text.
+        Some(Value::String(s))
+            if role != "system" || !s.starts_with(CLAUDE_CODE_BILLING_HEADER) =>
+        {
+            (vec![s.clone()], None)
         }
+        content => content_texts(index, content, &role)?,
     };
-    if role == "system" {
-        parts = strip_billing_header(parts);
-    }
-    let mut texts = Vec::with_capacity(parts.len());
-    let mut media_at = None;
-    for p in &parts {
-        match part(index, p)? {
-            Part::Text(Some(text)) => texts.push(text),
-            Part::Text(None) => {}
-            Part::Media => {
-                media_at.get_or_insert(texts.len());
-            }
-        }
-    }
     let content = match format {
         ChatContentFormat::OpenAi => {
             // The template renders the media part in place.
@@ -457,7 +441,10 @@ fn parse_message(
             if media_at.is_some() {
                 texts.insert(0, MEDIA_MARK.to_owned());
             }
-            Value::String(texts.join("\n"))
+            match <[String; 1]>::try_from(texts) {
+                Ok([text]) => Value::String(text),
+                Err(texts) => Value::String(texts.join("\n")),
+            }
         }
     };
 
@@ -507,6 +494,41 @@ fn parse_message(
         );
     }
     Ok(Value::Object(result))
+}
+
+/// The texts of a message's `content` (string, list of parts or absent) in order, and where the
+/// first media part was among them.
+fn content_texts(
+    index: usize,
+    content: Option<&Value>,
+    role: &str,
+) -> Result<(Vec<String>, Option<usize>), RequestError> {
+    let mut parts: Vec<Value> = match content {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![serde_json::json!({"type": "text", "text": s})],
+        Some(Value::Array(parts)) => parts.clone(),
+        Some(_) => {
+            return Err(invalid_message(
+                index,
+                "content must be a string, a list or null",
+            ))
+        }
+    };
+    if role == "system" {
+        parts = strip_billing_header(parts);
+    }
+    let mut texts = Vec::with_capacity(parts.len());
+    let mut media_at = None;
+    for p in &parts {
+        match part(index, p)? {
+            Part::Text(Some(text)) => texts.push(text),
+            Part::Text(None) => {}
+            Part::Media => {
+                media_at.get_or_insert(texts.len());
+            }
+        }
+    }
+    Ok((texts, media_at))
 }
 
 /// One content part as the template will see it.
@@ -736,10 +758,10 @@ fn developer_to_system(messages: Vec<Value>) -> Vec<Value> {
 /// transformers: drop keys whose value is `None`, then alias the reasoning as
 /// `{"thinking": r, **message, "reasoning_content": r}`.
 fn hf_normalise(message: Value) -> Value {
-    let Value::Object(obj) = message else {
+    let Value::Object(mut obj) = message else {
         return message;
     };
-    let obj: Map<String, Value> = obj.into_iter().filter(|(_, v)| !v.is_null()).collect();
+    obj.retain(|_, v| !v.is_null());
     let reasoning = ["reasoning_content", "thinking", "reasoning"]
         .iter()
         .find_map(|k| obj.get(*k).filter(|v| !v.is_null()).cloned());
@@ -902,6 +924,25 @@ mod tests {
                 "reasoning_content".into()
             ])
         );
+    }
+
+    #[test]
+    fn string_content_is_read_as_its_one_text_part() {
+        // The string fast path must give what the same text as a one-part list gives.
+        let billing = format!("{CLAUDE_CODE_BILLING_HEADER}: x\nkept");
+        for role in ["system", "user", "assistant", "tool", "developer"] {
+            for text in ["plain", "", billing.as_str(), CLAUDE_CODE_BILLING_HEADER] {
+                for format in [ChatContentFormat::String, ChatContentFormat::OpenAi] {
+                    let as_string = json!({"role": role, "content": text, "name": "n"});
+                    let as_part = json!({"role": role, "content": [{"type": "text", "text": text}], "name": "n"});
+                    assert_eq!(
+                        normalise_messages(&[as_string], format, "").expect("valid"),
+                        normalise_messages(&[as_part], format, "").expect("valid"),
+                        "{role} {text:?} {format:?}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

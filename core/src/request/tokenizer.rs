@@ -372,7 +372,7 @@ impl ModelTokenizer {
         let name = templates.select(req.tools.is_some())?;
         let source = templates.source(name);
         let format = match self.opts.content_format {
-            ChatContentFormat::Auto => openai::detect_content_format(source),
+            ChatContentFormat::Auto => templates.detected_format(name),
             other => other,
         };
         let mut messages = openai::normalise_messages(req.messages, format, source)?;
