@@ -102,8 +102,11 @@ fn chain_with(
 ) -> RouterKey {
     buf.clear();
     put_u32(buf, block_tokens.len());
-    for t in block_tokens {
-        buf.extend_from_slice(&t.to_le_bytes());
+    // The tokens' little-endian bytes, written into place (one resize, no per-token growth).
+    let start = buf.len();
+    buf.resize(start + 4 * block_tokens.len(), 0);
+    for (to, t) in buf[start..].chunks_exact_mut(4).zip(block_tokens) {
+        to.copy_from_slice(&t.to_le_bytes());
     }
     match extra {
         None => buf.push(0x00),
@@ -206,6 +209,34 @@ mod tests {
         (0..n)
             .map(|i| i.wrapping_mul(2_654_435_761) % 151_000)
             .collect()
+    }
+
+    #[test]
+    fn keys_are_the_ones_earlier_versions_computed() {
+        // Snapshots and gateways sharing decisions hold these values (the ones revision 8503c5d
+        // computed): a change of the byte layout or the hash would orphan every saved key.
+        let t = tokens(48);
+        let plain = chain(ROOT, &t[..16], None);
+        let next = chain(plain, &t[16..32], None);
+        let extra = vec![
+            ExtraKeyValue::Str("lora-a".into()),
+            ExtraKeyValue::Int(-7),
+            ExtraKeyValue::Bytes(vec![1, 2, 3]),
+            ExtraKeyValue::List(vec![ExtraKeyValue::Int(5)]),
+        ];
+        let with_extra = chain(next, &t[32..48], Some(&extra));
+        assert_eq!(
+            [plain.0, next.0, with_extra.0],
+            [
+                0x8065_d93e_a73c_46e3,
+                0x7811_c62c_53fa_5706,
+                0x126d_c8e9_3f1a_5a5c
+            ],
+            "{:#018x} {:#018x} {:#018x}",
+            plain.0,
+            next.0,
+            with_extra.0
+        );
     }
 
     #[test]

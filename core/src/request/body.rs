@@ -178,19 +178,27 @@ pub fn token_id_list(list: &[u8]) -> Option<Vec<u32>> {
     // One id per comma and one more: the exact size, so memory follows the ids, not the bytes
     // (a Wasm VM's linear memory never shrinks).
     let mut ids = Vec::with_capacity(memchr::memchr_iter(b',', inner).count() + 1);
-    let mut i = skip_ws(inner, 0);
+    let mut rest = &inner[skip_ws(inner, 0)..];
     loop {
-        let (id, len) = leading_digits(&inner[i..])?;
-        if len == 0 || (len > 1 && inner[i] == b'0') {
+        let (id, len) = leading_digits(rest)?;
+        if len == 0 || (len > 1 && rest[0] == b'0') {
             return None;
         }
         ids.push(id);
-        i = skip_ws(inner, i + len);
-        match inner.get(i) {
-            None => return Some(ids),
-            Some(b',') => i = skip_ws(inner, i + 1),
-            Some(_) => return None,
-        }
+        rest = &rest[len..];
+        // The separators clients write (`,` and `, `) before the next digit, then the rest.
+        rest = match rest {
+            [b',', b'0'..=b'9', ..] => &rest[1..],
+            [b',', b' ', b'0'..=b'9', ..] => &rest[2..],
+            _ => {
+                let at = skip_ws(rest, 0);
+                match rest.get(at) {
+                    None => return Some(ids),
+                    Some(b',') => &rest[skip_ws(rest, at + 1)..],
+                    Some(_) => return None,
+                }
+            }
+        };
     }
 }
 
@@ -289,7 +297,16 @@ mod tests {
             })
             .collect();
         let text = serde_json::to_string(&ids).expect("json");
-        assert_eq!(token_id_list(text.as_bytes()), Some(ids));
+        assert_eq!(token_id_list(text.as_bytes()), Some(ids.clone()));
+        // Python's `json.dumps` separators, and separators no client writes.
+        for sep in [", ", " ,", " , ", ",\n  "] {
+            let spaced = text.replace(',', sep);
+            assert_eq!(
+                token_id_list(spaced.as_bytes()),
+                Some(ids.clone()),
+                "{sep:?}"
+            );
+        }
     }
 
     #[test]
