@@ -46,6 +46,16 @@ fn rounds() -> usize {
         .unwrap_or(ROUNDS)
 }
 
+/// Tokens of the first prompt of each token-id session (`KVROUTE_CPU_ID_TOKENS`, default 4000;
+/// the routing benchmark's agentic prompts average ~25k).
+fn id_prompt_tokens() -> usize {
+    std::env::var("KVROUTE_CPU_ID_TOKENS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(4000)
+}
+
 /// The request header that tells the upstream how many events to stream.
 const EVENTS_HEADER: &str = "x-bench-events";
 
@@ -293,14 +303,15 @@ fn envoy_cpu_per_streamed_request() {
         envoy.wait_tokenizers(1);
     }
 
-    let rows: [(&str, &'static str, Arc<Vec<String>>); 2] = [
+    let id_tokens = id_prompt_tokens();
+    let rows: [(String, &'static str, Arc<Vec<String>>); 2] = [
         (
-            "token ids ~4k, growing",
+            format!("token ids ~{}k, growing", id_tokens / 1000),
             "/v1/completions",
-            Arc::new(token_id_bodies(480, 4000)),
+            Arc::new(token_id_bodies(480, id_tokens)),
         ),
         (
-            "chat ~8k, warm",
+            "chat ~8k, warm".to_string(),
             "/v1/chat/completions",
             Arc::new(chat_bodies(480, 8000)),
         ),
