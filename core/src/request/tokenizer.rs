@@ -81,6 +81,16 @@ fn py_is_space(c: char) -> bool {
     c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
 }
 
+/// Where the first media placeholder mark is in a rendered chat (a SIMD search: the text is
+/// the whole prompt, searched once per request).
+fn media_mark_at(text: &str) -> Option<usize> {
+    static FINDER: std::sync::OnceLock<memchr::memmem::Finder<'static>> =
+        std::sync::OnceLock::new();
+    FINDER
+        .get_or_init(|| memchr::memmem::Finder::new(openai::MEDIA_MARK.as_bytes()))
+        .find(text.as_bytes())
+}
+
 impl ModelTokenizer {
     /// Loads a model's tokenizer and chat template.
     pub fn from_files(files: &ModelFiles, opts: TokenizerOptions) -> Result<Self, RequestError> {
@@ -300,7 +310,7 @@ impl ModelTokenizer {
         match endpoint {
             Endpoint::ChatCompletions => {
                 let (text, add_special_tokens) = self.render_chat_inner(body)?;
-                match text.find(openai::MEDIA_MARK) {
+                match media_mark_at(&text) {
                     None => Ok(PromptTokens::Single(self.encode_text_inner(
                         &text,
                         add_special_tokens,
