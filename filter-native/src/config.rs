@@ -9,12 +9,13 @@ use std::time::Duration;
 use kvroute_filter::metrics::{MetricIds, MetricKind};
 use kvroute_filter::plugin::{Plugin, PluginError, TICK};
 use kvroute_filter::seam::{CallId, CallReply, Callout};
+use kvroute_filter::tick_plan::IDLE_TICK;
 use serde_json::Value;
 
 use crate::config_host::{ConfigHost, ConfigSide};
 use crate::envoy::log_error;
 use crate::envoy::{CalloutRequest, CalloutStart, ConfigHandle};
-use crate::main_thread::{MainThread, EVENT_FLUSH, EVENT_TICK, IDLE_WAIT};
+use crate::main_thread::{MainThread, EVENT_FLUSH, EVENT_TICK};
 
 /// Most detached callouts (completion reports) waiting for the main thread; more are refused (and
 /// counted as `complete_failed`), so a stalled main thread cannot grow memory without bound.
@@ -90,7 +91,7 @@ impl NativeConfig {
         let main = MainThread::start(
             scheduler,
             TICK,
-            IDLE_WAIT,
+            IDLE_TICK,
             Box::new(move || due_of.upgrade().and_then(|p| p.next_tick_ms())),
         );
         let ticker = Arc::downgrade(&main);

@@ -8,7 +8,7 @@
 //! thread waits until the plugin's next work is due ([`Plugin::next_tick_ms`]) and commits a tick
 //! event; the work itself (callouts) runs on the main thread, where configuration-scope callouts
 //! belong. Whoever adds work due sooner than the ticker's wake-up wakes it ([`MainThread::wake`]);
-//! with nothing pending it sleeps [`IDLE_WAIT`] at a time, and it never posts ticks closer than
+//! with nothing pending it sleeps [`IDLE_TICK`] at a time, and it never posts ticks closer than
 //! [`TICK`] apart. An idle gateway's main thread is not woken 20 times a second for nothing.
 //! The thread holds no Envoy pointer but the scheduler, and [`MainThread::shutdown`] stops and
 //! joins it before the scheduler is deleted.
@@ -16,6 +16,7 @@
 //! [`Plugin::on_tick`]: kvroute_filter::plugin::Plugin::on_tick
 //! [`Plugin::next_tick_ms`]: kvroute_filter::plugin::Plugin::next_tick_ms
 //! [`TICK`]: kvroute_filter::plugin::TICK
+//! [`IDLE_TICK`]: kvroute_filter::tick_plan::IDLE_TICK
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -24,9 +25,6 @@ use std::time::Duration;
 
 use crate::config_host::now_nanos;
 use crate::envoy::Scheduler;
-
-/// Longest the ticker sleeps with nothing pending (a bound, should a wake-up ever be missed).
-pub const IDLE_WAIT: Duration = Duration::from_secs(1);
 
 /// Where events go: Envoy's configuration scheduler (a recorder in tests).
 pub trait Post: Send + Sync + 'static {
@@ -64,7 +62,7 @@ pub struct MainThread<S: Post = Scheduler> {
 impl<S: Post> MainThread<S> {
     /// Takes the scheduler and starts the ticker: one tick posted at once, then one whenever
     /// `next_due` says work is due, at most one per `tick`; with nothing due it sleeps
-    /// `idle_wait` at a time ([`IDLE_WAIT`]).
+    /// `idle_wait` at a time ([`IDLE_TICK`]).
     pub fn start(
         scheduler: S,
         tick: Duration,

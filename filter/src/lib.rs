@@ -9,7 +9,7 @@
 //!
 //! The logic is host-independent and reaches the proxy only through [`seam`]'s traits:
 //! [`plugin`] (configuration, per-model tokenizers), [`stream`] (one request), with [`config`],
-//! [`protocol`] (pure wire logic), [`completions`] (reports held for the next route call), [`usage`] (the response's `cached_tokens`), [`models`]
+//! [`protocol`] (pure wire logic), [`completions`] (reports held for the next route call), [`usage`] (the response's `cached_tokens`), [`tick_plan`] (how often a host ticks), [`models`]
 //! (tokenizer registry), [`loaded_model`] (a model turning a request into router keys) and [`metrics`] (names). The
 //! proxy-wasm build is the thin adapter in [`root_context`] and [`http_context`] over [`host`]
 //! (panic-free host calls); a native build implements the same traits.
@@ -30,6 +30,7 @@ pub mod protocol;
 pub mod root_context;
 pub mod seam;
 pub mod stream;
+pub mod tick_plan;
 pub mod token_check;
 pub mod usage;
 

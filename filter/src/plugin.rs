@@ -26,8 +26,8 @@ use crate::models::{log_name, Lookup, ModelRegistry, RegistryPolicy};
 use crate::protocol::percent_encode;
 use crate::seam::{CallId, CallReply, Callout, Host};
 
-/// How often the host should call [`Plugin::on_tick`] (tokenizer fetches due, completion reports
-/// held past `complete_hold_ms`).
+/// How often the host should call [`Plugin::on_tick`] while it has work due (tokenizer fetches,
+/// completion reports held past `complete_hold_ms`); [`crate::tick_plan`] says when.
 pub const TICK: Duration = Duration::from_millis(50);
 
 /// Why a plugin configuration was refused.
@@ -53,7 +53,7 @@ pub struct Plugin {
     /// The hold the indexer's last route answer allowed (ms; 0 until one says).
     indexer_hold_ms: AtomicU64,
     /// Told the time (host ms) from which [`Plugin::on_tick`] has new work, by a host that ticks
-    /// only when [`Plugin::next_tick_ms`] says (none: the host ticks every [`TICK`]).
+    /// only when [`Plugin::next_tick_ms`] says ([`crate::tick_plan`]).
     tick_waker: OnceLock<TickWaker>,
 }
 
@@ -71,7 +71,7 @@ impl std::fmt::Debug for Plugin {
 impl Plugin {
     /// Validates the plugin configuration and loads the models whose tokenizer is in the VM
     /// configuration (`vm_config`, a JSON document; may be empty when none is offline). Call
-    /// [`Plugin::on_tick`] right after, and every [`TICK`].
+    /// [`Plugin::on_tick`] right after, then as [`crate::tick_plan`] says.
     pub fn configure(
         host: &impl Host,
         plugin_config: &[u8],

@@ -10,8 +10,9 @@ use proxy_wasm::types::ContextType;
 use crate::host::{self, Buffer};
 use crate::http_context::{call_reply, KvRouteHttp, VmState, WasmHost};
 use crate::metrics::{MetricIds, MetricKind};
-use crate::plugin::{Plugin, TICK};
+use crate::plugin::Plugin;
 use crate::seam::{CallId, Level};
+use crate::tick_plan::TickPeriod;
 
 /// Name of the gauge holding a VM's linear memory size (bytes). Every VM sets the same gauge, so
 /// it shows the last reporting VM (they are alike: one tokenizer per model each).
@@ -22,6 +23,9 @@ pub struct KvRouteRoot {
     vm: Rc<VmState>,
     vm_config: Vec<u8>,
     vm_memory_gauge: Option<u32>,
+    /// The root's tick period (busy or idle, [`crate::tick_plan`]), shared with the plugin's
+    /// waker.
+    tick: Arc<TickPeriod>,
 }
 
 impl KvRouteRoot {
@@ -34,6 +38,26 @@ impl KvRouteRoot {
             }),
             vm_config: Vec::new(),
             vm_memory_gauge: None,
+            tick: Arc::new(TickPeriod::default()),
+        }
+    }
+
+    /// Sets the tick period the plugin's pending work asks for, if it changed.
+    fn replan_tick(&self, plugin: &Plugin) {
+        let Some(period) = self
+            .tick
+            .replanned(host::now_millis(), plugin.next_tick_ms())
+        else {
+            return;
+        };
+        match host::set_tick_period(period) {
+            Ok(()) => self.tick.set(period),
+            Err(e) => self.log(
+                Level::Warn,
+                &format!(
+                    "kvroute: cannot set the tick period ({e}); tokenizer fetches will not be retried"
+                ),
+            ),
         }
     }
 
@@ -137,21 +161,25 @@ impl RootContext for KvRouteRoot {
         };
         vm.plugin = Some(Arc::clone(&plugin));
         self.vm = Rc::new(vm);
-        if let Err(e) = host::set_tick_period(TICK) {
-            self.log(
-                Level::Warn,
-                &format!(
-                    "kvroute: cannot set the tick period ({e}); tokenizer fetches will not be retried"
-                ),
-            );
-        }
+        // Streams add work (a held report) from their own callbacks; the host applies a tick
+        // period set there to this root.
+        let tick = Arc::clone(&self.tick);
+        plugin.set_tick_waker(Box::new(move |due_ms| {
+            if let Some(period) = tick.hastened(host::now_millis(), due_ms) {
+                if host::set_tick_period(period).is_ok() {
+                    tick.set(period);
+                }
+            }
+        }));
         plugin.on_tick(&mut WasmHost::new(&self.vm, self.vm.root_id));
+        self.replan_tick(&plugin);
         true
     }
 
     fn on_tick(&mut self) {
         if let Some(plugin) = &self.vm.plugin {
             plugin.on_tick(&mut WasmHost::new(&self.vm, self.vm.root_id));
+            self.replan_tick(plugin);
         }
         if let Some(id) = self.vm_memory_gauge {
             let _ = host::record_metric(id, vm_memory_bytes());
