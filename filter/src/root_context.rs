@@ -50,20 +50,26 @@ impl KvRouteRoot {
         else {
             return;
         };
-        match host::set_tick_period(period) {
-            Ok(()) => self.tick.set(period),
-            Err(e) => self.log(
+        if let Err(e) = set_tick_period(&self.tick, period) {
+            self.log(
                 Level::Warn,
                 &format!(
                     "kvroute: cannot set the tick period ({e}); tokenizer fetches will not be retried"
                 ),
-            ),
+            );
         }
     }
 
     fn log(&self, level: Level, message: &str) {
         host::log(level, message);
     }
+}
+
+/// Sets the root's tick period and records it in `tick` once the host took it.
+fn set_tick_period(tick: &TickPeriod, period: std::time::Duration) -> host::HostResult<()> {
+    host::set_tick_period(period)?;
+    tick.set(period);
+    Ok(())
 }
 
 /// The VM's linear memory in bytes (0 off wasm).
@@ -166,9 +172,8 @@ impl RootContext for KvRouteRoot {
         let tick = Arc::clone(&self.tick);
         plugin.set_tick_waker(Box::new(move |due_ms| {
             if let Some(period) = tick.hastened(host::now_millis(), due_ms) {
-                if host::set_tick_period(period).is_ok() {
-                    tick.set(period);
-                }
+                // A failure is logged by the next tick's re-plan, which tries again.
+                let _ = set_tick_period(&tick, period);
             }
         }));
         plugin.on_tick(&mut WasmHost::new(&self.vm, self.vm.root_id));

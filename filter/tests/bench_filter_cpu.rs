@@ -39,21 +39,22 @@ const CLIENTS: usize = 16;
 const ROUNDS: usize = 5;
 
 fn rounds() -> usize {
-    std::env::var("KVROUTE_CPU_ROUNDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&n| n > 0)
-        .unwrap_or(ROUNDS)
+    positive_env("KVROUTE_CPU_ROUNDS", ROUNDS)
 }
 
 /// Tokens of the first prompt of each token-id session (`KVROUTE_CPU_ID_TOKENS`, default 4000;
 /// the routing benchmark's agentic prompts average ~25k).
 fn id_prompt_tokens() -> usize {
-    std::env::var("KVROUTE_CPU_ID_TOKENS")
+    positive_env("KVROUTE_CPU_ID_TOKENS", 4000)
+}
+
+/// The positive number in environment variable `name`, else `default`.
+fn positive_env(name: &str, default: usize) -> usize {
+    std::env::var(name)
         .ok()
         .and_then(|v| v.parse().ok())
         .filter(|&n| n > 0)
-        .unwrap_or(4000)
+        .unwrap_or(default)
 }
 
 /// The request header that tells the upstream how many events to stream.
