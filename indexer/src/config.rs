@@ -960,6 +960,15 @@ pub struct InflightConfig {
     /// count a finished request as running until its report arrives.
     #[serde(default = "default_report_hold_ms")]
     pub report_hold_ms: u64,
+    /// Seconds over which a replica's recent prefill work and how often requests continue an
+    /// earlier one are averaged (default 60): long enough to span several returns of the
+    /// sessions resident on a replica, whose turns are what that work predicts.
+    #[serde(default = "default_recent_work_window_s")]
+    pub recent_work_window_s: f64,
+    /// Prompts remembered per model to recognise a request continuing one (default 65,536:
+    /// about 1.5 MiB).
+    #[serde(default = "default_max_tracked_prompts")]
+    pub max_tracked_prompts: usize,
 }
 
 impl Default for InflightConfig {
@@ -971,8 +980,16 @@ impl Default for InflightConfig {
             default_max_tokens: default_max_tokens(),
             max_pending: default_max_pending(),
             report_hold_ms: default_report_hold_ms(),
+            recent_work_window_s: default_recent_work_window_s(),
+            max_tracked_prompts: default_max_tracked_prompts(),
         }
     }
+}
+fn default_recent_work_window_s() -> f64 {
+    60.0
+}
+fn default_max_tracked_prompts() -> usize {
+    65_536
 }
 fn default_report_hold_ms() -> u64 {
     250
@@ -1010,6 +1027,12 @@ impl InflightConfig {
         }
         if self.report_hold_ms > MAX_REPORT_HOLD_MS {
             return Err(("report_hold_ms", format!("must be <= {MAX_REPORT_HOLD_MS}")));
+        }
+        if !(self.recent_work_window_s.is_finite() && self.recent_work_window_s > 0.0) {
+            return Err(("recent_work_window_s", "must be a number > 0".into()));
+        }
+        if self.max_tracked_prompts == 0 {
+            return Err(("max_tracked_prompts", "must be > 0".into()));
         }
         Ok(())
     }

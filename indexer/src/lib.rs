@@ -24,5 +24,6 @@ pub mod shadow;
 pub mod snapshot;
 pub mod state;
 pub mod subscriber;
+pub mod successors;
 pub mod tokenizer_serving;
 pub mod tools;

@@ -46,12 +46,35 @@ pub const RELEASE_STALE: Duration = Duration::from_millis(500);
 /// Longest accepted `callout_id`.
 pub const MAX_CALLOUT_ID_BYTES: usize = 128;
 
+/// An exponentially decayed sum: each amount added fades by `exp(-age / tau)`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Decayed {
+    level: f64,
+    at: Option<Instant>,
+}
+
+impl Decayed {
+    /// The sum at `now`, faded over `tau_s` seconds.
+    pub fn at(&self, now: Instant, tau_s: f64) -> f64 {
+        self.at.map_or(0.0, |at| {
+            let age = now.saturating_duration_since(at).as_secs_f64();
+            self.level * (-age / tau_s.max(f64::MIN_POSITIVE)).exp()
+        })
+    }
+
+    /// Adds `amount` at `now` (a non-finite amount adds nothing).
+    pub fn add(&mut self, now: Instant, tau_s: f64, amount: f64) {
+        let amount = if amount.is_finite() { amount } else { 0.0 };
+        self.level = self.at(now, tau_s) + amount;
+        self.at = Some(now);
+    }
+}
+
 /// Events per second, an exponentially decayed count over `tau_s` (default 10 s).
 #[derive(Debug, Clone)]
 pub struct RateMeter {
     tau_s: f64,
-    level: f64,
-    at: Option<Instant>,
+    count: Decayed,
 }
 
 impl Default for RateMeter {
@@ -65,26 +88,18 @@ impl RateMeter {
     pub fn new(tau_s: f64) -> Self {
         Self {
             tau_s: tau_s.max(f64::MIN_POSITIVE),
-            level: 0.0,
-            at: None,
+            count: Decayed::default(),
         }
-    }
-
-    fn decayed(&self, now: Instant) -> f64 {
-        self.at.map_or(0.0, |at| {
-            self.level * (-now.saturating_duration_since(at).as_secs_f64() / self.tau_s).exp()
-        })
     }
 
     /// Counts one event at `now`.
     pub fn record(&mut self, now: Instant) {
-        self.level = self.decayed(now) + 1.0;
-        self.at = Some(now);
+        self.count.add(now, self.tau_s, 1.0);
     }
 
     /// Events per second at `now`.
     pub fn rate(&self, now: Instant) -> f64 {
-        self.decayed(now) / self.tau_s
+        self.count.at(now, self.tau_s) / self.tau_s
     }
 }
 

@@ -175,6 +175,8 @@ impl Lookup<'_> {
                     (s.waiting, s.running, s.kv_usage, s.last_ok)
                 };
                 let get = |a: &std::sync::atomic::AtomicI64| a.load(Ordering::Relaxed).max(0);
+                let (recent_busy, recent_residual) = lock(&r.recent_work)
+                    .busy_and_residual(now, state.config.inflight.recent_work_window_s);
                 Candidate {
                     replica: i as u32,
                     matched: matched.get(i).copied().unwrap_or_default(),
@@ -201,6 +203,8 @@ impl Lookup<'_> {
                             .load
                             .kv_release(r, |r| replica_rates(state, r).decode_step_s),
                         cache_fill: cache_fill(r, &rates),
+                        recent_prefill_busy: recent_busy as f32,
+                        recent_prefill_residual_s: recent_residual as f32,
                     },
                     rates,
                     healthy: r.healthy(),

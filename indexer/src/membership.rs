@@ -195,6 +195,8 @@ pub struct Replica {
     /// Blocks the index holds for it (all its streams), as of the last refresh
     /// ([`crate::server`] refreshes it with the KV release curves).
     pub held_blocks: AtomicU64,
+    /// The prefill kvroute recently routed here ([`crate::successors::RecentWork`]).
+    pub recent_work: Mutex<crate::successors::RecentWork>,
     /// Its rates learned from its metrics (`None` until the first scrape: the priors apply).
     pub calibration: Mutex<Option<kvroute_core::calibration::ReplicaCalibration>>,
     /// Scraped load.
@@ -315,6 +317,9 @@ impl Fleet {
             remaining_output_tokens: AtomicI64::new(0),
             in_flight_uncached_blocks: AtomicI64::new(0),
             held_blocks: AtomicU64::new(0),
+            recent_work: Mutex::new(crate::successors::RecentWork::since(
+                std::time::Instant::now(),
+            )),
             calibration: Mutex::new(None),
             scraped: Mutex::new(ScrapedLoad::default()),
             tasks: Mutex::new(Vec::new()),

@@ -183,13 +183,19 @@ fn look_up<'a>(
     let output = req
         .max_tokens
         .unwrap_or(state.load.config().default_max_tokens);
-    let shape = RequestShape {
+    let mut shape = RequestShape {
         prompt_tokens: u32::try_from(keys.num_tokens).unwrap_or(u32::MAX),
         block_size: keys.block_size,
         usable_blocks: keys.usable().len() as u32,
         output_tokens: u32::try_from(output).unwrap_or(u32::MAX),
+        expected_successors: 0.0,
     };
     let now = std::time::Instant::now();
+    if !req.shadow {
+        let mut continuations = lock(&keys.model.continuations);
+        continuations.observe(keys.usable(), now);
+        shape.expected_successors = continuations.expected_successors(now) as f32;
+    }
     let arrivals = {
         let mut meter = lock(&keys.model.arrivals);
         meter.record(now);
@@ -251,6 +257,8 @@ fn log_prefix_given_away(lookup: &Lookup<'_>, cands: &[Candidate], d: &Decision)
         harm_s = t.harm_s,
         arrivals_harm_s = t.arrivals_harm_s,
         displace_s = t.displace_s,
+        successors_s = t.successors_s,
+        recent_busy = l.recent_prefill_busy,
         chosen_cost_s = d.terms.cost_s,
         "prefix given away"
     );
@@ -360,6 +368,9 @@ fn record(
         partial: lookup.keys.partial,
         callout: req.callout_id.clone(),
     });
+    if routed.counted {
+        crate::successors::count_routed_prefill(state, chosen, prefill_time);
+    }
     let decision_id = routed.id.to_string();
     let request_id = req
         .request_id
@@ -424,6 +435,9 @@ fn record(
         harm_s = t.harm_s,
         arrivals_harm_s = t.arrivals_harm_s,
         displace_s = t.displace_s,
+        successors_s = t.successors_s,
+        expected_successors = lookup.shape.expected_successors,
+        recent_busy = load.recent_prefill_busy,
         runner_up = ?decision.runner_up,
         tied = decision.tied,
         %decision_id,

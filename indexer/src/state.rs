@@ -31,6 +31,8 @@ pub struct ModelRuntime {
     pub style: ExtraKeyStyle,
     /// Its recent arrival rate (route decisions per second).
     pub arrivals: Mutex<crate::load::RateMeter>,
+    /// Recent prompts, to learn how many later requests continue one.
+    pub continuations: Mutex<crate::successors::Continuations>,
     /// Its tokenizer directory and the bundles and digest built from it.
     pub tokenizers: crate::tokenizer_serving::TokenizerServing,
     /// The model's fleet seen as one cache, fed with every replica's stores (assess's
@@ -297,6 +299,10 @@ impl AppState {
                     hash,
                     style,
                     arrivals: Mutex::new(crate::load::RateMeter::default()),
+                    continuations: Mutex::new(crate::successors::Continuations::new(
+                        config.inflight.max_tracked_prompts,
+                        config.inflight.recent_work_window_s,
+                    )),
                     tokenizers: crate::tokenizer_serving::TokenizerServing::new(
                         &m.name,
                         m.model_dir.clone(),

@@ -656,3 +656,52 @@ async fn explain_gives_every_candidate_in_seconds_and_completions_grade_the_pred
     line("kvroute_indexer_replica_prefill_tokens_per_second{replica=\"r0\"");
     line("kvroute_indexer_replica_decode_step_seconds{replica=\"r1\"");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_s_turns_are_learned_as_successors_and_priced_where_prefill_was_recent() {
+    let (_p0, _p1, _state, base) = two_replicas(Policy::Kv, "").await;
+    let c = reqwest::Client::new();
+    let route = |prompt: Vec<u32>| {
+        let c = c.clone();
+        let base = base.clone();
+        async move {
+            c.post(format!("{base}/v1/route"))
+                .json(&json!({"model": "m", "token_ids": prompt, "explain": true}))
+                .send()
+                .await
+                .unwrap()
+                .json::<Value>()
+                .await
+                .unwrap()
+        }
+    };
+    let successors = |r: &Value, replica: &str| -> f64 {
+        r["explain"]
+            .as_array()
+            .and_then(|e| e.iter().find(|c| c["replica"] == replica))
+            .and_then(|c| c["terms"]["successors_s"].as_f64())
+            .unwrap_or_else(|| panic!("{replica}'s successors_s in {r}"))
+    };
+    // One session of four turns, each prompt extending the last: the first goes anywhere, the
+    // rest follow its predicted blocks. Three continuations of one start.
+    let mut prompt: Vec<u32> = (1..=400).collect();
+    let first = route(prompt.clone()).await;
+    let home = first["replica"].as_str().unwrap().to_string();
+    let other = if home == "r0" { "r1" } else { "r0" };
+    assert_eq!(
+        successors(&first, &home),
+        0.0,
+        "nothing learned yet: {first}"
+    );
+    for turn in 1..4u32 {
+        prompt.extend(turn * 1_000..turn * 1_000 + 200);
+        let r = route(prompt.clone()).await;
+        assert_eq!(r["replica"], home.as_str(), "turn {turn}: {r}");
+    }
+    // A new session's first turn: 3 successors expected, which would queue behind the prefill
+    // recently routed to the session's replica, and behind nothing at the other.
+    let start = route((50_000..50_400).collect()).await;
+    assert!(successors(&start, &home) > 0.0, "{start}");
+    assert_eq!(successors(&start, other), 0.0, "{start}");
+    assert_eq!(start["replica"], other, "{start}");
+}

@@ -79,6 +79,15 @@ pub struct Load {
     /// At 1, every block it computes pushes a cached one out.
     #[serde(default)]
     pub cache_fill: f32,
+    /// The share of recent time its prefill was busy with what kvroute sent it (0..1): routed
+    /// prefill seconds over a window (`[inflight] recent_work_window_s`), what its resident
+    /// sessions and groups keep bringing.
+    #[serde(default)]
+    pub recent_prefill_busy: f32,
+    /// Mean residual of those prefills, seconds: `E[s^2] / (2 E[s])`, how long an arrival that
+    /// finds one under way waits for it to end, on average.
+    #[serde(default)]
+    pub recent_prefill_residual_s: f32,
 }
 
 /// One point of a [`KvRelease`] curve.
@@ -235,7 +244,7 @@ pub struct Candidate {
 }
 
 /// The request being routed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct RequestShape {
     /// Prompt length in tokens.
     pub prompt_tokens: u32,
@@ -246,4 +255,9 @@ pub struct RequestShape {
     pub usable_blocks: u32,
     /// Output tokens expected (`max_tokens`, or the configured default).
     pub output_tokens: u32,
+    /// Later requests expected to continue this one's prompt (a session's next turns): they
+    /// follow it to whichever replica it goes to. Learned by the caller from how often requests
+    /// continue an earlier one; 0 when none do.
+    #[serde(default)]
+    pub expected_successors: f32,
 }

@@ -20,7 +20,9 @@
 //!              + arrival_rate * prefill * (queue_wait + prefill / 2)
 //! weight       = ttft_objective / (remaining_per_running * itl_objective)
 //! displace     = (longest hit of any candidate - hit) / prefill_rate * cache_fill
-//! cost         = ttft + harm + displace
+//! successors   = expected_successors * wait * (2 - busy) / (1 - busy)
+//! wait         = busy * residual / (1 - busy)                 (busy capped at MAX_STATIONARY_BUSY)
+//! cost         = ttft + harm + displace + successors
 //! ```
 //!
 //! The second harm term is the wait this request's prefill adds to the requests that arrive at the
@@ -35,6 +37,15 @@
 //! the blocks every candidate would compute push out as many wherever the request goes, and
 //! steering new prefixes by a fill that changes slowly would send every gateway's new prefixes
 //! to the same replica. Set by [`price_copies`] once every candidate is predicted.
+//!
+//! `successors` is what the request's placement costs the turns that will continue it (a
+//! session's next turns go wherever its context is): each arrives at a replica whose prefill
+//! was recently `busy` that share of the time and waits, on average, Pollaczek-Khinchine's
+//! `busy * residual / (1 - busy)` for the prefills it finds there; and its own prefills make
+//! the other arrivals there wait longer, by `wait / (1 - busy)` in all per successor (the
+//! derivative of that wait in the load it adds). A session's first turn, which a shared system
+//! prompt cached on one replica would otherwise send there, prices the queueing its whole
+//! session will meet against the prompt's prefill.
 
 use serde::{Deserialize, Serialize};
 
@@ -72,7 +83,11 @@ pub struct CostTerms {
     /// out of its full cache, were they needed again ([`price_copies`]; 0 while it has room).
     #[serde(default)]
     pub displace_s: f64,
-    /// `ttft_s + harm_s + displace_s`: what the choice minimises.
+    /// The waits its successors (later requests continuing its prompt) are expected to meet
+    /// and cause there.
+    #[serde(default)]
+    pub successors_s: f64,
+    /// `ttft_s + harm_s + displace_s + successors_s`: what the choice minimises.
     pub cost_s: f64,
     /// True when the replica's event stream is stale (its matches were not counted unless
     /// `stale_credit`).
@@ -158,6 +173,7 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
     };
     let arrivals_harm_s = arrival_rate * prefill_s * (queue_wait_s + prefill_s / 2.0);
     let harm_s = f64::from(decoding) * weight * slowdown + arrivals_harm_s;
+    let successors_s = successors_wait(req, load);
 
     CostTerms {
         gpu_hit_tokens: gpu_hit,
@@ -172,9 +188,29 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
         harm_s,
         arrivals_harm_s,
         displace_s: 0.0,
-        cost_s: ttft_s + harm_s,
+        successors_s,
+        cost_s: ttft_s + harm_s + successors_s,
         stale: c.stale,
     }
+}
+
+/// Busiest a replica's recent prefill is taken to be in [`successors_wait`]: past it the
+/// stationary queue's wait grows without bound, while the queue that is really there is what
+/// `queue_wait` already prices.
+pub const MAX_STATIONARY_BUSY: f64 = 0.9;
+
+/// The waits the request's successors would meet at the replica, and add to its other arrivals
+/// (module docs: `successors`).
+fn successors_wait(req: &RequestShape, load: &super::inputs::Load) -> f64 {
+    let n = f64::from(req.expected_successors);
+    let busy = f64::from(load.recent_prefill_busy);
+    let residual = f64::from(load.recent_prefill_residual_s);
+    if !(n.is_finite() && n > 0.0 && busy.is_finite() && busy > 0.0 && residual.is_finite()) {
+        return 0.0;
+    }
+    let busy = busy.min(MAX_STATIONARY_BUSY);
+    let wait = busy * residual.max(0.0) / (1.0 - busy);
+    n * wait * (2.0 - busy) / (1.0 - busy)
 }
 
 /// Charges each candidate the copy it would make ([`CostTerms::displace_s`]): the cached prefix
@@ -192,7 +228,7 @@ pub fn price_copies(cfg: &ScoringConfig, cands: &[&Candidate], terms: &mut [Cost
         let copied = longest.saturating_sub(hit(t));
         let rate = c.rates.prefill_rate_or(cfg.prefill_tokens_per_s);
         t.displace_s = copied as f64 / rate * fill;
-        t.cost_s = t.ttft_s + t.harm_s + t.displace_s;
+        t.cost_s = t.ttft_s + t.harm_s + t.displace_s + t.successors_s;
     }
 }
 

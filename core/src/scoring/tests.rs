@@ -8,6 +8,7 @@ fn req(prompt_blocks: u32) -> RequestShape {
         block_size: BS,
         usable_blocks: prompt_blocks,
         output_tokens: 100,
+        expected_successors: 0.0,
     }
 }
 
@@ -721,4 +722,74 @@ fn a_holder_whose_batch_outgrows_its_kv_before_the_first_token_gives_the_request
     let mut late = holder(0.0);
     late.load.kv_usage = 1.0 - 600.0 / 32_768.0;
     assert_eq!(predict(&cfg, &req(450), &late).kv_pressure_s, 0.0);
+}
+
+/// A replica whose prefill was recently busy `busy` of the time with prefills of mean residual
+/// `residual_s`.
+fn recently_busy(mut c: Candidate, busy: f32, residual_s: f32) -> Candidate {
+    c.load.recent_prefill_busy = busy;
+    c.load.recent_prefill_residual_s = residual_s;
+    c
+}
+
+#[test]
+fn a_session_s_first_turn_weighs_its_successors_waits_against_a_shared_prompt_s_hit() {
+    // A first turn: 150 blocks of a shared system prompt cached on replica 0 (80 ms of prefill
+    // at 30k tokens/s), 100 blocks of its own. Replica 0's prefill was busy 40 % of the recent
+    // time with the sessions already there, replica 1 10 %; prefills of ~0.2 s residual.
+    let cfg = ScoringConfig::default();
+    let holder = recently_busy(cand(0, 150, 0), 0.4, 0.2);
+    let quiet = recently_busy(cand(1, 0, 0), 0.1, 0.2);
+    let mut first_turn = req(250);
+
+    // Without successors (a one-off request), the hit wins: the queue it meets is the one there
+    // now, empty on both.
+    let d = choose(&cfg, &first_turn, &[holder, quiet], 1).expect("a decision");
+    assert_eq!(d.replica, 0);
+    assert_eq!(d.terms.successors_s, 0.0);
+
+    // With 20 turns to follow it, each expected to wait 0.4 * 0.2 / 0.6 = 0.133 s at replica 0
+    // and 0.022 s at replica 1 (and to make the others there wait as much again and more), the
+    // session starts where its turns will queue less.
+    first_turn.expected_successors = 20.0;
+    let d = choose(&cfg, &first_turn, &[holder, quiet], 1).expect("a decision");
+    assert_eq!(d.replica, 1, "{:?}", d.candidates);
+    assert_eq!(d.reason, DecisionReason::LoadOverPrefix);
+    let at = |r: usize| d.candidates[r].terms.successors_s;
+    let expect = |busy: f64| 20.0 * busy * 0.2 / (1.0 - busy) * (2.0 - busy) / (1.0 - busy);
+    assert!((at(0) - expect(0.4)).abs() < 1e-6, "{}", at(0));
+    assert!((at(1) - expect(0.1)).abs() < 1e-6, "{}", at(1));
+    assert!((d.terms.cost_s - (d.terms.ttft_s + d.terms.harm_s + at(1))).abs() < 1e-9);
+
+    // Equally busy replicas: the successors cost the same everywhere, the hit decides.
+    let even = recently_busy(cand(1, 0, 0), 0.4, 0.2);
+    let d = choose(&cfg, &first_turn, &[holder, even], 1).expect("a decision");
+    assert_eq!(d.replica, 0);
+}
+
+#[test]
+fn a_late_turn_stays_with_its_context_on_a_busier_replica() {
+    // Turn 20 of a session whose 2,000-block context is on replica 0: moving it to a quieter
+    // replica would save its successors some queueing but costs 1 s of prefill now; it stays.
+    let cfg = ScoringConfig::default();
+    let mut turn = req(2_100);
+    turn.expected_successors = 20.0;
+    let holder = recently_busy(cand(0, 2_000, 0), 0.2, 0.05);
+    let quiet = recently_busy(cand(1, 0, 0), 0.05, 0.05);
+    let d = choose(&cfg, &turn, &[holder, quiet], 3).expect("a decision");
+    assert_eq!(d.replica, 0, "{:?}", d.candidates);
+}
+
+#[test]
+fn the_stationary_wait_stays_finite_on_a_saturated_replica() {
+    let cfg = ScoringConfig::default();
+    let mut turn = req(100);
+    turn.expected_successors = 1.0;
+    for busy in [0.95f32, 1.0, 3.0, f32::INFINITY, f32::NAN] {
+        let c = recently_busy(cand(0, 0, 0), busy, 0.1);
+        let t = predict(&cfg, &turn, &c);
+        assert!(t.successors_s.is_finite(), "{busy}: {t:?}");
+        // Capped at 0.9 busy: 0.9 * 0.1 / 0.1 = 0.9 s of wait, times 1.1 / 0.1.
+        assert!(t.successors_s <= 0.9 * 11.0 * (1.0 + 1e-6), "{busy}: {t:?}");
+    }
 }

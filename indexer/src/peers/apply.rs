@@ -102,8 +102,13 @@ fn routed(
     if !counted {
         return Err("duplicate");
     }
-    // An arrival at the fleet, as the scorer's arrival rate counts it.
+    // An arrival at the fleet, as the scorer's arrival rate counts it, and work at the replica.
     lock(&model.arrivals).record(Instant::now());
+    crate::successors::count_routed_prefill(
+        state,
+        &replica,
+        Duration::from_millis(u64::from(d.prefill_ms)),
+    );
     let keys: Vec<RouterKey> = d.predicted_keys.iter().map(|k| RouterKey(*k)).collect();
     route_policy(state.policy).record_remote(
         state,
