@@ -615,7 +615,8 @@ impl Stack {
              # metrics report model time.\n\
              [scoring]\nprefill_tokens_per_s = {:.1}\ndecode_step_s = {:.8}\n\
              decode_step_per_seq_s = {:.10}\nttft_objective_s = {:.6}\nitl_objective_s = {:.8}\n{}\n\
-             [calibration]\nengine_time_scale = {}\n\n{}\
+             [calibration]\nengine_time_scale = {}\n\n\
+             [inflight]\nrecent_work_window_s = {:.3}\n\n{}\
              [[models]]\nname = {}\nmodel_dir = {}\nblock_size = {}\nhash = {{ algo = {} }}\n",
             quote(&format!("127.0.0.1:{}", ports.indexer))?,
             SIM_PREFILL_TOKENS_PER_S * scale,
@@ -629,6 +630,8 @@ impl Stack {
                 .map(|line| format!("{line}\n"))
                 .collect::<String>(),
             scale,
+            // The default window (60 s) in model time, as the replicas' sessions live in it.
+            60.0 / scale,
             if self.cfg.index.is_empty() {
                 String::new()
             } else {
