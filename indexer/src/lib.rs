@@ -7,6 +7,7 @@ pub mod allocator;
 pub mod api;
 pub mod assess;
 pub mod config;
+pub mod decayed;
 pub mod load;
 pub mod lookup;
 pub mod membership;

@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 use kvroute_core::scoring::KvRelease;
 
 pub use crate::config::InflightConfig;
+use crate::decayed::Decayed;
 use crate::membership::{lock, Replica};
 
 /// Longest a decision's prefill is estimated to stay pending, queueing included.
@@ -45,30 +46,6 @@ pub const RELEASE_REFRESH: Duration = Duration::from_millis(100);
 pub const RELEASE_STALE: Duration = Duration::from_millis(500);
 /// Longest accepted `callout_id`.
 pub const MAX_CALLOUT_ID_BYTES: usize = 128;
-
-/// An exponentially decayed sum: each amount added fades by `exp(-age / tau)`.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Decayed {
-    level: f64,
-    at: Option<Instant>,
-}
-
-impl Decayed {
-    /// The sum at `now`, faded over `tau_s` seconds.
-    pub fn at(&self, now: Instant, tau_s: f64) -> f64 {
-        self.at.map_or(0.0, |at| {
-            let age = now.saturating_duration_since(at).as_secs_f64();
-            self.level * (-age / tau_s.max(f64::MIN_POSITIVE)).exp()
-        })
-    }
-
-    /// Adds `amount` at `now` (a non-finite amount adds nothing).
-    pub fn add(&mut self, now: Instant, tau_s: f64, amount: f64) {
-        let amount = if amount.is_finite() { amount } else { 0.0 };
-        self.level = self.at(now, tau_s) + amount;
-        self.at = Some(now);
-    }
-}
 
 /// Events per second, an exponentially decayed count over `tau_s` (default 10 s).
 #[derive(Debug, Clone)]

@@ -219,6 +219,12 @@ impl Replica {
             .clone()
     }
 
+    /// Counts `prefill` just routed here (by this gateway or a peer) in its recent work, faded
+    /// over `window_s`.
+    pub fn count_routed_prefill(&self, window_s: f64, prefill: std::time::Duration) {
+        lock(&self.recent_work).add(std::time::Instant::now(), window_s, prefill.as_secs_f64());
+    }
+
     /// Index ids of all ranks.
     pub fn index_ids(&self) -> Vec<u32> {
         self.streams

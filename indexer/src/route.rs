@@ -369,7 +369,7 @@ fn record(
         callout: req.callout_id.clone(),
     });
     if routed.counted {
-        crate::successors::count_routed_prefill(state, chosen, prefill_time);
+        chosen.count_routed_prefill(state.config.inflight.recent_work_window_s, prefill_time);
     }
     let decision_id = routed.id.to_string();
     let request_id = req

@@ -5,30 +5,17 @@
 //! cost model's `successors` term (`kvroute_core::scoring`, docs/scoring.md) prices a
 //! placement with both.
 //!
-//! Locking: each value sits behind its owner's mutex (the model's, the replica's) and is only
-//! touched while that model's decision lock is held, so updates and reads of one decision are
-//! consistent with each other.
+//! Locking: each value sits behind its owner's mutex (the model's `continuations`, the
+//! replica's `recent_work`), held for one update or one read and never with another lock taken
+//! inside it.
 
 use std::collections::{HashSet, VecDeque};
 use std::time::Instant;
 
 use kvroute_core::router_key::RouterKey;
 
+use crate::decayed::Decayed;
 use crate::index::IdBuildHasher;
-use crate::load::Decayed;
-
-/// Counts `prefill` routed to `replica` now, by this gateway or a peer, in its recent work.
-pub fn count_routed_prefill(
-    state: &crate::state::AppState,
-    replica: &crate::membership::Replica,
-    prefill: std::time::Duration,
-) {
-    crate::membership::lock(&replica.recent_work).add(
-        Instant::now(),
-        state.config.inflight.recent_work_window_s,
-        prefill.as_secs_f64(),
-    );
-}
 
 /// Recent prompts' last full blocks, to learn how many later requests continue a request.
 ///

@@ -104,9 +104,8 @@ fn routed(
     }
     // An arrival at the fleet, as the scorer's arrival rate counts it, and work at the replica.
     lock(&model.arrivals).record(Instant::now());
-    crate::successors::count_routed_prefill(
-        state,
-        &replica,
+    replica.count_routed_prefill(
+        state.config.inflight.recent_work_window_s,
         Duration::from_millis(u64::from(d.prefill_ms)),
     );
     let keys: Vec<RouterKey> = d.predicted_keys.iter().map(|k| RouterKey(*k)).collect();
