@@ -16,7 +16,10 @@
 //!                grown the blocks the still-decoding batch adds; without a curve, 0 if the
 //!                new blocks fit, else deficit_blocks / used_blocks * remaining_per_running * step
 //! ttft         = queue_wait + prefill + tier_load + kv_pressure
-//! harm         = decoding * weight * (uncached / prefill_rate + min(output, remaining) * per_seq_step)
+//! delay        = uncached / prefill_rate + min(output, remaining) * per_seq_step
+//! slack        = remaining * max(itl_objective - step, 0)     stall a running request absorbs
+//! past(s)      = max(s - slack, 0)                            within its ITL objective
+//! harm         = decoding * weight * (past(ahead / prefill_rate + delay) - past(ahead / prefill_rate))
 //!              + arrival_rate * prefill * (queue_wait + prefill / 2)
 //! weight       = ttft_objective / (remaining_per_running * itl_objective)
 //! displace     = (longest hit of any candidate - hit) / prefill_rate * cache_fill
@@ -24,6 +27,15 @@
 //! wait         = busy * residual / (1 - busy)                 (busy capped at MAX_STATIONARY_BUSY)
 //! cost         = ttft + harm + displace + successors
 //! ```
+//!
+//! The first harm term is the decoders' share of the prefill's stall, counted against their
+//! inter-token objective: a running request with `remaining` tokens to go has a budget of
+//! `remaining * itl_objective` for them and needs `remaining * step` at the replica's pace, so a
+//! stall up to the difference (`slack`) leaves it within its objective. The prefill queued ahead
+//! spends that slack first; what this request's stall adds past it is an overrun, weighed as the
+//! same share of the TTFT objective as it is of the request's ITL budget. (Taking the mean
+//! remaining for every decoder is the approximation: one near its end has less slack, one that
+//! has run ahead of its objective more.)
 //!
 //! The second harm term is the wait this request's prefill adds to the requests that arrive at the
 //! replica before it is done: arrivals during `queue_wait + prefill` queue behind it, each delayed
@@ -162,17 +174,17 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
     };
     let ttft_s = queue_wait_s + prefill_s + tier_load_s + kv_pressure_s;
 
-    let weight = cfg.ttft_objective_s / (remaining_per_running * cfg.itl_objective_s);
     // Its decode lengthens each step it shares with a running request, for as long as both run.
     let shared_steps = f64::from(req.output_tokens).min(remaining_per_running);
-    let slowdown = uncached as f64 / rate + shared_steps * cfg.decode_step_per_seq_s;
+    let delay = uncached as f64 / rate + shared_steps * cfg.decode_step_per_seq_s;
+    let overrun = itl_overrun(cfg, remaining_per_running, step, ahead as f64 / rate, delay);
     let arrival_rate = if load.arrival_rate_per_s.is_finite() {
         load.arrival_rate_per_s.max(0.0)
     } else {
         0.0
     };
     let arrivals_harm_s = arrival_rate * prefill_s * (queue_wait_s + prefill_s / 2.0);
-    let harm_s = f64::from(decoding) * weight * slowdown + arrivals_harm_s;
+    let harm_s = f64::from(decoding) * overrun + arrivals_harm_s;
     let successors_s = successors_wait(req, load);
 
     CostTerms {
@@ -192,6 +204,18 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
         cost_s: ttft_s + harm_s + successors_s,
         stale: c.stale,
     }
+}
+
+/// What `delay` more seconds of stall cost one running request with `remaining` tokens to go,
+/// weighed against one second of a new request's wait: nothing while its inter-token latency
+/// stays within the objective, else the overrun, as the same share of the TTFT objective as it
+/// is of the request's ITL budget (module docs: `harm`). `stalled` is the stall the prefill
+/// queued ahead already makes it wait.
+fn itl_overrun(cfg: &ScoringConfig, remaining: f64, step: f64, stalled: f64, delay: f64) -> f64 {
+    let slack = remaining * (cfg.itl_objective_s - step).max(0.0);
+    let past = |stall: f64| (stall - slack).max(0.0);
+    let weight = cfg.ttft_objective_s / (remaining * cfg.itl_objective_s);
+    weight * (past(stalled + delay) - past(stalled))
 }
 
 /// Busiest a replica's recent prefill is taken to be in [`successors_wait`]: past it the

@@ -226,15 +226,49 @@ fn a_slower_replica_needs_a_longer_hit_to_win() {
 }
 
 #[test]
-fn prefill_on_a_busy_batch_harms_its_decoders() {
-    // Same prefix hit nowhere; replica 0 decodes 64 sequences, replica 1 four: the harm of the
-    // prefill is larger where more requests decode, even though both predict the same TTFT.
+fn prefill_harms_decoders_only_past_their_itl_slack() {
+    // Same prefix hit nowhere; replica 0 decodes 64 sequences, replica 1 four, both at a step
+    // close to the ITL objective, and 256 tokens left each: each absorbs 256 * 1 ms of stall.
     let cfg = ScoringConfig::default();
-    let d = choose(&cfg, &req(400), &[cand(0, 0, 64), cand(1, 0, 4)], 9).expect("d");
+    let near_objective = |mut c: Candidate| {
+        c.rates.decode_step_s = cfg.itl_objective_s - 0.001;
+        c
+    };
+    let (busy, quiet) = (
+        near_objective(cand(0, 0, 64)),
+        near_objective(cand(1, 0, 4)),
+    );
+    // A 6,400-token prefill stalls them 0.21 s: within the slack, it harms nobody.
+    let d = choose(&cfg, &req(400), &[busy, quiet], 9).expect("d");
+    assert!(d.candidates.iter().all(|s| s.terms.harm_s == 0.0), "{d:?}");
+    // Behind 3,000 queued tokens (0.1 s more) it runs past the slack: the overrun is charged to
+    // every decoder, so the replica decoding more is harmed more and loses.
+    let d = choose(
+        &cfg,
+        &req(400),
+        &[queued(busy, 3_000, 1), queued(quiet, 3_000, 1)],
+        9,
+    )
+    .expect("d");
     assert_eq!(d.replica, 1);
-    let busy = d.candidates[0].terms;
-    let quiet = d.candidates[1].terms;
-    assert!(busy.harm_s > 10.0 * quiet.harm_s, "{busy:?} {quiet:?}");
+    let (busy, quiet) = (d.candidates[0].terms, d.candidates[1].terms);
+    assert!(quiet.harm_s > 0.0, "{quiet:?}");
+    assert!(
+        (busy.harm_s / quiet.harm_s - 16.0).abs() < 1e-6,
+        "{busy:?} {quiet:?}"
+    );
+    // At the prior step (7 ms against 50), the same queue leaves seconds of slack: no harm.
+    let d = choose(
+        &cfg,
+        &req(400),
+        &[
+            queued(cand(0, 0, 64), 3_000, 1),
+            queued(cand(1, 0, 4), 3_000, 1),
+        ],
+        9,
+    )
+    .expect("d");
+    assert!(d.candidates.iter().all(|s| s.terms.harm_s == 0.0), "{d:?}");
 }
 
 #[test]
@@ -370,20 +404,29 @@ impl ToyFleet {
 
 #[test]
 fn unique_prompts_spread_evenly() {
+    // Prompts of seven sizes in turn, every 50 ms: each replica gets the same prefill work (by
+    // tokens, the load that queues; the counts may differ, as the periodic sizes line up with
+    // the replicas' free moments) and nothing queues behind a full prefill.
     let cfg = ScoringConfig::default();
     let mut fleet = ToyFleet::new(&[1.0; 4]);
-    let n = 2000;
+    let n = 2000u32;
+    let mut work = [0u64; 4];
     for k in 0..n {
-        fleet.route(&cfg, k as f64 * 0.05, &req(200 + (k % 7) * 30), 0);
+        let blocks = 200 + (k % 7) * 30;
+        let r = fleet.route(&cfg, f64::from(k) * 0.05, &req(blocks), 0);
+        work[r as usize] += u64::from(blocks);
     }
-    let mean = n as f64 / 4.0;
-    for (r, &c) in fleet.chosen.iter().enumerate() {
+    let mean = work.iter().sum::<u64>() as f64 / 4.0;
+    for (r, &w) in work.iter().enumerate() {
         assert!(
-            (f64::from(c) - mean).abs() < mean * 0.1,
-            "replica {r} got {c} of {n}: {:?}",
+            (w as f64 - mean).abs() < mean * 0.1,
+            "replica {r} got {w} blocks of prompts: {work:?}, requests {:?}",
             fleet.chosen
         );
     }
+    let largest = 380.0 * f64::from(BS) / cfg.prefill_tokens_per_s;
+    let worst = fleet.ttft.iter().copied().fold(0.0, f64::max);
+    assert!(worst <= largest + 1e-9, "worst TTFT {worst} s");
 }
 
 #[test]
@@ -607,6 +650,8 @@ fn a_kv_bound_holders_waiting_queue_is_sized_like_what_kvroute_sends_it() {
         c.load.in_flight_uncached_tokens = 180 * 75 * u64::from(BS);
         c.load.remaining_output_tokens = 180 * 500;
         c.rates.kv_capacity_blocks = 32_768;
+        // 18 req/s over four replicas.
+        c.load.arrival_rate_per_s = 4.5;
         c
     };
     let holder = busy(0, 375, 27);
