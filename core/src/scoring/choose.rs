@@ -96,7 +96,7 @@ pub fn choose(
         return None;
     }
     let mut terms: Vec<CostTerms> = eligible.iter().map(|c| predict(cfg, req, c)).collect();
-    price_copies(cfg, &eligible, &mut terms);
+    price_copies(cfg, req, &eligible, &mut terms);
     let scored: Vec<Scored> = eligible
         .iter()
         .zip(terms)

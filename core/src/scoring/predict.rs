@@ -16,26 +16,31 @@
 //!                grown the blocks the still-decoding batch adds; without a curve, 0 if the
 //!                new blocks fit, else deficit_blocks / used_blocks * remaining_per_running * step
 //! ttft         = queue_wait + prefill + tier_load + kv_pressure
-//! delay        = uncached / prefill_rate + min(output, remaining) * per_seq_step
+//! copied       = longest hit of any candidate - hit                 a prefix another one holds
+//! needed       = (uncached - copied) / prefill_rate + min(output, remaining) * per_seq_step
 //! slack        = remaining * max(itl_objective - step, 0)     stall a running request absorbs
 //! past(s)      = max(s - slack, 0)                            within its ITL objective
-//! harm         = decoding * weight * (past(ahead / prefill_rate + delay) - past(ahead / prefill_rate))
+//! stalled      = ahead / prefill_rate
+//! harm         = decoding * weight * (past(stalled + needed) - past(stalled) + copied / prefill_rate)
 //!              + arrival_rate * prefill * (queue_wait + prefill / 2)
 //! weight       = ttft_objective / (remaining_per_running * itl_objective)
-//! displace     = (longest hit of any candidate - hit) / prefill_rate * cache_fill
+//! displace     = copied / prefill_rate * cache_fill
 //! successors   = expected_successors * wait * (2 - busy) / (1 - busy)
 //! wait         = busy * residual / (1 - busy)                 (busy capped at MAX_STATIONARY_BUSY)
 //! cost         = ttft + harm + displace + successors
 //! ```
 //!
-//! The first harm term is the decoders' share of the prefill's stall, counted against their
-//! inter-token objective: a running request with `remaining` tokens to go has a budget of
-//! `remaining * itl_objective` for them and needs `remaining * step` at the replica's pace, so a
-//! stall up to the difference (`slack`) leaves it within its objective. The prefill queued ahead
-//! spends that slack first; what this request's stall adds past it is an overrun, weighed as the
-//! same share of the TTFT objective as it is of the request's ITL budget. (Taking the mean
-//! remaining for every decoder is the approximation: one near its end has less slack, one that
-//! has run ahead of its objective more.)
+//! The first harm term is the decoders' share of the prefill's stall. The work some replica must
+//! do (`needed`) is counted against their inter-token objective: a running request with
+//! `remaining` tokens to go has a budget of `remaining * itl_objective` for them and needs
+//! `remaining * step` at the replica's pace, so a stall up to the difference (`slack`) leaves it
+//! within its objective. The prefill queued ahead spends that slack first; what this request's
+//! stall adds past it is an overrun, weighed as the same share of the TTFT objective as it is of
+//! the request's ITL budget. (Taking the mean remaining for every decoder is the approximation:
+//! one near its end has less slack, one that has run ahead of its objective more.) A `copied`
+//! prefix is work no replica needs to do: its stall is charged in full, from the first second,
+//! since the slack it spends is the one the fleet's needed work will want. Set by
+//! [`price_copies`], which knows the longest hit; [`predict`] alone counts no copy.
 //!
 //! The second harm term is the wait this request's prefill adds to the requests that arrive at the
 //! replica before it is done: arrivals during `queue_wait + prefill` queue behind it, each delayed
@@ -62,7 +67,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::config::ScoringConfig;
-use super::inputs::{positive, Candidate, KvRelease, ReleasePoint, RequestShape};
+use super::inputs::{positive, Candidate, KvRelease, Load, ReleasePoint, RequestShape};
 
 /// Every term of one candidate's prediction, in seconds unless named otherwise.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
@@ -157,11 +162,7 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
     let tier_load_s = cpu_hit as f64 / positive(cfg.cpu_load_tokens_per_s, 1.0)
         + storage_hit as f64 / positive(cfg.storage_load_tokens_per_s, 1.0);
 
-    let remaining_per_running = if load.in_flight > 0 && load.remaining_output_tokens > 0 {
-        (load.remaining_output_tokens as f64 / f64::from(load.in_flight)).max(1.0)
-    } else {
-        f64::from(cfg.default_remaining_output_tokens.max(1))
-    };
+    let remaining_per_running = remaining_per_running(cfg, load);
     let kv = KvState::of(c, ahead, bs);
     let kv_pressure_s = match c.load.kv_release.points() {
         [] => kv.drain_wait(req, uncached, remaining_per_running * step),
@@ -174,17 +175,13 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
     };
     let ttft_s = queue_wait_s + prefill_s + tier_load_s + kv_pressure_s;
 
-    // Its decode lengthens each step it shares with a running request, for as long as both run.
-    let shared_steps = f64::from(req.output_tokens).min(remaining_per_running);
-    let delay = uncached as f64 / rate + shared_steps * cfg.decode_step_per_seq_s;
-    let overrun = itl_overrun(cfg, remaining_per_running, step, ahead as f64 / rate, delay);
     let arrival_rate = if load.arrival_rate_per_s.is_finite() {
         load.arrival_rate_per_s.max(0.0)
     } else {
         0.0
     };
     let arrivals_harm_s = arrival_rate * prefill_s * (queue_wait_s + prefill_s / 2.0);
-    let harm_s = f64::from(decoding) * overrun + arrivals_harm_s;
+    let harm_s = decoders_harm(cfg, req, c, ahead, uncached, 0) + arrivals_harm_s;
     let successors_s = successors_wait(req, load);
 
     CostTerms {
@@ -206,16 +203,41 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
     }
 }
 
-/// What `delay` more seconds of stall cost one running request with `remaining` tokens to go,
-/// weighed against one second of a new request's wait: nothing while its inter-token latency
-/// stays within the objective, else the overrun, as the same share of the TTFT objective as it
-/// is of the request's ITL budget (module docs: `harm`). `stalled` is the stall the prefill
-/// queued ahead already makes it wait.
-fn itl_overrun(cfg: &ScoringConfig, remaining: f64, step: f64, stalled: f64, delay: f64) -> f64 {
+/// Output tokens each request running at the replica has left, on average.
+fn remaining_per_running(cfg: &ScoringConfig, load: &Load) -> f64 {
+    if load.in_flight > 0 && load.remaining_output_tokens > 0 {
+        (load.remaining_output_tokens as f64 / f64::from(load.in_flight)).max(1.0)
+    } else {
+        f64::from(cfg.default_remaining_output_tokens.max(1))
+    }
+}
+
+/// The slowdown the request's prefill and decode at `c` add to the sequences decoding there,
+/// weighed against one second of a new request's wait (module docs: `harm`). Of its `uncached`
+/// tokens, `copied` are a prefix another candidate holds: work the fleet would not do at all
+/// elsewhere, whose stall is charged in full; the rest is work some replica must do, whose
+/// stall counts only past the decoders' ITL slack left after the `ahead` tokens queued there.
+fn decoders_harm(
+    cfg: &ScoringConfig,
+    req: &RequestShape,
+    c: &Candidate,
+    ahead: u64,
+    uncached: u64,
+    copied: u64,
+) -> f64 {
+    let rate = c.rates.prefill_rate_or(cfg.prefill_tokens_per_s);
+    let step = c.rates.step_or(cfg.decode_step_s);
+    let remaining = remaining_per_running(cfg, &c.load);
+    // Its decode lengthens each step it shares with a running request, for as long as both run.
+    let shared_steps = f64::from(req.output_tokens).min(remaining);
+    let needed =
+        uncached.saturating_sub(copied) as f64 / rate + shared_steps * cfg.decode_step_per_seq_s;
     let slack = remaining * (cfg.itl_objective_s - step).max(0.0);
     let past = |stall: f64| (stall - slack).max(0.0);
+    let stalled = ahead as f64 / rate;
     let weight = cfg.ttft_objective_s / (remaining * cfg.itl_objective_s);
-    weight * (past(stalled + delay) - past(stalled))
+    let per_decoder = past(stalled + needed) - past(stalled) + copied as f64 / rate;
+    f64::from(c.load.decoding()) * weight * per_decoder
 }
 
 /// Busiest a replica's recent prefill is taken to be in [`successors_wait`]: past it the
@@ -240,7 +262,12 @@ fn successors_wait(req: &RequestShape, load: &super::inputs::Load) -> f64 {
 /// Charges each candidate the copy it would make ([`CostTerms::displace_s`]): the cached prefix
 /// it lacks against the longest any candidate holds, at its prefill rate, times its cache fill.
 /// `terms[i]` belongs to `cands[i]`.
-pub fn price_copies(cfg: &ScoringConfig, cands: &[&Candidate], terms: &mut [CostTerms]) {
+pub fn price_copies(
+    cfg: &ScoringConfig,
+    req: &RequestShape,
+    cands: &[&Candidate],
+    terms: &mut [CostTerms],
+) {
     let hit = |t: &CostTerms| t.gpu_hit_tokens + t.offload_hit_tokens;
     let longest = terms.iter().map(hit).max().unwrap_or(0);
     for (c, t) in cands.iter().zip(terms.iter_mut()) {
@@ -252,6 +279,8 @@ pub fn price_copies(cfg: &ScoringConfig, cands: &[&Candidate], terms: &mut [Cost
         let copied = longest.saturating_sub(hit(t));
         let rate = c.rates.prefill_rate_or(cfg.prefill_tokens_per_s);
         t.displace_s = copied as f64 / rate * fill;
+        t.harm_s = decoders_harm(cfg, req, c, t.ahead_tokens, t.uncached_tokens, copied)
+            + t.arrivals_harm_s;
         t.cost_s = t.ttft_s + t.harm_s + t.displace_s + t.successors_s;
     }
 }

@@ -272,6 +272,25 @@ fn prefill_harms_decoders_only_past_their_itl_slack() {
 }
 
 #[test]
+fn a_copy_stalls_the_decoders_for_work_no_replica_needs() {
+    // Replica 0 holds 375 of the request's 450 blocks behind 0.5 s of queued prefill; replica 1
+    // holds nothing and has no queue. Both decode 100 sequences well within their ITL objective,
+    // so the 1,200 tokens some replica must compute harm nobody; the 6,000 replica 1 would
+    // compute again stall its decoders for work no replica needs, charged from the first second.
+    let cfg = ScoringConfig::default();
+    let holder = queued(cand(0, 375, 100), 15_000, 10);
+    let d = choose(&cfg, &req(450), &[holder, cand(1, 0, 100)], 3).expect("d");
+    assert_eq!(d.replica, 0, "{:#?}", d.candidates);
+    let (kept, copy) = (d.candidates[0].terms, d.candidates[1].terms);
+    assert_eq!(kept.harm_s, 0.0, "{kept:?}");
+    let weight = cfg.ttft_objective_s / (256.0 * cfg.itl_objective_s);
+    let expected = 100.0 * weight * 6_000.0 / cfg.prefill_tokens_per_s;
+    assert!((copy.harm_s - expected).abs() < 1e-9, "{copy:?}");
+    // Its own wait alone would have moved it: the copy is what keeps it.
+    assert!(copy.ttft_s < kept.ttft_s, "{copy:?} {kept:?}");
+}
+
+#[test]
 fn blocks_that_do_not_fit_wait_for_the_batch_to_drain() {
     let cfg = ScoringConfig::default();
     let mut full = cand(0, 0, 8);
