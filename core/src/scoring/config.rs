@@ -37,7 +37,9 @@ pub struct ScoringConfig {
     /// second of slowdown of a running request weighs against one second of this request's wait.
     /// Default 2.0.
     pub ttft_objective_s: f64,
-    /// The inter-token latency objective, seconds per token. Default 0.05.
+    /// The inter-token latency objective, seconds per token. A running request's stalls within
+    /// `remaining * (itl_objective_s - step)` (its slack) are not charged as harm, except a
+    /// copy's. Default 0.05.
     pub itl_objective_s: f64,
     /// Output tokens a running request is assumed to have left when the indexer knows none of
     /// its requests' lengths (requests routed elsewhere, or before any). Default 256.

@@ -259,8 +259,9 @@ fn successors_wait(req: &RequestShape, load: &super::inputs::Load) -> f64 {
     n * wait * (2.0 - busy) / (1.0 - busy)
 }
 
-/// Charges each candidate the copy it would make ([`CostTerms::displace_s`]): the cached prefix
-/// it lacks against the longest any candidate holds, at its prefill rate, times its cache fill.
+/// Charges each candidate the copy it would make: the cached prefix it lacks against the longest
+/// any candidate holds, at its prefill rate, times its cache fill ([`CostTerms::displace_s`]),
+/// and the stall that copy adds to its decoders, in full ([`CostTerms::harm_s`]).
 /// `terms[i]` belongs to `cands[i]`.
 pub fn price_copies(
     cfg: &ScoringConfig,
