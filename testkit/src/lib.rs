@@ -36,4 +36,5 @@ pub mod redis;
 pub mod stack;
 pub mod supervisor;
 pub mod text;
+pub mod toml_merge;
 pub mod toolchain;

@@ -16,6 +16,7 @@ use crate::http;
 use crate::paths::Layout;
 use crate::ports::PortPool;
 use crate::supervisor::Supervisor;
+use crate::toml_merge;
 
 /// kvroute-sim's default prefill rate (`--prefill-tokens-per-s`), in model-time tokens per second.
 const SIM_PREFILL_TOKENS_PER_S: f64 = 30_000.0;
@@ -608,15 +609,11 @@ impl Stack {
         let quote = |s: &str| serde_json::to_string(s);
         let scale = self.cfg.time_scale.max(f64::MIN_POSITIVE);
         let mut toml = format!(
-            "# Written by cargo xtask for a local stack.\n\
-             listen = {}\nscrape_interval_ms = 500\n\n\
-             # The simulated replicas run --time-scale times faster than the wall: the priors\n\
-             # are the scoring defaults (30k tokens/s, 7 ms steps) in wall time, and their\n\
-             # metrics report model time.\n\
+            "listen = {}\nscrape_interval_ms = 500\n\n\
              [scoring]\nprefill_tokens_per_s = {:.1}\ndecode_step_s = {:.8}\n\
-             decode_step_per_seq_s = {:.10}\nttft_objective_s = {:.6}\nitl_objective_s = {:.8}\n{}\n\
+             decode_step_per_seq_s = {:.10}\nttft_objective_s = {:.6}\nitl_objective_s = {:.8}\n\n\
              [calibration]\nengine_time_scale = {}\n\n\
-             [inflight]\nrecent_work_window_s = {:.3}\n\n{}\
+             [inflight]\nrecent_work_window_s = {:.3}\n\n\
              [[models]]\nname = {}\nmodel_dir = {}\nblock_size = {}\nhash = {{ algo = {} }}\n",
             quote(&format!("127.0.0.1:{}", ports.indexer))?,
             SIM_PREFILL_TOKENS_PER_S * scale,
@@ -624,19 +621,9 @@ impl Stack {
             SIM_DECODE_STEP_PER_SEQ_S / scale,
             TTFT_OBJECTIVE_S / scale,
             ITL_OBJECTIVE_S / scale,
-            self.cfg
-                .scoring
-                .iter()
-                .map(|line| format!("{line}\n"))
-                .collect::<String>(),
             scale,
             // The default window (60 s) in model time, as the replicas' sessions live in it.
             60.0 / scale,
-            if self.cfg.index.is_empty() {
-                String::new()
-            } else {
-                format!("[index]\n{}\n", self.cfg.index.join("\n"))
-            },
             quote(&self.cfg.model)?,
             quote(&self.cfg.model_dir.to_string_lossy())?,
             self.cfg.block_size,
@@ -656,7 +643,6 @@ impl Stack {
         if let Some(peers) = &self.peers {
             toml.push_str(&peers.toml()?);
         }
-        toml.push_str(&indexer_extra_toml());
         for (index, ports) in self.ports.replicas.iter().enumerate() {
             toml.push_str(&format!(
                 "\n[[models.replicas]]\nname = \"r{index}\"\nhttp = \"127.0.0.1:{}\"\n\
@@ -664,7 +650,25 @@ impl Stack {
                 ports.http, ports.events, ports.replay
             ));
         }
-        Ok(toml)
+        // What the caller asks for replaces what the stack writes, key by key.
+        let mut doc: toml::Table = toml
+            .parse()
+            .context("the local stack's own indexer configuration")?;
+        toml_merge::merge(
+            &mut doc,
+            toml_merge::table_of_lines("scoring", &self.cfg.scoring)?,
+        );
+        toml_merge::merge(
+            &mut doc,
+            toml_merge::table_of_lines("index", &self.cfg.index)?,
+        );
+        toml_merge::merge(&mut doc, indexer_extra_toml()?);
+        Ok(format!(
+            "# Written by cargo xtask for a local stack. The simulated replicas run --time-scale\n\
+             # times faster than the wall: the scoring priors are the defaults (30k tokens/s,\n\
+             # 7 ms steps) in wall time, and their metrics report model time.\n{}",
+            toml::to_string(&doc).context("writing the indexer configuration")?
+        ))
     }
 
     /// Every replica as an Envoy `lb_endpoints` list (JSON).
@@ -1142,12 +1146,17 @@ fn indexer_log_filter() -> String {
     std::env::var("KVROUTE_STACK_INDEXER_LOG").unwrap_or_else(|_| "warn".to_string())
 }
 
-/// Extra TOML for a local stack's indexers, before the replicas (`KVROUTE_STACK_INDEXER_TOML`,
-/// e.g. `[scheduling]\nevent_coalesce_ms = 50` to try a setting in the benchmark; empty unset).
-fn indexer_extra_toml() -> String {
-    std::env::var("KVROUTE_STACK_INDEXER_TOML")
-        .map(|extra| format!("\n{}\n", extra.replace("\\n", "\n")))
-        .unwrap_or_default()
+/// Settings laid over a local stack's indexer configuration (`KVROUTE_STACK_INDEXER_TOML`, `\n`
+/// for a line break, e.g. `[inflight]\nreport_hold_ms = 0` to try a setting in the benchmark; a
+/// key the stack writes too is replaced; nothing when unset).
+fn indexer_extra_toml() -> Result<toml::Table> {
+    let Ok(extra) = std::env::var("KVROUTE_STACK_INDEXER_TOML") else {
+        return Ok(toml::Table::new());
+    };
+    extra
+        .replace("\\n", "\n")
+        .parse()
+        .context("KVROUTE_STACK_INDEXER_TOML is not TOML")
 }
 
 #[cfg(test)]
