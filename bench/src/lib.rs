@@ -156,7 +156,9 @@ pub struct BenchOptions {
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// A scoring setting for the indexer, `key=value` as in its `[scoring]` table (repeatable;
-    /// e.g. `--scoring credit_decay=0.02`); the report's command line shows it.
+    /// e.g. `--scoring itl_objective_s=0.0125`); it replaces the value the stack writes, and is
+    /// taken as given, in wall time (the stack's own priors are its model-time defaults over
+    /// `--time-scale`). The report's command line shows it.
     #[arg(long, value_parser = parse_scoring_setting)]
     pub scoring: Vec<String>,
     /// An index setting for the indexer, `key=value` as in its `[index]` table (repeatable;
