@@ -402,6 +402,7 @@ fn replay(s: &Settings, trace: &[TraceRequest], decode: bool) -> (Report, KvInde
             usable_blocks: usable as u32,
             output_tokens: 256,
             expected_successors: 0.0,
+            session_blocks: 0.0,
         };
         let w = choose(&scoring, &shape, &cands, seed)
             .expect("every worker is healthy")

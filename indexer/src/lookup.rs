@@ -145,6 +145,9 @@ pub struct Lookup<'a> {
     pub seed: u64,
     /// Requests expected per second at each healthy replica.
     pub arrival_rate_per_replica: f64,
+    /// Per replica (same order), the KV blocks its resident sessions are expected to want again
+    /// (`Load::resident_session_blocks`).
+    pub resident_session_blocks: Vec<f32>,
 }
 
 impl Lookup<'_> {
@@ -205,6 +208,11 @@ impl Lookup<'_> {
                         cache_fill: cache_fill(r, &rates),
                         recent_prefill_busy: recent_busy as f32,
                         recent_prefill_residual_s: recent_residual as f32,
+                        resident_session_blocks: self
+                            .resident_session_blocks
+                            .get(i)
+                            .copied()
+                            .unwrap_or(0.0),
                     },
                     rates,
                     healthy: r.healthy(),

@@ -160,6 +160,9 @@ pub fn route(
     if !req.shadow {
         // A shadowed request is not sent there: nothing to predict or remember.
         policy.record(&lookup, &chosen, &decision.matched);
+        if let Some(last) = lookup.usable().last() {
+            lock(&lookup.keys.model.continuations).place(*last, &chosen.name);
+        }
     }
     let explain = req.explain.then(|| explain(&lookup, &cands, &decision));
     Ok(record(
@@ -189,12 +192,23 @@ fn look_up<'a>(
         usable_blocks: keys.usable().len() as u32,
         output_tokens: u32::try_from(output).unwrap_or(u32::MAX),
         expected_successors: 0.0,
+        session_blocks: 0.0,
     };
     let now = std::time::Instant::now();
+    let mut resident_session_blocks = vec![0.0; replicas.len()];
     if !req.shadow {
         let mut continuations = lock(&keys.model.continuations);
-        continuations.observe(keys.usable(), now);
-        shape.expected_successors = continuations.expected_successors(now) as f32;
+        let continues = continuations.observe(keys.usable(), now);
+        let outlook = continuations.outlook(now);
+        // Only a session's first request places the session: a later one follows its context.
+        if !continues {
+            shape.expected_successors = outlook.successors as f32;
+            shape.session_blocks = outlook.wanted_blocks(1, keys.usable().len() as u64) as f32;
+        }
+        for (wanted, r) in resident_session_blocks.iter_mut().zip(&replicas) {
+            let (sessions, blocks) = continuations.resident(&r.name);
+            *wanted = outlook.wanted_blocks(sessions, blocks) as f32;
+        }
     }
     let arrivals = {
         let mut meter = lock(&keys.model.arrivals);
@@ -210,6 +224,7 @@ fn look_up<'a>(
         shape,
         session: req.session.as_deref().or(header_session),
         seed: state.policy_state.next_seed(),
+        resident_session_blocks,
     })
 }
 
@@ -258,7 +273,9 @@ fn log_prefix_given_away(lookup: &Lookup<'_>, cands: &[Candidate], d: &Decision)
         arrivals_harm_s = t.arrivals_harm_s,
         displace_s = t.displace_s,
         successors_s = t.successors_s,
+        crowding_s = t.crowding_s,
         recent_busy = l.recent_prefill_busy,
+        resident_session_blocks = l.resident_session_blocks,
         chosen_cost_s = d.terms.cost_s,
         "prefix given away"
     );
@@ -437,6 +454,9 @@ fn record(
         displace_s = t.displace_s,
         successors_s = t.successors_s,
         expected_successors = lookup.shape.expected_successors,
+        crowding_s = t.crowding_s,
+        session_blocks = lookup.shape.session_blocks,
+        resident_session_blocks = load.resident_session_blocks,
         recent_busy = load.recent_prefill_busy,
         runner_up = ?decision.runner_up,
         tied = decision.tied,

@@ -9,7 +9,7 @@
 //! replica's `recent_work`), held for one update or one read and never with another lock taken
 //! inside it.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
 use kvroute_core::router_key::RouterKey;
@@ -17,69 +17,274 @@ use kvroute_core::router_key::RouterKey;
 use crate::decayed::Decayed;
 use crate::index::IdBuildHasher;
 
-/// Recent prompts' last full blocks, to learn how many later requests continue a request.
+/// Recent prompts' last full blocks, to learn how sessions continue and where they live.
 ///
 /// A request continues an earlier one when its prompt starts with that one's whole prompt: its
 /// router keys then include the earlier prompt's last full block's key (block keys chain, so the
-/// key names the whole prefix). A request that continues none starts a chain. Over the window,
-/// continuations per chain start is the mean number of requests that follow a chain's first:
-/// the successors a placement commits when it places a chain's first request (a later request
-/// follows its context anyway). While chains are young (a run's first minutes) this reads
-/// short, not long: the term it feeds starts weak and grows as chains show their length.
+/// key names the whole prefix). A request that continues none starts a chain.
+///
+/// Each remembered prompt is **judged** once it is old enough that a continuation would have
+/// come (four mean gaps between a prompt and its continuation: an exponential gap is longer 1.8 %
+/// of the time; the window `tau_s` while no gap has been seen): continued or not. Over the
+/// window, `p` = continued / (judged + 1) is the chance a request is continued, and a chain's
+/// first request expects `n = p / (1 - p)` later ones (a geometric chain; for any mix of chain
+/// lengths, requests-weighted, it is the mean number after the first). Judging every prompt at
+/// the same age keeps young chains from reading short and a run's late turns (whose chains
+/// started long ago) from reading long; the `+ 1` makes the estimate start at 0 and grow with
+/// the evidence. The window fades both counts.
+///
+/// A prompt not judged yet and not continued is a **resident session** of the replica it was
+/// routed to ([`Continuations::place`]): its blocks and what it will add stay wanted there. Per
+/// replica the sums of those are kept, so that the cost model can price what a new session's
+/// footprint does to them ([`Continuations::resident`]).
 #[derive(Debug)]
 pub struct Continuations {
-    ends: HashSet<u64, IdBuildHasher>,
+    ends: HashMap<u64, End, IdBuildHasher>,
+    /// Remembered prompts, oldest first (the memory bound forgets from the front).
     order: VecDeque<u64>,
+    /// Prompts not judged yet, oldest first.
+    unjudged: VecDeque<(u64, Instant)>,
     max: usize,
     tau_s: f64,
-    starts: Decayed,
+    judged: Decayed,
     continued: Decayed,
+    /// Seconds from a prompt to its continuation (sum and count).
+    gap_s: Decayed,
+    gaps: Decayed,
+    /// Blocks a continuation adds to the prompt it continues (sum and count).
+    growth_blocks: Decayed,
+    growths: Decayed,
+    /// Replica names, indexed by [`End::replica`].
+    replicas: Vec<String>,
+    /// Per replica (same index): resident sessions and their prompts' blocks.
+    resident: Vec<Resident>,
+}
+
+/// A remembered prompt.
+#[derive(Debug, Clone, Copy)]
+struct End {
+    at: Instant,
+    blocks: u32,
+    /// Index into [`Continuations::replicas`] once placed.
+    replica: Option<u32>,
+    continued: bool,
+    judged: bool,
+}
+
+impl End {
+    /// Counted among its replica's resident sessions.
+    fn resident(&self) -> Option<u32> {
+        self.replica.filter(|_| !self.continued && !self.judged)
+    }
+}
+
+/// Sessions resident on one replica.
+#[derive(Debug, Clone, Copy, Default)]
+struct Resident {
+    sessions: u64,
+    blocks: u64,
+}
+
+/// What [`Continuations`] expects of sessions now.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SessionOutlook {
+    /// Chance that a request is continued.
+    pub continue_p: f64,
+    /// Later requests a chain's first request expects (`p / (1 - p)`).
+    pub successors: f64,
+    /// Blocks a continuation adds, on average.
+    pub growth_blocks: f64,
+}
+
+impl SessionOutlook {
+    /// KV blocks `sessions` sessions whose prompts are `blocks` long in all will want again on
+    /// their replica: their prompts if continued, and what their expected successors add.
+    pub fn wanted_blocks(&self, sessions: u64, blocks: u64) -> f64 {
+        self.continue_p * blocks as f64 + sessions as f64 * self.successors * self.growth_blocks
+    }
 }
 
 impl Continuations {
     /// Remembers at most `max` prompts (the oldest forgotten first); counts fade over `tau_s`.
     pub fn new(max: usize, tau_s: f64) -> Self {
         Self {
-            ends: HashSet::default(),
+            ends: HashMap::default(),
             order: VecDeque::new(),
+            unjudged: VecDeque::new(),
             max: max.max(1),
             tau_s,
-            starts: Decayed::default(),
+            judged: Decayed::default(),
             continued: Decayed::default(),
+            gap_s: Decayed::default(),
+            gaps: Decayed::default(),
+            growth_blocks: Decayed::default(),
+            growths: Decayed::default(),
+            replicas: Vec::new(),
+            resident: Vec::new(),
         }
     }
 
     /// Notes a request whose usable router keys are `keys` at `now`; true when it continues a
     /// remembered prompt.
     pub fn observe(&mut self, keys: &[RouterKey], now: Instant) -> bool {
+        self.judge_due(now);
         let Some(last) = keys.last() else {
             return false;
         };
-        let continues = keys.iter().any(|k| self.ends.contains(&k.0));
-        if continues {
-            self.continued.add(now, self.tau_s, 1.0);
-        } else {
-            self.starts.add(now, self.tau_s, 1.0);
+        // The prompt it continues is the longest remembered one it starts with.
+        let before = keys.iter().rposition(|k| self.ends.contains_key(&k.0));
+        if let Some(at) = before {
+            self.continue_end(keys[at].0, keys.len(), now);
         }
-        if self.ends.insert(last.0) {
+        if let std::collections::hash_map::Entry::Vacant(slot) = self.ends.entry(last.0) {
+            slot.insert(End {
+                at: now,
+                blocks: u32::try_from(keys.len()).unwrap_or(u32::MAX),
+                replica: None,
+                continued: false,
+                judged: false,
+            });
             self.order.push_back(last.0);
+            self.unjudged.push_back((last.0, now));
             while self.order.len() > self.max {
                 if let Some(old) = self.order.pop_front() {
-                    self.ends.remove(&old);
+                    self.forget(old);
                 }
             }
         }
-        continues
+        before.is_some()
     }
 
-    /// Later requests expected to continue a chain's first request: recent continuations per
-    /// recent chain start (0 before any start).
-    pub fn expected_successors(&self, now: Instant) -> f64 {
-        let starts = self.starts.at(now, self.tau_s);
-        if starts < f64::MIN_POSITIVE {
-            return 0.0;
+    /// Marks the remembered prompt `key` continued by a request of `blocks` blocks at `now`.
+    fn continue_end(&mut self, key: u64, blocks: usize, now: Instant) {
+        let tau = self.tau_s;
+        let Some(end) = self.ends.get_mut(&key) else {
+            return;
+        };
+        if end.continued {
+            return;
         }
-        self.continued.at(now, self.tau_s) / starts
+        let resident = end.resident();
+        end.continued = true;
+        let (at, was, judged) = (end.at, end.blocks, end.judged);
+        if judged {
+            // Judged ended too early (its gap was longer than the judging age): counted now, so
+            // that long gaps do not bias `p` down.
+            self.continued.add(now, tau, 1.0);
+        }
+        self.leave(resident, was);
+        self.gap_s
+            .add(now, tau, now.saturating_duration_since(at).as_secs_f64());
+        self.gaps.add(now, tau, 1.0);
+        let grew = (blocks as f64 - f64::from(was)).max(0.0);
+        self.growth_blocks.add(now, tau, grew);
+        self.growths.add(now, tau, 1.0);
+    }
+
+    /// Counts `replica`'s resident session of `blocks` blocks as gone.
+    fn leave(&mut self, replica: Option<u32>, blocks: u32) {
+        if let Some(r) = replica.and_then(|r| self.resident.get_mut(r as usize)) {
+            r.sessions = r.sessions.saturating_sub(1);
+            r.blocks = r.blocks.saturating_sub(u64::from(blocks));
+        }
+    }
+
+    /// Forgets a prompt (the memory bound): judged now if it was not.
+    fn forget(&mut self, key: u64) {
+        if let Some(end) = self.ends.remove(&key) {
+            self.leave(end.resident(), end.blocks);
+        }
+    }
+
+    /// How old a prompt is when it is judged.
+    fn judge_after_s(&self, now: Instant) -> f64 {
+        let gaps = self.gaps.at(now, self.tau_s);
+        if gaps < 0.5 {
+            return self.tau_s;
+        }
+        (4.0 * self.gap_s.at(now, self.tau_s) / gaps).min(self.tau_s)
+    }
+
+    /// Judges the prompts old enough at `now` (and the oldest past the memory bound).
+    fn judge_due(&mut self, now: Instant) {
+        let after = self.judge_after_s(now);
+        let tau = self.tau_s;
+        while let Some(&(key, at)) = self.unjudged.front() {
+            let young = now.saturating_duration_since(at).as_secs_f64() < after;
+            if young && self.unjudged.len() <= self.max {
+                break;
+            }
+            self.unjudged.pop_front();
+            let Some(end) = self.ends.get_mut(&key) else {
+                continue;
+            };
+            if end.judged || end.at != at {
+                continue;
+            }
+            let resident = end.resident();
+            end.judged = true;
+            let (continued, blocks) = (end.continued, end.blocks);
+            self.leave(resident, blocks);
+            self.judged.add(now, tau, 1.0);
+            if continued {
+                self.continued.add(now, tau, 1.0);
+            }
+        }
+    }
+
+    /// Records that the request whose last usable key is `key` went to `replica`: until it is
+    /// continued or judged, it is one of that replica's resident sessions.
+    pub fn place(&mut self, key: RouterKey, replica: &str) {
+        let slot = match self.replicas.iter().position(|n| n == replica) {
+            Some(i) => i,
+            None => {
+                self.replicas.push(replica.to_string());
+                self.resident.push(Resident::default());
+                self.replicas.len() - 1
+            }
+        };
+        let Some(end) = self.ends.get_mut(&key.0) else {
+            return;
+        };
+        if end.replica.is_some() || end.continued || end.judged {
+            return;
+        }
+        end.replica = u32::try_from(slot).ok();
+        let blocks = u64::from(end.blocks);
+        if let Some(r) = self.resident.get_mut(slot) {
+            r.sessions += 1;
+            r.blocks += blocks;
+        }
+    }
+
+    /// What sessions are expected to do, from the prompts judged over the window.
+    pub fn outlook(&self, now: Instant) -> SessionOutlook {
+        let judged = self.judged.at(now, self.tau_s);
+        let p = (self.continued.at(now, self.tau_s) / (judged + 1.0)).clamp(0.0, 1.0);
+        let growths = self.growths.at(now, self.tau_s);
+        SessionOutlook {
+            continue_p: p,
+            successors: p / (1.0 - p).max(f64::MIN_POSITIVE),
+            growth_blocks: if growths > f64::MIN_POSITIVE {
+                self.growth_blocks.at(now, self.tau_s) / growths
+            } else {
+                0.0
+            },
+        }
+    }
+
+    /// Later requests expected to continue a chain's first request (see [`Continuations`]).
+    pub fn expected_successors(&self, now: Instant) -> f64 {
+        self.outlook(now).successors
+    }
+
+    /// `replica`'s resident sessions and the blocks of their prompts.
+    pub fn resident(&self, replica: &str) -> (u64, u64) {
+        self.replicas
+            .iter()
+            .position(|n| n == replica)
+            .and_then(|i| self.resident.get(i))
+            .map_or((0, 0), |r| (r.sessions, r.blocks))
     }
 }
 
@@ -165,32 +370,94 @@ mod tests {
         (seen, now)
     }
 
+    /// Judges everything remembered: a request with no keys a long time after `at`.
+    fn judge_all(c: &mut Continuations, at: Instant) -> Instant {
+        let later = at + Duration::from_secs(3_600);
+        c.observe(&[], later);
+        later
+    }
+
     #[test]
     fn chains_of_turns_expect_the_turns_after_their_first() {
-        // 10 sessions of 5 turns: 4 continuations per start.
-        let mut c = Continuations::new(1_000, 1e9);
+        // 100 sessions of 5 turns: 4 continuations per start, 400 of 500 requests continued.
+        let mut c = Continuations::new(10_000, 1e9);
         let t0 = Instant::now();
-        let (seen, end) = sessions(&mut c, t0, 10, 5, 2.0);
-        assert_eq!(seen, 40);
-        let n = c.expected_successors(end);
-        assert!((n - 4.0).abs() < 1e-6, "{n}");
-        // Young chains read short: after two turns, one continuation per start.
-        let mut young = Continuations::new(1_000, 1e9);
-        let (_, end) = sessions(&mut young, t0, 10, 2, 2.0);
-        assert!((young.expected_successors(end) - 1.0).abs() < 1e-6);
+        let (seen, end) = sessions(&mut c, t0, 100, 5, 2.0);
+        assert_eq!(seen, 400);
+        let later = judge_all(&mut c, end);
+        let o = c.outlook(later);
+        // p = 400 / 501, n = p / (1 - p) = 400 / 101.
+        // (The window is 1e9 s: an hour fades the counts by 4e-6.)
+        assert!((o.successors - 400.0 / 101.0).abs() < 1e-3, "{o:?}");
+        assert!((o.continue_p - 400.0 / 501.0).abs() < 1e-3, "{o:?}");
+        // Each turn added one block.
+        assert!((o.growth_blocks - 1.0).abs() < 1e-9, "{o:?}");
+    }
+
+    #[test]
+    fn young_chains_do_not_read_short() {
+        // 20 sessions of 10 turns, 2 s apart; six turns in, only the prompts older than four
+        // gaps (8 s) are judged, and all of them were continued: the chains read at least as
+        // long as they are (9 successors), not as long as they have been so far.
+        let mut c = Continuations::new(10_000, 1e9);
+        let t0 = Instant::now();
+        let (_, now) = sessions(&mut c, t0, 20, 6, 2.0);
+        let n = c.expected_successors(now);
+        assert!(n >= 9.0, "{n}");
+        // Nothing judged yet: nothing expected.
+        let mut fresh = Continuations::new(10_000, 1e9);
+        let (_, now) = sessions(&mut fresh, t0, 20, 1, 2.0);
+        assert_eq!(fresh.expected_successors(now), 0.0);
+    }
+
+    #[test]
+    fn sessions_longer_than_the_window_read_their_length_and_not_more_once_starts_stop() {
+        // Sessions of 20 turns 4 s apart (76 s each, longer than the 60 s window), one starting
+        // every 2 s for 300 s: 19 later turns per start.
+        let mut c = Continuations::new(100_000, 60.0);
+        let t0 = Instant::now();
+        let mut arrivals: Vec<(f64, u64, u64)> = (0..150u64)
+            .flat_map(|s| (0..20u64).map(move |t| (s as f64 * 2.0 + t as f64 * 4.0, s, t)))
+            .collect();
+        arrivals.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut steady = None;
+        let mut last = t0;
+        for (at, s, t) in arrivals {
+            last = t0 + Duration::from_secs_f64(at);
+            let prompt: Vec<u64> = (0..=t).map(|k| s * 1_000 + k).collect();
+            c.observe(&keys(&prompt), last);
+            if at >= 200.0 && steady.is_none() {
+                steady = Some(c.expected_successors(last));
+            }
+        }
+        let steady = steady.expect("the run passes 200 s");
+        assert!((15.0..=22.0).contains(&steady), "{steady}");
+        // Once starts have stopped, the recent continuations are not counted over the few
+        // recent starts: the estimate does not grow past the sessions' length.
+        for wait in [0, 20, 40, 80] {
+            let now = last + Duration::from_secs(wait);
+            c.observe(&[], now);
+            let n = c.expected_successors(now);
+            assert!(n <= 22.0, "{wait} s after the last turn: {n}");
+        }
     }
 
     #[test]
     fn siblings_under_a_shared_prefix_are_not_continuations() {
         // Members of a group share a prefix (keys 1, 2) and end differently: none continues
-        // another's whole prompt.
-        let mut c = Continuations::new(1_000, 1e9);
+        // another's whole prompt. With no continuation seen, prompts are judged after the
+        // window (60 s).
+        let mut c = Continuations::new(1_000, 60.0);
         let t0 = Instant::now();
         for m in 0..20u64 {
             let now = t0 + Duration::from_secs(m);
             assert!(!c.observe(&keys(&[1, 2, 100 + m]), now));
+            c.place(RouterKey(100 + m), "a");
         }
-        assert_eq!(c.expected_successors(t0 + Duration::from_secs(20)), 0.0);
+        let later = judge_all(&mut c, t0 + Duration::from_secs(20));
+        assert_eq!(c.expected_successors(later), 0.0);
+        assert_eq!(c.outlook(later).wanted_blocks(20, 60), 0.0);
+        assert_eq!(c.resident("a"), (0, 0), "judged: resident no more");
         assert_eq!(
             Continuations::new(10, 60.0).expected_successors(t0),
             0.0,
@@ -199,13 +466,44 @@ mod tests {
     }
 
     #[test]
+    fn resident_sessions_follow_their_last_turn_until_judged() {
+        let mut c = Continuations::new(1_000, 1e9);
+        let t0 = Instant::now();
+        // Three first turns on "a" (3, 4 and 5 blocks), one on "b".
+        for (i, r) in ["a", "a", "a", "b"].iter().enumerate() {
+            let i = i as u64;
+            let prompt: Vec<u64> = (0..3 + i).map(|k| 100 * (i + 1) + k).collect();
+            assert!(!c.observe(&keys(&prompt), t0));
+            c.place(RouterKey(*prompt.last().expect("keys")), r);
+        }
+        assert_eq!(c.resident("a"), (3, 12));
+        assert_eq!(c.resident("b"), (1, 6));
+        assert_eq!(c.resident("nowhere"), (0, 0));
+        // The first session's next turn (two more blocks) goes to "b": it leaves "a".
+        let t1 = t0 + Duration::from_secs(1);
+        assert!(c.observe(&keys(&[100, 101, 102, 103, 104]), t1));
+        c.place(RouterKey(104), "b");
+        assert_eq!(c.resident("a"), (2, 9));
+        assert_eq!(c.resident("b"), (2, 11));
+        // Placing twice counts once.
+        c.place(RouterKey(104), "a");
+        assert_eq!(c.resident("b"), (2, 11));
+        // A gap of 1 s was seen: four gaps later every prompt is judged, none stays resident.
+        c.observe(&[], t1 + Duration::from_secs(5));
+        assert_eq!((c.resident("a"), c.resident("b")), ((0, 0), (0, 0)));
+    }
+
+    #[test]
     fn memory_is_bounded_and_forgets_the_oldest() {
         let mut c = Continuations::new(3, 1e9);
         let now = Instant::now();
         for k in 0..10u64 {
             c.observe(&keys(&[k]), now);
+            c.place(RouterKey(k), "a");
         }
         assert_eq!((c.order.len(), c.ends.len()), (3, 3));
+        assert!(c.unjudged.len() <= 4, "{}", c.unjudged.len());
+        assert!(c.resident("a").0 <= 3, "{:?}", c.resident("a"));
         assert!(!c.observe(&keys(&[0, 1000]), now), "forgotten");
         assert!(c.observe(&keys(&[9, 1001]), now), "remembered");
         assert!(!c.observe(&[], now));

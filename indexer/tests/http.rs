@@ -698,8 +698,11 @@ async fn a_session_s_turns_are_learned_as_successors_and_priced_where_prefill_wa
         let r = route(prompt.clone()).await;
         assert_eq!(r["replica"], home.as_str(), "turn {turn}: {r}");
     }
-    // A new session's first turn: 3 successors expected, which would queue behind the prefill
-    // recently routed to the session's replica, and behind nothing at the other.
+    // Once the session's prompts are old enough to be judged (four of its gaps, milliseconds
+    // here), 3 of 4 were continued: a new session's first turn expects successors (3 / 5 over
+    // 1 - 3 / 5), which would queue behind the prefill recently routed to the session's
+    // replica, and behind nothing at the other.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     let start = route((50_000..50_400).collect()).await;
     assert!(successors(&start, &home) > 0.0, "{start}");
     assert_eq!(successors(&start, other), 0.0, "{start}");

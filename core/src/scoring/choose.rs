@@ -128,10 +128,27 @@ pub fn choose(
         .map(|&i| eligible[i].load.in_flight)
         .min()
         .unwrap_or(0);
-    let idlest: Vec<usize> = tied
+    // Among those, the one whose prefill was least busy recently: a fleet that just started
+    // spreads its first requests (and the sessions and prefixes they bring) instead of leaving
+    // them to the draw.
+    let busy = |i: usize| {
+        let b = eligible[i].load.recent_prefill_busy;
+        if b.is_finite() {
+            b.max(0.0)
+        } else {
+            0.0
+        }
+    };
+    let least_busy = tied
         .iter()
         .copied()
         .filter(|&i| eligible[i].load.in_flight == fewest)
+        .map(busy)
+        .fold(f32::INFINITY, f32::min);
+    let idlest: Vec<usize> = tied
+        .iter()
+        .copied()
+        .filter(|&i| eligible[i].load.in_flight == fewest && busy(i) <= least_busy)
         .collect();
     let pick = match idlest.len() {
         0 => return None,

@@ -88,6 +88,11 @@ pub struct Load {
     /// finds one under way waits for it to end, on average.
     #[serde(default)]
     pub recent_prefill_residual_s: f32,
+    /// KV blocks the sessions resident here (their last request routed here, not yet continued
+    /// and recent enough that it may be) are expected to want again: the same estimate as
+    /// [`RequestShape::session_blocks`], summed over them.
+    #[serde(default)]
+    pub resident_session_blocks: f32,
 }
 
 /// One point of a [`KvRelease`] curve.
@@ -260,4 +265,9 @@ pub struct RequestShape {
     /// continue an earlier one; 0 when none do.
     #[serde(default)]
     pub expected_successors: f32,
+    /// KV blocks the session this request starts is expected to want again on its replica
+    /// after it (its prompt, if continued, and what its successors add); 0 for a request that
+    /// continues an earlier one (its session is placed already) and for one-off requests.
+    #[serde(default)]
+    pub session_blocks: f32,
 }

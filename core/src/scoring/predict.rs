@@ -27,7 +27,9 @@
 //! displace     = copied / prefill_rate * cache_fill
 //! successors   = expected_successors * wait * (2 - busy) / (1 - busy)
 //! wait         = busy * residual / (1 - busy)                 (busy capped at MAX_STATIONARY_BUSY)
-//! cost         = ttft + harm + displace + successors
+//! crowding     = (over(resident + session) - over(resident)) * block_size / prefill_rate
+//! over(b)      = max(b - kv_capacity_blocks, 0)
+//! cost         = ttft + harm + displace + successors + crowding
 //! ```
 //!
 //! The first harm term is the decoders' share of the prefill's stall. The work some replica must
@@ -63,6 +65,15 @@
 //! derivative of that wait in the load it adds). A session's first turn, which a shared system
 //! prompt cached on one replica would otherwise send there, prices the queueing its whole
 //! session will meet against the prompt's prefill.
+//!
+//! `crowding` is what a new session's KV footprint does to the sessions already resident at the
+//! replica. A session keeps wanting its context back (its next turn is a hit only if the blocks
+//! are still there), and it grows turn by turn; `session` and `resident` are the blocks the new
+//! session and the resident ones are expected to want again (the caller estimates them from how
+//! often requests are continued and by how much). While they fit the replica's KV nothing is
+//! lost; past it, LRU pushes out the context of whichever session is idlest, and its next turn
+//! computes it again: at least the overflow, once, at the replica's prefill rate. Only the
+//! overflow this session adds is charged.
 
 use serde::{Deserialize, Serialize};
 
@@ -104,7 +115,11 @@ pub struct CostTerms {
     /// and cause there.
     #[serde(default)]
     pub successors_s: f64,
-    /// `ttft_s + harm_s + displace_s + successors_s`: what the choice minimises.
+    /// The recomputation its session's KV footprint would force on the sessions resident
+    /// there, once it no longer fits beside them.
+    #[serde(default)]
+    pub crowding_s: f64,
+    /// `ttft_s + harm_s + displace_s + successors_s + crowding_s`: what the choice minimises.
     pub cost_s: f64,
     /// True when the replica's event stream is stale (its matches were not counted unless
     /// `stale_credit`).
@@ -183,6 +198,7 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
     let arrivals_harm_s = arrival_rate * prefill_s * (queue_wait_s + prefill_s / 2.0);
     let harm_s = decoders_harm(cfg, req, c, ahead, uncached, 0) + arrivals_harm_s;
     let successors_s = successors_wait(req, load);
+    let crowding_s = crowding(req, c, rate);
 
     CostTerms {
         gpu_hit_tokens: gpu_hit,
@@ -198,7 +214,8 @@ pub fn predict(cfg: &ScoringConfig, req: &RequestShape, c: &Candidate) -> CostTe
         arrivals_harm_s,
         displace_s: 0.0,
         successors_s,
-        cost_s: ttft_s + harm_s + successors_s,
+        crowding_s,
+        cost_s: ttft_s + harm_s + successors_s + crowding_s,
         stale: c.stale,
     }
 }
@@ -259,6 +276,20 @@ fn successors_wait(req: &RequestShape, load: &super::inputs::Load) -> f64 {
     n * wait * (2.0 - busy) / (1.0 - busy)
 }
 
+/// The recomputation the request's session would force at `c` once its footprint no longer
+/// fits beside the sessions resident there (module docs: `crowding`).
+fn crowding(req: &RequestShape, c: &Candidate, rate: f64) -> f64 {
+    let session = f64::from(req.session_blocks);
+    let resident = f64::from(c.load.resident_session_blocks);
+    let capacity = f64::from(c.rates.kv_capacity_blocks);
+    if !(session.is_finite() && session > 0.0 && resident.is_finite() && capacity > 0.0) {
+        return 0.0;
+    }
+    let over = |blocks: f64| (blocks - capacity).max(0.0);
+    let resident = resident.max(0.0);
+    (over(resident + session) - over(resident)) * f64::from(req.block_size.max(1)) / rate
+}
+
 /// Charges each candidate the copy it would make: the cached prefix it lacks against the longest
 /// any candidate holds, at its prefill rate, times its cache fill ([`CostTerms::displace_s`]),
 /// and the stall that copy adds to its decoders, in full ([`CostTerms::harm_s`]).
@@ -282,7 +313,7 @@ pub fn price_copies(
         t.displace_s = copied as f64 / rate * fill;
         t.harm_s = decoders_harm(cfg, req, c, t.ahead_tokens, t.uncached_tokens, copied)
             + t.arrivals_harm_s;
-        t.cost_s = t.ttft_s + t.harm_s + t.displace_s + t.successors_s;
+        t.cost_s = t.ttft_s + t.harm_s + t.displace_s + t.successors_s + t.crowding_s;
     }
 }
 

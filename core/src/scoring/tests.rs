@@ -9,6 +9,7 @@ fn req(prompt_blocks: u32) -> RequestShape {
         usable_blocks: prompt_blocks,
         output_tokens: 100,
         expected_successors: 0.0,
+        session_blocks: 0.0,
     }
 }
 
@@ -856,4 +857,73 @@ fn the_stationary_wait_stays_finite_on_a_saturated_replica() {
         // Capped at 0.9 busy: 0.9 * 0.1 / 0.1 = 0.9 s of wait, times 1.1 / 0.1.
         assert!(t.successors_s <= 0.9 * 11.0 * (1.0 + 1e-6), "{busy}: {t:?}");
     }
+}
+
+/// `c` with `blocks` of KV capacity and its resident sessions wanting `resident` of them again.
+fn with_sessions(mut c: Candidate, blocks: u32, resident: f32) -> Candidate {
+    c.rates.kv_capacity_blocks = blocks;
+    c.load.resident_session_blocks = resident;
+    c
+}
+
+#[test]
+fn a_new_session_starts_where_its_footprint_fits_beside_the_resident_ones() {
+    // A session's first turn: 150 blocks of a shared system prompt cached on replica 0 (80 ms of
+    // prefill at 30k tokens/s), 100 of its own. Both replicas hold 32,768 blocks. The sessions
+    // resident on replica 0 will want 32,000 of them again, on replica 1 10,000. The new one is
+    // expected to want 2,800 (a context that grows turn by turn).
+    let cfg = ScoringConfig::default();
+    let crowded = with_sessions(cand(0, 150, 0), 32_768, 32_000.0);
+    let roomy = with_sessions(cand(1, 0, 0), 32_768, 10_000.0);
+    let mut first_turn = req(250);
+
+    // A one-off request (or a later turn, already placed): nothing to price, the hit wins.
+    let d = choose(&cfg, &first_turn, &[crowded, roomy], 1).expect("a decision");
+    assert_eq!(d.replica, 0);
+    assert_eq!(d.terms.crowding_s, 0.0);
+
+    // A session: on replica 0 it pushes 2,032 blocks of the resident contexts out, which their
+    // next turns compute again (1.08 s); on replica 1 it fits.
+    first_turn.session_blocks = 2_800.0;
+    let d = choose(&cfg, &first_turn, &[crowded, roomy], 1).expect("a decision");
+    assert_eq!(d.replica, 1, "{:?}", d.candidates);
+    let at = |r: usize| d.candidates[r].terms.crowding_s;
+    let expect = (32_000.0 + 2_800.0 - 32_768.0) * f64::from(BS) / cfg.prefill_tokens_per_s;
+    assert!((at(0) - expect).abs() < 1e-6, "{}", at(0));
+    assert_eq!(at(1), 0.0);
+    assert!((d.terms.cost_s - (d.terms.ttft_s + d.terms.harm_s)).abs() < 1e-9);
+
+    // Both full already: the session pushes out as much wherever it goes, the hit decides.
+    let full = with_sessions(cand(1, 0, 0), 32_768, 40_000.0);
+    let d = choose(&cfg, &first_turn, &[crowded, full], 1).expect("a decision");
+    assert_eq!(d.replica, 0, "{:?}", d.candidates);
+}
+
+#[test]
+fn crowding_charges_only_the_overflow_the_session_adds() {
+    let cfg = ScoringConfig::default();
+    let mut turn = req(10);
+    turn.session_blocks = 1_000.0;
+    let per_block = f64::from(BS) / cfg.prefill_tokens_per_s;
+    let crowding = |turn: &RequestShape, capacity: u32, resident: f32| {
+        predict(
+            &cfg,
+            turn,
+            &with_sessions(cand(0, 0, 0), capacity, resident),
+        )
+        .crowding_s
+    };
+    assert_eq!(crowding(&turn, 10_000, 8_000.0), 0.0, "fits");
+    assert!((crowding(&turn, 10_000, 9_500.0) - 500.0 * per_block).abs() < 1e-9);
+    assert!((crowding(&turn, 10_000, 12_000.0) - 1_000.0 * per_block).abs() < 1e-9);
+    assert_eq!(
+        crowding(&turn, 0, 12_000.0),
+        0.0,
+        "unknown capacity: no term"
+    );
+    for nonsense in [f32::NAN, f32::INFINITY, -5.0] {
+        assert!(crowding(&turn, 10_000, nonsense).is_finite());
+    }
+    turn.session_blocks = f32::NAN;
+    assert_eq!(crowding(&turn, 10_000, 12_000.0), 0.0);
 }
