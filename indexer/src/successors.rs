@@ -31,7 +31,10 @@ use crate::index::IdBuildHasher;
 /// lengths, requests-weighted, it is the mean number after the first). Judging every prompt at
 /// the same age keeps young chains from reading short and a run's late turns (whose chains
 /// started long ago) from reading long; the `+ 1` makes the estimate start at 0 and grow with
-/// the evidence. The window fades both counts.
+/// the evidence. The window fades both counts. While a fleet fills up its judged prompts are
+/// mostly early turns, all continued, and `p / (1 - p)` runs far past any chain's length (40-47
+/// on 4-turn conversations): `n` is capped at the deepest chain seen so far (requests after a
+/// chain's first), what the evidence shows at least one chain did.
 ///
 /// A prompt not judged yet and not continued is a **resident session** of the replica it was
 /// routed to ([`Continuations::place`]): its blocks and what it will add stay wanted there. Per
@@ -58,12 +61,16 @@ pub struct Continuations {
     replicas: Vec<String>,
     /// Per replica (same index): resident sessions and their prompts' blocks.
     resident: Vec<Resident>,
+    /// The deepest request seen in a chain (requests before it).
+    deepest: u32,
 }
 
 /// A remembered prompt.
 #[derive(Debug, Clone, Copy)]
 struct End {
     at: Instant,
+    /// Requests before it in its chain (0 for a chain's first).
+    depth: u32,
     blocks: u32,
     /// Index into [`Continuations::replicas`] once placed.
     replica: Option<u32>,
@@ -121,6 +128,7 @@ impl Continuations {
             growths: Decayed::default(),
             replicas: Vec::new(),
             resident: Vec::new(),
+            deepest: 0,
         }
     }
 
@@ -133,12 +141,15 @@ impl Continuations {
         };
         // The prompt it continues is the longest remembered one it starts with.
         let before = keys.iter().rposition(|k| self.ends.contains_key(&k.0));
-        if let Some(at) = before {
-            self.continue_end(keys[at].0, keys.len(), now);
-        }
+        let depth = before.map_or(0, |at| {
+            self.continue_end(keys[at].0, keys.len(), now)
+                .saturating_add(1)
+        });
+        self.deepest = self.deepest.max(depth);
         if let std::collections::hash_map::Entry::Vacant(slot) = self.ends.entry(last.0) {
             slot.insert(End {
                 at: now,
+                depth,
                 blocks: u32::try_from(keys.len()).unwrap_or(u32::MAX),
                 replica: None,
                 continued: false,
@@ -155,14 +166,16 @@ impl Continuations {
         before.is_some()
     }
 
-    /// Marks the remembered prompt `key` continued by a request of `blocks` blocks at `now`.
-    fn continue_end(&mut self, key: u64, blocks: usize, now: Instant) {
+    /// Marks the remembered prompt `key` continued by a request of `blocks` blocks at `now`;
+    /// returns its depth in its chain.
+    fn continue_end(&mut self, key: u64, blocks: usize, now: Instant) -> u32 {
         let tau = self.tau_s;
         let Some(end) = self.ends.get_mut(&key) else {
-            return;
+            return 0;
         };
+        let depth = end.depth;
         if end.continued {
-            return;
+            return depth;
         }
         let resident = end.resident();
         end.continued = true;
@@ -179,6 +192,7 @@ impl Continuations {
         let grew = (blocks as f64 - f64::from(was)).max(0.0);
         self.growth_blocks.add(now, tau, grew);
         self.growths.add(now, tau, 1.0);
+        depth
     }
 
     /// Counts `replica`'s resident session of `blocks` blocks as gone.
@@ -264,7 +278,7 @@ impl Continuations {
         let growths = self.growths.at(now, self.tau_s);
         SessionOutlook {
             continue_p: p,
-            successors: p / (1.0 - p).max(f64::MIN_POSITIVE),
+            successors: (p / (1.0 - p).max(f64::MIN_POSITIVE)).min(f64::from(self.deepest)),
             growth_blocks: if growths > f64::MIN_POSITIVE {
                 self.growth_blocks.at(now, self.tau_s) / growths
             } else {
@@ -395,19 +409,38 @@ mod tests {
     }
 
     #[test]
-    fn young_chains_do_not_read_short() {
+    fn young_chains_read_as_long_as_they_have_shown() {
         // 20 sessions of 10 turns, 2 s apart; six turns in, only the prompts older than four
-        // gaps (8 s) are judged, and all of them were continued: the chains read at least as
-        // long as they are (9 successors), not as long as they have been so far.
+        // gaps (8 s) are judged, and all of them were continued: the chains read as long as the
+        // deepest has gone (5 successors), not as long as the average has been so far (2.5).
         let mut c = Continuations::new(10_000, 1e9);
         let t0 = Instant::now();
         let (_, now) = sessions(&mut c, t0, 20, 6, 2.0);
         let n = c.expected_successors(now);
-        assert!(n >= 9.0, "{n}");
+        assert!((n - 5.0).abs() < 1e-9, "{n}");
         // Nothing judged yet: nothing expected.
         let mut fresh = Continuations::new(10_000, 1e9);
         let (_, now) = sessions(&mut fresh, t0, 20, 1, 2.0);
         assert_eq!(fresh.expected_successors(now), 0.0);
+    }
+
+    #[test]
+    fn short_conversations_starting_together_do_not_read_long() {
+        // 4-turn conversations, a new one every 0.5 s, 2.5 s between turns: while the fleet
+        // fills, the judged prompts are mostly early turns; `n` stays at the 3 the chains show.
+        let mut c = Continuations::new(10_000, 15.0);
+        let t0 = Instant::now();
+        let mut arrivals: Vec<(f64, u64, u64)> = (0..60u64)
+            .flat_map(|s| (0..4u64).map(move |t| (s as f64 * 0.5 + t as f64 * 2.5, s, t)))
+            .collect();
+        arrivals.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for (at, s, t) in arrivals {
+            let now = t0 + Duration::from_secs_f64(at);
+            let prompt: Vec<u64> = (0..=t).map(|k| s * 1_000 + k).collect();
+            c.observe(&keys(&prompt), now);
+            let n = c.expected_successors(now);
+            assert!(n <= 3.0 + 1e-9, "at {at} s: {n}");
+        }
     }
 
     #[test]

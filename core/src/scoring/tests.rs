@@ -927,3 +927,43 @@ fn crowding_charges_only_the_overflow_the_session_adds() {
     turn.session_blocks = f32::NAN;
     assert_eq!(crowding(&turn, 10_000, 12_000.0), 0.0);
 }
+
+#[test]
+fn of_equally_idle_tied_replicas_the_least_recently_busy_wins_every_draw() {
+    // A fleet that has just started: nothing in flight anywhere, no hits, equal predictions
+    // (the prefill a replica did recently adds a successor-free request nothing). The one whose
+    // prefill did the least recently takes the new request, whatever the seed: the first
+    // requests (and the sessions and system prompts they bring) spread over the fleet.
+    let cfg = ScoringConfig::default();
+    let cands = [
+        recently_busy(cand(0, 0, 0), 0.02, 0.05),
+        recently_busy(cand(1, 0, 0), 0.0, 0.0),
+        recently_busy(cand(2, 0, 0), 0.01, 0.05),
+    ];
+    for seed in 0..64 {
+        let d = choose(&cfg, &req(200), &cands, seed).expect("decision");
+        assert_eq!(d.tied, 3, "seed {seed}: {d:?}");
+        assert_eq!(d.replica, 1, "seed {seed}");
+    }
+    // Equally busy: the seed still shares the work.
+    let even = [
+        recently_busy(cand(0, 0, 0), 0.01, 0.05),
+        recently_busy(cand(1, 0, 0), 0.01, 0.05),
+        recently_busy(cand(2, 0, 0), 0.01, 0.05),
+    ];
+    let picked: std::collections::HashSet<u32> = (0..64)
+        .map(|seed| {
+            choose(&cfg, &req(200), &even, seed)
+                .expect("decision")
+                .replica
+        })
+        .collect();
+    assert!(picked.len() >= 2, "{picked:?}");
+    // A reading that is not a number counts as idle, not as the busiest.
+    let nan = [
+        recently_busy(cand(0, 0, 0), 0.01, 0.05),
+        recently_busy(cand(1, 0, 0), f32::NAN, 0.05),
+    ];
+    let d = choose(&cfg, &req(200), &nan, 7).expect("decision");
+    assert_eq!(d.replica, 1);
+}
