@@ -384,6 +384,22 @@ mod tests {
         (seen, now)
     }
 
+    /// `sessions` sessions of `turns` turns, one starting every `start_every` s, turns `gap` s
+    /// apart, each turn's prompt extending the last: (seconds from the start, prompt) in time
+    /// order.
+    fn staggered(sessions: u64, turns: u64, start_every: f64, gap: f64) -> Vec<(f64, Vec<u64>)> {
+        let mut arrivals: Vec<(f64, Vec<u64>)> = (0..sessions)
+            .flat_map(|s| {
+                (0..turns).map(move |t| {
+                    let prompt = (0..=t).map(|k| s * 1_000 + k).collect();
+                    (s as f64 * start_every + t as f64 * gap, prompt)
+                })
+            })
+            .collect();
+        arrivals.sort_by(|a, b| a.0.total_cmp(&b.0));
+        arrivals
+    }
+
     /// Judges everything remembered: a request with no keys a long time after `at`.
     fn judge_all(c: &mut Continuations, at: Instant) -> Instant {
         let later = at + Duration::from_secs(3_600);
@@ -430,13 +446,8 @@ mod tests {
         // fills, the judged prompts are mostly early turns; `n` stays at the 3 the chains show.
         let mut c = Continuations::new(10_000, 15.0);
         let t0 = Instant::now();
-        let mut arrivals: Vec<(f64, u64, u64)> = (0..60u64)
-            .flat_map(|s| (0..4u64).map(move |t| (s as f64 * 0.5 + t as f64 * 2.5, s, t)))
-            .collect();
-        arrivals.sort_by(|a, b| a.0.total_cmp(&b.0));
-        for (at, s, t) in arrivals {
+        for (at, prompt) in staggered(60, 4, 0.5, 2.5) {
             let now = t0 + Duration::from_secs_f64(at);
-            let prompt: Vec<u64> = (0..=t).map(|k| s * 1_000 + k).collect();
             c.observe(&keys(&prompt), now);
             let n = c.expected_successors(now);
             assert!(n <= 3.0 + 1e-9, "at {at} s: {n}");
@@ -449,15 +460,10 @@ mod tests {
         // every 2 s for 300 s: 19 later turns per start.
         let mut c = Continuations::new(100_000, 60.0);
         let t0 = Instant::now();
-        let mut arrivals: Vec<(f64, u64, u64)> = (0..150u64)
-            .flat_map(|s| (0..20u64).map(move |t| (s as f64 * 2.0 + t as f64 * 4.0, s, t)))
-            .collect();
-        arrivals.sort_by(|a, b| a.0.total_cmp(&b.0));
         let mut steady = None;
         let mut last = t0;
-        for (at, s, t) in arrivals {
+        for (at, prompt) in staggered(150, 20, 2.0, 4.0) {
             last = t0 + Duration::from_secs_f64(at);
-            let prompt: Vec<u64> = (0..=t).map(|k| s * 1_000 + k).collect();
             c.observe(&keys(&prompt), last);
             if at >= 200.0 && steady.is_none() {
                 steady = Some(c.expected_successors(last));
