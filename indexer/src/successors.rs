@@ -9,7 +9,7 @@
 //! replica's `recent_work`), held for one update or one read and never with another lock taken
 //! inside it.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
 use kvroute_core::router_key::RouterKey;
@@ -57,9 +57,10 @@ pub struct Continuations {
     /// Blocks a continuation adds to the prompt it continues (sum and count).
     growth_blocks: Decayed,
     growths: Decayed,
-    /// Replica names, indexed by [`End::replica`].
-    replicas: Vec<String>,
-    /// Per replica (same index): resident sessions and their prompts' blocks.
+    /// Replica names to their slot in `resident` ([`End::replica`]). A slot with no resident
+    /// session is freed when the map reaches [`MAX_REPLICA_SLOTS`] (replicas come and go by name).
+    replicas: HashMap<String, u32>,
+    /// Per slot: resident sessions and their prompts' blocks.
     resident: Vec<Resident>,
     /// The deepest request seen in a chain (requests before it).
     deepest: u32,
@@ -84,6 +85,9 @@ impl End {
         self.replica.filter(|_| !self.continued && !self.judged)
     }
 }
+
+/// Most replica names followed at once (per model).
+const MAX_REPLICA_SLOTS: usize = 4_096;
 
 /// Sessions resident on one replica.
 #[derive(Debug, Clone, Copy, Default)]
@@ -126,7 +130,7 @@ impl Continuations {
             gaps: Decayed::default(),
             growth_blocks: Decayed::default(),
             growths: Decayed::default(),
-            replicas: Vec::new(),
+            replicas: HashMap::new(),
             resident: Vec::new(),
             deepest: 0,
         }
@@ -249,13 +253,8 @@ impl Continuations {
     /// Records that the request whose last usable key is `key` went to `replica`: until it is
     /// continued or judged, it is one of that replica's resident sessions.
     pub fn place(&mut self, key: RouterKey, replica: &str) {
-        let slot = match self.replicas.iter().position(|n| n == replica) {
-            Some(i) => i,
-            None => {
-                self.replicas.push(replica.to_string());
-                self.resident.push(Resident::default());
-                self.replicas.len() - 1
-            }
+        let Some(slot) = self.slot(replica) else {
+            return;
         };
         let Some(end) = self.ends.get_mut(&key.0) else {
             return;
@@ -263,9 +262,9 @@ impl Continuations {
         if end.replica.is_some() || end.continued || end.judged {
             return;
         }
-        end.replica = u32::try_from(slot).ok();
+        end.replica = Some(slot);
         let blocks = u64::from(end.blocks);
-        if let Some(r) = self.resident.get_mut(slot) {
+        if let Some(r) = self.resident.get_mut(slot as usize) {
             r.sessions += 1;
             r.blocks += blocks;
         }
@@ -295,10 +294,35 @@ impl Continuations {
     /// `replica`'s resident sessions and the blocks of their prompts.
     pub fn resident(&self, replica: &str) -> (u64, u64) {
         self.replicas
-            .iter()
-            .position(|n| n == replica)
-            .and_then(|i| self.resident.get(i))
+            .get(replica)
+            .and_then(|&i| self.resident.get(i as usize))
             .map_or((0, 0), |r| (r.sessions, r.blocks))
+    }
+
+    /// `replica`'s slot, made if new; `None` when every slot holds resident sessions.
+    fn slot(&mut self, replica: &str) -> Option<u32> {
+        if let Some(&slot) = self.replicas.get(replica) {
+            return Some(slot);
+        }
+        if self.replicas.len() >= MAX_REPLICA_SLOTS {
+            // No resident session names a slot with none: its name can go, its slot be reused.
+            let resident = &self.resident;
+            self.replicas
+                .retain(|_, slot| resident.get(*slot as usize).is_some_and(|r| r.sessions > 0));
+        }
+        let used: HashSet<u32> = self.replicas.values().copied().collect();
+        let free = (0..self.resident.len() as u32).find(|s| !used.contains(s));
+        if let Some(r) = free.and_then(|s| self.resident.get_mut(s as usize)) {
+            *r = Resident::default();
+        }
+        let slot = free.or_else(|| {
+            (self.replicas.len() < MAX_REPLICA_SLOTS).then(|| {
+                self.resident.push(Resident::default());
+                (self.resident.len() - 1) as u32
+            })
+        })?;
+        self.replicas.insert(replica.to_string(), slot);
+        Some(slot)
     }
 }
 
@@ -530,6 +554,33 @@ mod tests {
         // A gap of 1 s was seen: four gaps later every prompt is judged, none stays resident.
         c.observe(&[], t1 + Duration::from_secs(5));
         assert_eq!((c.resident("a"), c.resident("b")), ((0, 0), (0, 0)));
+    }
+
+    #[test]
+    fn replica_names_are_bounded_and_a_resident_session_keeps_its_replica() {
+        let mut c = Continuations::new(100_000, 1e9);
+        let t0 = Instant::now();
+        c.observe(&keys(&[1]), t0);
+        c.place(RouterKey(1), "kept");
+        // Thousands of replicas come and go by name; each session there is continued a second
+        // later (so nothing is judged yet: the mean gap is 1 s).
+        for i in 0..(MAX_REPLICA_SLOTS as u64 + 1_000) {
+            let k = 10 + 2 * i;
+            c.observe(&keys(&[k]), t0);
+            c.place(RouterKey(k), &format!("r{i}"));
+            c.observe(&keys(&[k, k + 1]), t0 + Duration::from_secs(1));
+        }
+        assert!(
+            c.replicas.len() <= MAX_REPLICA_SLOTS,
+            "{}",
+            c.replicas.len()
+        );
+        assert!(
+            c.resident.len() <= MAX_REPLICA_SLOTS,
+            "{}",
+            c.resident.len()
+        );
+        assert_eq!(c.resident("kept"), (1, 1));
     }
 
     #[test]
