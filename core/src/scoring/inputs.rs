@@ -262,7 +262,8 @@ pub struct RequestShape {
     pub output_tokens: u32,
     /// Later requests expected to continue this one's prompt (a session's next turns): they
     /// follow it to whichever replica it goes to. Learned by the caller from how often requests
-    /// continue an earlier one; 0 when none do.
+    /// continue an earlier one; 0 when none do, and for a request that itself continues one (its
+    /// session is placed already).
     #[serde(default)]
     pub expected_successors: f32,
     /// KV blocks the session this request starts is expected to want again on its replica
