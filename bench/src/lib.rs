@@ -54,7 +54,7 @@ use crate::paths::Layout;
 use crate::stack::{Binaries, PeerRedis, Stack, StackConfig};
 
 use gateways::{GatewayFacts, GatewaySetup, PeerSharing};
-use spread::Targets;
+use spread::{GatewaySpread, Targets};
 
 use policies::Policy;
 use replay::{Progress, ReplayConfig};
@@ -250,6 +250,11 @@ pub struct FleetOptions {
     /// `on,off` runs both, showing the gap the sharing closes.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "on")]
     pub peer_sharing: Vec<PeerSharing>,
+    /// With more than one gateway: `auto` sends a session's requests to one gateway (a hash of
+    /// its session) when the workload has sessions, `round-robin` spreads every request in turn,
+    /// so a session's turns reach different gateways (a Service without session affinity).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub gateway_spread: GatewaySpread,
 }
 
 /// Most gateways `--gateways` starts (each is an Envoy and an indexer on a 2-core machine).
@@ -866,7 +871,7 @@ fn run_policy(
         }
     }
     let targets = if line.gateways.gateways > 1 {
-        Targets::spread(gateway_addrs, workload)
+        Targets::spread(gateway_addrs, workload, opts.fleet.gateway_spread)
     } else {
         Targets::one(router.addr.clone())
     };

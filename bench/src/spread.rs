@@ -2,7 +2,21 @@
 //! of several gateways would: round robin without session affinity, or every request of a
 //! session to one gateway (a hash of its session header) when the workload has sessions.
 
+use clap::ValueEnum;
+
 use super::workloads::Workload;
+
+/// How the client spreads requests over several gateways (`--gateway-spread`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum GatewaySpread {
+    /// By session when the workload has sessions (a Service with session affinity), else round
+    /// robin.
+    #[default]
+    Auto,
+    /// Round robin whatever the sessions: a session's turns reach different gateways (a
+    /// Service without affinity).
+    RoundRobin,
+}
 
 /// The gateways' listeners and how requests are spread over them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,10 +34,11 @@ impl Targets {
         }
     }
 
-    /// Several listeners for `workload`: by session when some session of it has more than one
-    /// request, round robin otherwise (callers pass at least one listener).
-    pub fn spread(addrs: Vec<String>, workload: &Workload) -> Self {
-        let by_session = addrs.len() > 1 && has_sessions(workload);
+    /// Several listeners for `workload`: with [`GatewaySpread::Auto`], by session when some
+    /// session of it has more than one request, round robin otherwise (callers pass at least one
+    /// listener).
+    pub fn spread(addrs: Vec<String>, workload: &Workload, how: GatewaySpread) -> Self {
+        let by_session = addrs.len() > 1 && how == GatewaySpread::Auto && has_sessions(workload);
         Self { addrs, by_session }
     }
 
@@ -105,7 +120,7 @@ mod tests {
         assert_eq!((t.pick(0, "x"), t.pick(7, "y")), ("a:1", "a:1"));
         assert_eq!(t.mode(), "");
         let w = workload(&["s", "s"]);
-        let single = Targets::spread(addrs(1), &w);
+        let single = Targets::spread(addrs(1), &w, GatewaySpread::Auto);
         assert_eq!(single.mode(), "");
         assert_eq!(single.pick(3, "s"), "127.0.0.1:10000");
     }
@@ -114,7 +129,7 @@ mod tests {
     fn without_sessions_requests_go_round_robin() {
         let w = workload(&["a", "b", "c", "d", "e", "f"]);
         assert!(!has_sessions(&w));
-        let t = Targets::spread(addrs(3), &w);
+        let t = Targets::spread(addrs(3), &w, GatewaySpread::Auto);
         assert_eq!(t.mode(), "round robin");
         let picked: Vec<&str> = (0..6).map(|i| t.pick(i, "same")).collect();
         let a = addrs(3);
@@ -125,7 +140,14 @@ mod tests {
     fn with_sessions_a_session_keeps_its_gateway_and_sessions_spread() {
         let w = workload(&["a", "b", "a"]);
         assert!(has_sessions(&w));
-        let t = Targets::spread(addrs(2), &w);
+        let rr = Targets::spread(addrs(2), &w, GatewaySpread::RoundRobin);
+        assert_eq!(rr.mode(), "round robin");
+        assert_ne!(
+            rr.pick(0, "a"),
+            rr.pick(1, "a"),
+            "a session's turns alternate"
+        );
+        let t = Targets::spread(addrs(2), &w, GatewaySpread::Auto);
         assert_eq!(t.mode(), "by session");
         // One session, whatever its requests' positions: one gateway.
         let s = "mt-c7";

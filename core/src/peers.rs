@@ -10,8 +10,8 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Version of the encoding below; bumped on any incompatible change.
-pub const PEER_WIRE_VERSION: u16 = 1;
+/// Version of the encoding below; bumped on any incompatible change (2: [`SharedPrompt`]).
+pub const PEER_WIRE_VERSION: u16 = 2;
 
 /// Most router keys one shared decision carries (blocks past it are not predicted at peers).
 pub const MAX_SHARED_KEYS: usize = 16_384;
@@ -72,6 +72,23 @@ pub struct SharedDecision {
     pub skip: u32,
     /// Session id, when the request had one.
     pub session: Option<String>,
+    /// The prompt as a session's turn, so that a peer follows the sessions this gateway placed
+    /// (`None` for a prompt with no full block).
+    pub prompt: Option<SharedPrompt>,
+}
+
+/// A routed prompt as the chain of requests it belongs to: a session's turn continues the prompt
+/// before it when it starts with that whole prompt (router keys chain, so a prompt's last key
+/// names all of it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SharedPrompt {
+    /// Router key of the prompt's last usable block.
+    pub last_key: u64,
+    /// Usable blocks of the prompt.
+    pub blocks: u32,
+    /// Last key of the earlier prompt it continues, as the sender found it (`None`: a chain's
+    /// first request).
+    pub continues: Option<u64>,
 }
 
 /// Why a peer message was refused.
@@ -171,6 +188,11 @@ mod tests {
                 .collect(),
             skip: 3,
             session: None,
+            prompt: Some(SharedPrompt {
+                last_key: 99,
+                blocks: 103,
+                continues: Some(42),
+            }),
         }
     }
 

@@ -148,6 +148,8 @@ pub struct Lookup<'a> {
     /// Per replica (same order), the KV blocks its resident sessions are expected to want again
     /// (`Load::resident_session_blocks`).
     pub resident_session_blocks: Vec<f32>,
+    /// Last key of the remembered prompt this request continues (a session's later turn).
+    pub continues: Option<RouterKey>,
 }
 
 impl Lookup<'_> {

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use kvroute_core::api::CandidateExplain;
 use kvroute_core::hashing::{LoraRef, RequestExtras};
+use kvroute_core::peers::SharedPrompt;
 use kvroute_core::router_key::{request_keys, RouterKey};
 use kvroute_core::scoring::{
     Candidate, Decision, DecisionReason, MatchedBlocks, ReplicaRates, RequestShape, Scored,
@@ -196,12 +197,13 @@ fn look_up<'a>(
     };
     let now = std::time::Instant::now();
     let mut resident_session_blocks = vec![0.0; replicas.len()];
+    let mut continues = None;
     if !req.shadow {
         let mut continuations = lock(&keys.model.continuations);
-        let continues = continuations.observe(keys.usable(), now);
+        continues = continuations.observe(keys.usable(), now);
         let outlook = continuations.outlook(now);
         // Only a session's first request places the session: a later one follows its context.
-        if !continues {
+        if continues.is_none() {
             shape.expected_successors = outlook.successors as f32;
             shape.session_blocks = outlook.wanted_blocks(1, keys.usable().len() as u64) as f32;
         }
@@ -225,6 +227,7 @@ fn look_up<'a>(
         session: req.session.as_deref().or(header_session),
         seed: state.policy_state.next_seed(),
         resident_session_blocks,
+        continues,
     })
 }
 
@@ -414,6 +417,11 @@ fn record(
                 predicted_keys: keys.iter().map(|k| k.0).collect(),
                 skip,
                 session: lookup.session.filter(|s| short(s)).map(str::to_string),
+                prompt: lookup.usable().last().map(|last| SharedPrompt {
+                    last_key: last.0,
+                    blocks: u32::try_from(lookup.usable().len()).unwrap_or(u32::MAX),
+                    continues: lookup.continues.map(|k| k.0),
+                }),
             },
         ));
     }

@@ -12,6 +12,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
+use kvroute_core::peers::SharedPrompt;
 use kvroute_core::router_key::RouterKey;
 
 use crate::decayed::Decayed;
@@ -136,38 +137,52 @@ impl Continuations {
         }
     }
 
-    /// Notes a request whose usable router keys are `keys` at `now`; true when it continues a
-    /// remembered prompt.
-    pub fn observe(&mut self, keys: &[RouterKey], now: Instant) -> bool {
+    /// Notes a request whose usable router keys are `keys` at `now`; returns the last key of the
+    /// remembered prompt it continues, if any.
+    pub fn observe(&mut self, keys: &[RouterKey], now: Instant) -> Option<RouterKey> {
         self.judge_due(now);
-        let Some(last) = keys.last() else {
-            return false;
-        };
+        let last = keys.last()?;
         // The prompt it continues is the longest remembered one it starts with.
-        let before = keys.iter().rposition(|k| self.ends.contains_key(&k.0));
-        let depth = before.map_or(0, |at| {
-            self.continue_end(keys[at].0, keys.len(), now)
-                .saturating_add(1)
+        let continues = keys
+            .iter()
+            .rposition(|k| self.ends.contains_key(&k.0))
+            .map(|at| keys[at]);
+        self.remember(last.0, keys.len(), continues.map(|k| k.0), now);
+        continues
+    }
+
+    /// Notes a request a peer gateway routed at `now`, from the prompt it shared: as
+    /// [`Continuations::observe`], the prompt it continues being the one the peer found (a chain's
+    /// first here when that one is not remembered here).
+    pub fn observe_peer(&mut self, prompt: &SharedPrompt, now: Instant) {
+        self.judge_due(now);
+        let continues = prompt.continues.filter(|k| self.ends.contains_key(k));
+        self.remember(prompt.last_key, prompt.blocks as usize, continues, now);
+    }
+
+    /// Remembers the prompt ending in `last` (`blocks` long, continuing `continues`).
+    fn remember(&mut self, last: u64, blocks: usize, continues: Option<u64>, now: Instant) {
+        let depth = continues.map_or(0, |key| {
+            self.continue_end(key, blocks, now).saturating_add(1)
         });
         self.deepest = self.deepest.max(depth);
-        if let std::collections::hash_map::Entry::Vacant(slot) = self.ends.entry(last.0) {
+        if let std::collections::hash_map::Entry::Vacant(slot) = self.ends.entry(last) {
             slot.insert(End {
                 at: now,
                 depth,
-                blocks: u32::try_from(keys.len()).unwrap_or(u32::MAX),
+                blocks: u32::try_from(blocks).unwrap_or(u32::MAX),
                 replica: None,
                 continued: false,
                 judged: false,
             });
-            self.order.push_back(last.0);
-            self.unjudged.push_back((last.0, now));
+            self.order.push_back(last);
+            self.unjudged.push_back((last, now));
             while self.order.len() > self.max {
                 if let Some(old) = self.order.pop_front() {
                     self.forget(old);
                 }
             }
         }
-        before.is_some()
     }
 
     /// Marks the remembered prompt `key` continued by a request of `blocks` blocks at `now`;
@@ -400,7 +415,7 @@ mod tests {
             now = t0 + Duration::from_secs_f64(t as f64 * gap);
             for (s, prompt) in prompts.iter_mut().enumerate() {
                 prompt.push(s as u64 * 1_000 + t);
-                if c.observe(&keys(prompt), now) {
+                if c.observe(&keys(prompt), now).is_some() {
                     seen += 1;
                 }
             }
@@ -514,7 +529,7 @@ mod tests {
         let t0 = Instant::now();
         for m in 0..20u64 {
             let now = t0 + Duration::from_secs(m);
-            assert!(!c.observe(&keys(&[1, 2, 100 + m]), now));
+            assert!(c.observe(&keys(&[1, 2, 100 + m]), now).is_none());
             c.place(RouterKey(100 + m), "a");
         }
         let later = judge_all(&mut c, t0 + Duration::from_secs(20));
@@ -536,7 +551,7 @@ mod tests {
         for (i, r) in ["a", "a", "a", "b"].iter().enumerate() {
             let i = i as u64;
             let prompt: Vec<u64> = (0..3 + i).map(|k| 100 * (i + 1) + k).collect();
-            assert!(!c.observe(&keys(&prompt), t0));
+            assert!(c.observe(&keys(&prompt), t0).is_none());
             c.place(RouterKey(*prompt.last().expect("keys")), r);
         }
         assert_eq!(c.resident("a"), (3, 12));
@@ -544,7 +559,7 @@ mod tests {
         assert_eq!(c.resident("nowhere"), (0, 0));
         // The first session's next turn (two more blocks) goes to "b": it leaves "a".
         let t1 = t0 + Duration::from_secs(1);
-        assert!(c.observe(&keys(&[100, 101, 102, 103, 104]), t1));
+        assert!(c.observe(&keys(&[100, 101, 102, 103, 104]), t1).is_some());
         c.place(RouterKey(104), "b");
         assert_eq!(c.resident("a"), (2, 9));
         assert_eq!(c.resident("b"), (2, 11));
@@ -554,6 +569,48 @@ mod tests {
         // A gap of 1 s was seen: four gaps later every prompt is judged, none stays resident.
         c.observe(&[], t1 + Duration::from_secs(5));
         assert_eq!((c.resident("a"), c.resident("b")), ((0, 0), (0, 0)));
+    }
+
+    #[test]
+    fn a_peer_gateway_s_sessions_count_as_if_placed_here_and_continue_across_gateways() {
+        let mut c = Continuations::new(1_000, 1e9);
+        let t0 = Instant::now();
+        // A peer placed a session's first turn (4 blocks) on "a".
+        let first = SharedPrompt {
+            last_key: 3,
+            blocks: 4,
+            continues: None,
+        };
+        c.observe_peer(&first, t0);
+        c.place(RouterKey(first.last_key), "a");
+        assert_eq!(c.resident("a"), (1, 4));
+        // Its next turn reaches this gateway: a continuation of the peer's prompt, not a chain's
+        // first; the session leaves "a" for wherever this turn goes.
+        let t1 = t0 + Duration::from_secs(1);
+        let turn = keys(&[0, 1, 2, 3, 4, 5]);
+        assert_eq!(c.observe(&turn, t1), Some(RouterKey(3)));
+        c.place(RouterKey(5), "b");
+        assert_eq!((c.resident("a"), c.resident("b")), ((0, 0), (1, 6)));
+        // The peer routes the turn after (it found this gateway's prompt, key 5): "b" is left.
+        let third = SharedPrompt {
+            last_key: 7,
+            blocks: 8,
+            continues: Some(5),
+        };
+        c.observe_peer(&third, t1 + Duration::from_secs(1));
+        c.place(RouterKey(7), "c");
+        assert_eq!((c.resident("b"), c.resident("c")), ((0, 0), (1, 8)));
+        // A peer's continuation of a prompt not remembered here starts a chain here.
+        let orphan = SharedPrompt {
+            last_key: 99,
+            blocks: 2,
+            continues: Some(98),
+        };
+        c.observe_peer(&orphan, t1 + Duration::from_secs(1));
+        c.place(RouterKey(99), "a");
+        assert_eq!(c.resident("a"), (1, 2));
+        // Two continuations in a chain of three were seen: the deepest request had two before it.
+        assert_eq!(c.deepest, 2);
     }
 
     #[test]
@@ -594,9 +651,9 @@ mod tests {
         assert_eq!((c.order.len(), c.ends.len()), (3, 3));
         assert!(c.unjudged.len() <= 4, "{}", c.unjudged.len());
         assert!(c.resident("a").0 <= 3, "{:?}", c.resident("a"));
-        assert!(!c.observe(&keys(&[0, 1000]), now), "forgotten");
-        assert!(c.observe(&keys(&[9, 1001]), now), "remembered");
-        assert!(!c.observe(&[], now));
+        assert!(c.observe(&keys(&[0, 1000]), now).is_none(), "forgotten");
+        assert!(c.observe(&keys(&[9, 1001]), now).is_some(), "remembered");
+        assert!(c.observe(&[], now).is_none());
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //! Redis (Debian's `redis-server`, started here on a free loopback port with a password): a sibling
 //! burst split across the two lands on one replica, each counts the other's load exactly once and
 //! releases it when the other's request ends; without sharing the second gateway knows nothing of
-//! the first one's prefix; with Redis down (or a wrong password) both keep routing, degraded, and
-//! they pick sharing up again when it is back.
+//! the first one's prefix; a session placed through one gateway is followed by the other, turn
+//! after turn; with Redis down (or a wrong password) both keep routing, degraded, and they pick
+//! sharing up again when it is back.
 //!
 //! The indexers call `POST /v1/route` directly: Envoy adds nothing to what is shared. The replicas
 //! are real ZeroMQ publishers speaking vLLM's protocol (tests/common).
@@ -225,6 +226,69 @@ async fn a_sibling_burst_split_across_two_gateways_lands_on_one_replica() {
         "{metrics}"
     );
     assert_eq!(readyz(&c, &a).await["status"], "ready");
+}
+
+/// Sessions resident on each replica, and their blocks, as `g` follows them (`r0..`).
+fn residents(g: &Gateway) -> Vec<(u64, u64)> {
+    let model = g.state.models.get("m").expect("model m");
+    let continuations = model.continuations.lock().expect("continuations");
+    (0..REPLICAS)
+        .map(|i| continuations.resident(&format!("r{i}")))
+        .collect()
+}
+
+/// All of `g`'s resident sessions and their blocks.
+fn resident_total(g: &Gateway) -> (u64, u64) {
+    residents(g)
+        .iter()
+        .fold((0, 0), |(s, b), r| (s + r.0, b + r.1))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_placed_through_one_gateway_is_followed_by_the_other() {
+    let redis = RedisServer::start("peers-sessions").expect("redis-server");
+    let pubs = publishers().await;
+    let peers = peers_section(&redis.addr(), &redis.password);
+    let a = gateway(&pubs, &peers).await;
+    let b = gateway(&pubs, &peers).await;
+    wait_for("both gateways linked to redis", || linked(&a) && linked(&b)).await;
+    let c = reqwest::Client::new();
+
+    // A session's first turn through A: B counts the session where A placed it.
+    let first_turn = sibling(3, 0);
+    route(&c, &a, &first_turn).await;
+    wait_for("B applied A's decision", || {
+        peer_stat(&b, |s| s.applied_routed.load(Ordering::Relaxed)) == 1
+    })
+    .await;
+    let placed = resident_total(&a);
+    assert_eq!(placed.0, 1, "A follows its session: {:?}", residents(&a));
+    assert_eq!(
+        residents(&b),
+        residents(&a),
+        "B follows it where A placed it"
+    );
+
+    // Its next turn (the whole first prompt and more) reaches B: B continues A's session, and A
+    // learns that from B's decision. Each follows one session, of the second prompt's blocks.
+    let mut second_turn = first_turn.clone();
+    second_turn.extend((0..256).map(|k| 40_000 + k));
+    route(&c, &b, &second_turn).await;
+    wait_for("A applied B's decision", || {
+        peer_stat(&a, |s| s.applied_routed.load(Ordering::Relaxed)) == 1
+    })
+    .await;
+    let continued = resident_total(&b);
+    assert_eq!(continued.0, 1, "B: one session, {:?}", residents(&b));
+    assert!(
+        continued.1 > placed.1,
+        "B: the session grew, {placed:?} -> {continued:?}"
+    );
+    assert_eq!(
+        residents(&a),
+        residents(&b),
+        "A: the session moved on, not a second one"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

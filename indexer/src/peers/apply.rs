@@ -1,6 +1,7 @@
-//! Applying a peer's message: its decision counts in the load and replays the policy's record
-//! (predicted blocks, approx-prefix guesses, session pin) as if this indexer had made it; its end
-//! releases that count.
+//! Applying a peer's message: its decision counts in the load, replays the policy's record
+//! (predicted blocks, approx-prefix guesses, session pin) and places its prompt among the
+//! sessions followed (`crate::successors`) as if this indexer had made it; its end releases that
+//! count.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -103,7 +104,14 @@ fn routed(
         return Err("duplicate");
     }
     // An arrival at the fleet, as the scorer's arrival rate counts it, and work at the replica.
-    lock(&model.arrivals).record(Instant::now());
+    let now = Instant::now();
+    lock(&model.arrivals).record(now);
+    if let Some(prompt) = &d.prompt {
+        // A session the peer placed: its turns and footprint count here as if placed here.
+        let mut continuations = lock(&model.continuations);
+        continuations.observe_peer(prompt, now);
+        continuations.place(RouterKey(prompt.last_key), &replica.name);
+    }
     replica.count_routed_prefill(
         state.config.inflight.recent_work_window_s,
         Duration::from_millis(u64::from(d.prefill_ms)),
