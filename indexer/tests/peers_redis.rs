@@ -57,6 +57,18 @@ async fn publishers() -> Vec<Publisher> {
     v
 }
 
+/// One Redis and two gateways sharing their decisions through it, linked (the caller keeps the
+/// server and the publishers alive).
+async fn two_linked_gateways(name: &str) -> (RedisServer, Vec<Publisher>, Gateway, Gateway) {
+    let redis = RedisServer::start(name).expect("redis-server");
+    let pubs = publishers().await;
+    let peers = peers_section(&redis.addr(), &redis.password);
+    let a = gateway(&pubs, &peers).await;
+    let b = gateway(&pubs, &peers).await;
+    wait_for("both gateways linked to redis", || linked(&a) && linked(&b)).await;
+    (redis, pubs, a, b)
+}
+
 fn linked(g: &Gateway) -> bool {
     g.state.peers.as_ref().is_some_and(|l| {
         l.stats.publisher_up.load(Ordering::Relaxed)
@@ -146,12 +158,7 @@ async fn predicted(c: &reqwest::Client, g: &Gateway, tokens: &[u32], replica: &s
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sibling_burst_split_across_two_gateways_lands_on_one_replica() {
-    let redis = RedisServer::start("peers-burst").expect("redis-server");
-    let pubs = publishers().await;
-    let peers = peers_section(&redis.addr(), &redis.password);
-    let a = gateway(&pubs, &peers).await;
-    let b = gateway(&pubs, &peers).await;
-    wait_for("both gateways linked to redis", || linked(&a) && linked(&b)).await;
+    let (_redis, _pubs, a, b) = two_linked_gateways("peers-burst").await;
     let c = reqwest::Client::new();
 
     // The burst's first request reaches gateway A; its decision reaches B through Redis.
@@ -246,12 +253,7 @@ fn resident_total(g: &Gateway) -> (u64, u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_placed_through_one_gateway_is_followed_by_the_other() {
-    let redis = RedisServer::start("peers-sessions").expect("redis-server");
-    let pubs = publishers().await;
-    let peers = peers_section(&redis.addr(), &redis.password);
-    let a = gateway(&pubs, &peers).await;
-    let b = gateway(&pubs, &peers).await;
-    wait_for("both gateways linked to redis", || linked(&a) && linked(&b)).await;
+    let (_redis, _pubs, a, b) = two_linked_gateways("peers-sessions").await;
     let c = reqwest::Client::new();
 
     // A session's first turn through A: B counts the session where A placed it.
