@@ -17,7 +17,8 @@
 //! request shows at 20, a typical reply at 200). `KVROUTE_CPU_ROUNDS` sets the rounds (5);
 //! `KVROUTE_CPU_FILTER_CONFIG` adds a third Envoy whose filter has these settings merged into the
 //! default ones (e.g. `{"complete_hold_ms": 0}`); `KVROUTE_CPU_UDS` one whose indexer cluster is
-//! a Unix socket. Results go to stdout and `<target>/bench/filter-cpu[-native].json`
+//! a Unix socket; `KVROUTE_CPU_BASELINE` one more plain Envoy from the routing benchmark's baseline
+//! template. Results go to stdout and `<target>/bench/filter-cpu[-native].json`
 //! (`cargo xtask bench filter` runs it for both builds and prints the table).
 
 mod common;
@@ -300,7 +301,29 @@ fn envoy_cpu_per_streamed_request() {
         );
         envoys.push(("uds", start_filtered("cpu-uds", cfg.clone(), vec![edit])));
     }
-    for (_, envoy) in &envoys[1..] {
+    // The routing benchmark's plain Envoy (its own template: no overload manager, one STATIC
+    // cluster), to tell what kvroute's Envoy configuration costs apart from the filter.
+    let filtered = envoys.len();
+    if std::env::var_os("KVROUTE_CPU_BASELINE").is_some() {
+        let ports = (free_port(), free_port());
+        let endpoint = json!([{"endpoint": {"address": {"socket_address":
+            {"address": "127.0.0.1", "port_value": upstream}}}}]);
+        let yaml = kvroute_testkit::stack::render(
+            kvroute_testkit::stack::BASELINE_TEMPLATE,
+            &[
+                ("LISTEN_PORT", ports.0.to_string()),
+                ("ADMIN_PORT", ports.1.to_string()),
+                ("LB_POLICY", "ROUND_ROBIN".into()),
+                ("LB_ENDPOINTS", endpoint.to_string()),
+            ],
+        )
+        .expect("render the baseline template");
+        envoys.push((
+            "baseline",
+            Envoy::start_rendered("cpu-baseline", &yaml, ports, 1, false, &dir),
+        ));
+    }
+    for (_, envoy) in &envoys[1..filtered] {
         envoy.wait_tokenizers(1);
     }
 

@@ -32,7 +32,7 @@ const ASSESS: &str = "indexer-assess";
 use crate::prom::CacheCounters;
 
 /// The baseline Envoy configuration (no filter), rendered by [`Stack::start_baseline_envoy`].
-const BASELINE_TEMPLATE: &str = include_str!("../templates/envoy-baseline.yaml");
+pub const BASELINE_TEMPLATE: &str = include_str!("../templates/envoy-baseline.yaml");
 
 /// What to run.
 #[derive(Debug, Clone)]

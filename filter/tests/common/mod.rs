@@ -214,6 +214,19 @@ impl Envoy {
     pub fn start(name: &str, opts: &EnvoyOptions, dir: &Path) -> Envoy {
         let (port, admin) = (free_port(), free_port());
         let yaml = render_envoy(opts, port, admin);
+        let native = opts.with_filter && opts.native_module.is_some();
+        Self::start_rendered(name, &yaml, (port, admin), opts.concurrency, native, dir)
+    }
+
+    /// Starts an Envoy from a configuration already rendered for its `(listener, admin)` ports.
+    pub fn start_rendered(
+        name: &str,
+        yaml: &str,
+        (port, admin): (u16, u16),
+        concurrency: usize,
+        native: bool,
+        dir: &Path,
+    ) -> Envoy {
         let cfg = dir.join(format!("{name}.yaml"));
         std::fs::write(&cfg, yaml).expect("write envoy config");
         let mut proc = Proc::spawn(
@@ -222,7 +235,7 @@ impl Envoy {
                 .arg("-c")
                 .arg(&cfg)
                 .arg("--concurrency")
-                .arg(opts.concurrency.to_string())
+                .arg(concurrency.to_string())
                 .arg("--disable-hot-restart")
                 .arg("--log-level")
                 .arg("info")
@@ -249,8 +262,8 @@ impl Envoy {
             proc,
             port,
             admin,
-            concurrency: opts.concurrency,
-            native: opts.with_filter && opts.native_module.is_some(),
+            concurrency,
+            native,
         }
     }
 
