@@ -19,6 +19,13 @@ pub const MAX_SHARED_KEYS: usize = 16_384;
 /// Longest string field (ids, names, session) accepted from a peer, in bytes.
 pub const MAX_SHARED_STRING_BYTES: usize = 256;
 
+/// Most blocks a shared count of prompt blocks may say (`uncached_blocks`, `skip`, a prompt's
+/// `blocks`): 2^20, 16M tokens at 16 per block, past any model's context.
+pub const MAX_SHARED_BLOCKS: u32 = 1 << 20;
+
+/// Most output tokens a shared decision may expect (2^24).
+pub const MAX_SHARED_OUTPUT_TOKENS: u64 = 1 << 24;
+
 /// One message on the peers channel.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PeerEnvelope {
@@ -161,6 +168,17 @@ impl PeerEnvelope {
                 if d.predicted_keys.len() > MAX_SHARED_KEYS {
                     return Err(PeerWireError::TooLarge("predicted_keys"));
                 }
+                let blocks = [
+                    ("uncached_blocks", d.uncached_blocks),
+                    ("skip", d.skip),
+                    ("prompt.blocks", d.prompt.map_or(0, |p| p.blocks)),
+                ];
+                if let Some(&(field, _)) = blocks.iter().find(|(_, n)| *n > MAX_SHARED_BLOCKS) {
+                    return Err(PeerWireError::TooLarge(field));
+                }
+                if d.output_tokens > MAX_SHARED_OUTPUT_TOKENS {
+                    return Err(PeerWireError::TooLarge("output_tokens"));
+                }
                 Ok(())
             }
         }
@@ -225,6 +243,54 @@ mod tests {
             PeerEnvelope::decode(&big.encode()),
             Err(PeerWireError::TooLarge("predicted_keys"))
         ));
+        // Counts past any prompt or reply: a buggy or hostile peer cannot inflate the load.
+        for (field, over) in [
+            (
+                "uncached_blocks",
+                SharedDecision {
+                    uncached_blocks: MAX_SHARED_BLOCKS + 1,
+                    ..decision()
+                },
+            ),
+            (
+                "skip",
+                SharedDecision {
+                    skip: u32::MAX,
+                    ..decision()
+                },
+            ),
+            (
+                "prompt.blocks",
+                SharedDecision {
+                    prompt: Some(SharedPrompt {
+                        last_key: 1,
+                        blocks: MAX_SHARED_BLOCKS + 1,
+                        continues: None,
+                    }),
+                    ..decision()
+                },
+            ),
+            (
+                "output_tokens",
+                SharedDecision {
+                    output_tokens: MAX_SHARED_OUTPUT_TOKENS + 1,
+                    ..decision()
+                },
+            ),
+        ] {
+            let env = PeerEnvelope::new(7, PeerMessage::Routed(over));
+            assert!(
+                matches!(PeerEnvelope::decode(&env.encode()), Err(PeerWireError::TooLarge(f)) if f == field),
+                "{field}"
+            );
+        }
+        let at_limit = SharedDecision {
+            uncached_blocks: MAX_SHARED_BLOCKS,
+            output_tokens: MAX_SHARED_OUTPUT_TOKENS,
+            ..decision()
+        };
+        let env = PeerEnvelope::new(7, PeerMessage::Routed(at_limit));
+        assert!(PeerEnvelope::decode(&env.encode()).is_ok());
         assert!(matches!(
             PeerEnvelope::decode(&bytes[..bytes.len() / 2]),
             Err(PeerWireError::Decode(_))
