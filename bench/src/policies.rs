@@ -86,7 +86,7 @@ impl Policy {
             Policy::RoundRobin => "plain Envoy, `lb_policy: ROUND_ROBIN`",
             Policy::LeastRequest => "plain Envoy, `lb_policy: LEAST_REQUEST`",
             Policy::Random => "Envoy + kvroute filter + indexer `--policy random`",
-            Policy::Session => "plain Envoy, `lb_policy: RING_HASH` with a route `hash_policy` on the `x-session-id` header (header session affinity as an Envoy user would set it up; kvroute's own `--policy session`, which the filter reaches by forwarding the header, is not benchmarked)",
+            Policy::Session => "plain Envoy, `lb_policy: RING_HASH` with a route `hash_policy` on the `x-session-id` header (header session affinity as an Envoy user would set it up; the replicas sit on the ring by name, `envoy.lb` `hash_key`, so a session lands on the same replica in every run; kvroute's own `--policy session`, which the filter reaches by forwarding the header, is not benchmarked)",
             Policy::ApproxPrefix => "Envoy + kvroute filter + indexer `--policy approx-prefix` (router-side prefix guess, no events)",
             Policy::Shadow => "Envoy `ROUND_ROBIN` with the kvroute filter in shadow mode, asking `kvroute-indexer assess --listen` (routes nothing; measures what assess predicts and shadow mode would have saved)",
         }
@@ -172,7 +172,7 @@ fn start_session_envoy(stack: &Stack, envoy: &Path, work_dir: &Path) -> Result<R
         &[
             ("LISTEN_PORT", listen.to_string()),
             ("ADMIN_PORT", admin.to_string()),
-            ("LB_ENDPOINTS", stack.lb_endpoints()),
+            ("LB_ENDPOINTS", stack.lb_endpoints_hash_keyed()),
         ],
     )?;
     if stack.health_checks() {
@@ -369,12 +369,14 @@ mod tests {
             &[
                 ("LISTEN_PORT", "1".into()),
                 ("ADMIN_PORT", "2".into()),
-                ("LB_ENDPOINTS", "[]".into()),
+                ("LB_ENDPOINTS", stack::hash_keyed_endpoints(&[8001, 8002])),
             ],
         )
         .expect("render");
         assert!(yaml.contains("lb_policy: RING_HASH"));
         assert!(yaml.contains("header_name: x-session-id"));
+        // Replicas sit on the ring by name, not by their (per-run) ports.
+        assert!(yaml.contains(r#""envoy.lb":{"hash_key":"r1"}"#), "{yaml}");
         // A scale-out health-checks the replicas; that config must be valid too.
         let checked = stack::with_health_checks(&yaml).expect("health checks");
         // The real Envoy accepts it, when setup installed one.

@@ -685,6 +685,14 @@ impl Stack {
         serde_json::Value::Array(endpoints).to_string()
     }
 
+    /// [`Stack::lb_endpoints`] with each replica's name (`r0`, `r1`, ...) as its place on a
+    /// hash ring (`envoy.lb` `hash_key`): a ring hash then maps a session to the same replica in
+    /// every run, whatever ports the replicas got (by default Envoy hashes the address).
+    pub fn lb_endpoints_hash_keyed(&self) -> String {
+        let ports: Vec<u16> = self.ports.replicas.iter().map(|p| p.http).collect();
+        hash_keyed_endpoints(&ports)
+    }
+
     /// Renders the kvroute Envoy template of the filter build, starts Envoy with the filter and
     /// waits until the filter has loaded the tokenizer (in every worker's VM for the Wasm build,
     /// once for the native one).
@@ -1096,6 +1104,21 @@ pub fn with_health_checks(yaml: &str) -> Result<String> {
         bail!("the Envoy config has no single cluster to add health checks to");
     }
     Ok(yaml.replacen(anchor, &format!("{anchor}{HEALTH_CHECKS}"), 1))
+}
+
+/// Loopback replicas on `ports` as an Envoy `lb_endpoints` list (JSON), replica `i` placed on a
+/// hash ring by its name `r{i}` (`envoy.lb` `hash_key`) rather than by its address.
+pub fn hash_keyed_endpoints(ports: &[u16]) -> String {
+    let endpoints: Vec<_> = ports
+        .iter()
+        .enumerate()
+        .map(|(index, port)| {
+            json!({"endpoint": {"address": {"socket_address":
+                {"address": "127.0.0.1", "port_value": port}}},
+                "metadata": {"filter_metadata": {"envoy.lb": {"hash_key": format!("r{index}")}}}})
+        })
+        .collect();
+    serde_json::Value::Array(endpoints).to_string()
 }
 
 /// Replaces every `{{NAME}}` of `template`; fails if a non-comment line still holds a `{{...}}`.
