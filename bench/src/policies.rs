@@ -369,7 +369,10 @@ mod tests {
             &[
                 ("LISTEN_PORT", "1".into()),
                 ("ADMIN_PORT", "2".into()),
-                ("LB_ENDPOINTS", stack::hash_keyed_endpoints(&[8001, 8002])),
+                (
+                    "LB_ENDPOINTS",
+                    stack::loopback_endpoints(&[8001, 8002], true),
+                ),
             ],
         )
         .expect("render");

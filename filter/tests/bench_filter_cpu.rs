@@ -306,15 +306,16 @@ fn envoy_cpu_per_streamed_request() {
     let filtered = envoys.len();
     if std::env::var_os("KVROUTE_CPU_BASELINE").is_some() {
         let ports = (free_port(), free_port());
-        let endpoint = json!([{"endpoint": {"address": {"socket_address":
-            {"address": "127.0.0.1", "port_value": upstream}}}}]);
         let yaml = kvroute_testkit::stack::render(
             kvroute_testkit::stack::BASELINE_TEMPLATE,
             &[
                 ("LISTEN_PORT", ports.0.to_string()),
                 ("ADMIN_PORT", ports.1.to_string()),
                 ("LB_POLICY", "ROUND_ROBIN".into()),
-                ("LB_ENDPOINTS", endpoint.to_string()),
+                (
+                    "LB_ENDPOINTS",
+                    kvroute_testkit::stack::loopback_endpoints(&[upstream], false),
+                ),
             ],
         )
         .expect("render the baseline template");

@@ -673,24 +673,18 @@ impl Stack {
 
     /// Every replica as an Envoy `lb_endpoints` list (JSON).
     pub fn lb_endpoints(&self) -> String {
-        let endpoints: Vec<_> = self
-            .ports
-            .replicas
-            .iter()
-            .map(|p| {
-                json!({"endpoint": {"address": {"socket_address":
-                    {"address": "127.0.0.1", "port_value": p.http}}}})
-            })
-            .collect();
-        serde_json::Value::Array(endpoints).to_string()
+        loopback_endpoints(&self.http_ports(), false)
     }
 
     /// [`Stack::lb_endpoints`] with each replica's name (`r0`, `r1`, ...) as its place on a
     /// hash ring (`envoy.lb` `hash_key`): a ring hash then maps a session to the same replica in
     /// every run, whatever ports the replicas got (by default Envoy hashes the address).
     pub fn lb_endpoints_hash_keyed(&self) -> String {
-        let ports: Vec<u16> = self.ports.replicas.iter().map(|p| p.http).collect();
-        hash_keyed_endpoints(&ports)
+        loopback_endpoints(&self.http_ports(), true)
+    }
+
+    fn http_ports(&self) -> Vec<u16> {
+        self.ports.replicas.iter().map(|p| p.http).collect()
     }
 
     /// Renders the kvroute Envoy template of the filter build, starts Envoy with the filter and
@@ -1106,16 +1100,20 @@ pub fn with_health_checks(yaml: &str) -> Result<String> {
     Ok(yaml.replacen(anchor, &format!("{anchor}{HEALTH_CHECKS}"), 1))
 }
 
-/// Loopback replicas on `ports` as an Envoy `lb_endpoints` list (JSON), replica `i` placed on a
-/// hash ring by its name `r{i}` (`envoy.lb` `hash_key`) rather than by its address.
-pub fn hash_keyed_endpoints(ports: &[u16]) -> String {
+/// Loopback replicas on `ports` as an Envoy `lb_endpoints` list (JSON); with `hash_keyed`, replica
+/// `i` is placed on a hash ring by its name `r{i}` (`envoy.lb` `hash_key`), not by its address.
+pub fn loopback_endpoints(ports: &[u16], hash_keyed: bool) -> String {
     let endpoints: Vec<_> = ports
         .iter()
         .enumerate()
         .map(|(index, port)| {
-            json!({"endpoint": {"address": {"socket_address":
-                {"address": "127.0.0.1", "port_value": port}}},
-                "metadata": {"filter_metadata": {"envoy.lb": {"hash_key": format!("r{index}")}}}})
+            let mut e = json!({"endpoint": {"address": {"socket_address":
+                {"address": "127.0.0.1", "port_value": port}}}});
+            if hash_keyed {
+                e["metadata"] =
+                    json!({"filter_metadata": {"envoy.lb": {"hash_key": format!("r{index}")}}});
+            }
+            e
         })
         .collect();
     serde_json::Value::Array(endpoints).to_string()
