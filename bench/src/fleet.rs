@@ -65,6 +65,13 @@ pub fn sim_args(speeds: &[f64], index: usize) -> Vec<String> {
     }
 }
 
+/// The speed of each of `replicas` replicas: `speeds` as given, 1 where it names none.
+pub fn speeds_or_ones(speeds: &[f64], replicas: usize) -> Vec<f64> {
+    (0..replicas)
+        .map(|i| speeds.get(i).copied().unwrap_or(1.0))
+        .collect()
+}
+
 /// One replica's share of a run.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ReplicaShare {

@@ -18,6 +18,7 @@ mod fleet;
 mod gateways;
 mod goal_check;
 mod ideal;
+mod oracle;
 mod peers;
 mod policies;
 mod prediction;
@@ -1028,6 +1029,11 @@ fn run_policy(
     }
     summary.ideal = ideal::bound(extras.uncached, sim_latency);
     summary.ideal_fleet_kv = ideal::bound(extras.uncached_fleet_kv, sim_latency);
+    if opts.fleet.scale_out_at.is_none() {
+        let speeds = fleet::speeds_or_ones(&opts.fleet.replica_speeds, ctx.replicas);
+        summary.greedy_oracle =
+            oracle::greedy_oracle(workload, 16, ctx.gpu_blocks, &speeds, sim_latency);
+    }
     summary.assess = assessed;
     summary.gateways = gateway_facts;
     if let (Some((index, _)), Some(joined)) = (late, joined_s) {
@@ -1120,6 +1126,10 @@ fn print_line(s: &RunSummary) {
         (
             "ideal with the fleet's KV as one LRU cache,",
             &s.ideal_fleet_kv,
+        ),
+        (
+            "greedy oracle on the fleet's separate caches,",
+            &s.greedy_oracle,
         ),
     ] {
         if let (Some(i), Some(p90), Some(p99)) = (bound, s.ttft_p90_ms, s.ttft_p99_ms) {
@@ -1219,6 +1229,9 @@ fn write_outcomes(path: &Path, outcomes: &[replay::RequestOutcome], scale: f64) 
             "index": o.index,
             "ttft_model_ms": o.ttft_model_ms(scale),
             "engine_ttft_model_ms": o.engine_ttft_model_ms,
+            "engine_queue_model_ms": o.engine_queue_model_ms,
+            "engine_prefill_model_ms": o.engine_prefill_model_ms,
+            "replica_port": o.replica_port,
             "ttft_wall_ms": o.ttft_wall_ms,
             "itl_model_ms": o.itl_model_ms(scale),
             "itl_wall_ms": o.itl_wall_ms,

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
-use super::workloads::Workload;
+use super::workloads::{BenchRequest, Workload};
 use crate::stack::{self, Stack};
 use crate::supervisor::Supervisor;
 
@@ -303,39 +303,83 @@ pub fn fleet_cache_hits(
     capacity_blocks: usize,
 ) -> Vec<u64> {
     let bs = block_size.max(1);
-    let mut last_use: HashMap<u64, u64> = HashMap::new();
-    // (use, key) in use order; an entry whose key was used again later is stale and skipped.
-    let mut order: VecDeque<(u64, u64)> = VecDeque::new();
-    let mut clock = 0u64;
-    let mut out = Vec::with_capacity(workload.requests.len());
-    for request in &workload.requests {
-        let tokens = request.tokens();
-        let usable = tokens.len().saturating_sub(1) / bs;
-        let mut parent = 0x6b76_726f_7574_6521u64;
-        let mut hits_here = 0usize;
-        let mut chain_intact = true;
-        for (index, block) in tokens.chunks_exact(bs).enumerate() {
+    let mut cache = LruBlocks::new(capacity_blocks);
+    workload
+        .requests
+        .iter()
+        .map(|request| {
+            let keys = block_keys(&request.tokens(), bs);
+            let hits = cache.cached_prefix(&keys, usable_blocks(request, bs));
+            cache.touch_all(&keys);
+            (hits * bs) as u64
+        })
+        .collect()
+}
+
+/// The chained keys of a prompt's full blocks of `block_size` tokens.
+pub fn block_keys(tokens: &[u32], block_size: usize) -> Vec<u64> {
+    let mut parent = 0x6b76_726f_7574_6521u64;
+    tokens
+        .chunks_exact(block_size.max(1))
+        .map(|block| {
             parent = chain_key(parent, block);
-            clock += 1;
-            let held = last_use.insert(parent, clock).is_some();
-            order.push_back((clock, parent));
-            if chain_intact && held && index < usable {
-                hits_here += 1;
-            } else {
-                chain_intact = false;
-            }
+            parent
+        })
+        .collect()
+}
+
+/// Blocks of `request` an engine may serve from its cache (the last prompt token is always
+/// computed).
+pub fn usable_blocks(request: &BenchRequest, block_size: usize) -> usize {
+    request.num_tokens().saturating_sub(1) / block_size.max(1)
+}
+
+/// A cache of block keys evicted least recently used first, holding at most `capacity` keys.
+#[derive(Debug, Clone)]
+pub struct LruBlocks {
+    capacity: usize,
+    last_use: HashMap<u64, u64>,
+    /// (use, key) in use order; an entry whose key was used again later is stale and skipped.
+    order: VecDeque<(u64, u64)>,
+    clock: u64,
+}
+
+impl LruBlocks {
+    /// An empty cache of `capacity` blocks.
+    pub fn new(capacity: usize) -> Self {
+        LruBlocks {
+            capacity,
+            last_use: HashMap::new(),
+            order: VecDeque::new(),
+            clock: 0,
         }
-        while last_use.len() > capacity_blocks {
-            let Some((used, key)) = order.pop_front() else {
+    }
+
+    /// How many of the first `usable` keys are held, counted from the first until one is not.
+    pub fn cached_prefix(&self, keys: &[u64], usable: usize) -> usize {
+        keys.iter()
+            .take(usable)
+            .take_while(|k| self.last_use.contains_key(k))
+            .count()
+    }
+
+    /// Uses every key in order (a held one becomes the most recent, a new one is added), then
+    /// evicts the least recently used keys beyond the capacity.
+    pub fn touch_all(&mut self, keys: &[u64]) {
+        for &key in keys {
+            self.clock += 1;
+            self.last_use.insert(key, self.clock);
+            self.order.push_back((self.clock, key));
+        }
+        while self.last_use.len() > self.capacity {
+            let Some((used, key)) = self.order.pop_front() else {
                 break;
             };
-            if last_use.get(&key) == Some(&used) {
-                last_use.remove(&key);
+            if self.last_use.get(&key) == Some(&used) {
+                self.last_use.remove(&key);
             }
         }
-        out.push((hits_here * bs) as u64);
     }
-    out
 }
 
 /// A 64-bit chained key of a block (collisions are irrelevant at benchmark sizes).

@@ -70,6 +70,13 @@ pub struct RequestOutcome {
     pub ttft_wall_ms: Option<f64>,
     /// The engine's own TTFT (`kvroute_sim.ttft_s`), model ms.
     pub engine_ttft_model_ms: Option<f64>,
+    /// The engine's queue time before the request's first step (`kvroute_sim.queue_s`), model ms.
+    pub engine_queue_model_ms: Option<f64>,
+    /// The engine's time from the first step to the first token (`kvroute_sim.prefill_s`),
+    /// model ms.
+    pub engine_prefill_model_ms: Option<f64>,
+    /// The HTTP port of the replica that served it (`kvroute_sim.port`).
+    pub replica_port: Option<u16>,
     /// Mean gap between output tokens seen by the client, wall ms (None with fewer than 2).
     pub itl_wall_ms: Option<f64>,
     /// The engine's mean gap between output tokens, `(e2e_s - ttft_s) / (tokens - 1)`, model ms.
@@ -264,6 +271,12 @@ pub struct StreamTally {
     pub engine_ttft_s: Option<f64>,
     /// `kvroute_sim.e2e_s` (model seconds).
     pub engine_e2e_s: Option<f64>,
+    /// `kvroute_sim.queue_s` (model seconds).
+    pub engine_queue_s: Option<f64>,
+    /// `kvroute_sim.prefill_s` (model seconds).
+    pub engine_prefill_s: Option<f64>,
+    /// `kvroute_sim.port`.
+    pub replica_port: Option<u16>,
     /// `[DONE]` seen.
     pub done: bool,
 }
@@ -292,6 +305,14 @@ impl StreamTally {
         }
         if let Some(e2e) = chunk.pointer("/kvroute_sim/e2e_s").and_then(Value::as_f64) {
             self.engine_e2e_s = Some(e2e);
+        }
+        if let Some(sim) = chunk.get("kvroute_sim") {
+            self.engine_queue_s = sim.get("queue_s").and_then(Value::as_f64);
+            self.engine_prefill_s = sim.get("prefill_s").and_then(Value::as_f64);
+            self.replica_port = sim
+                .get("port")
+                .and_then(Value::as_u64)
+                .and_then(|p| u16::try_from(p).ok());
         }
         if let Some(usage) = chunk.get("usage").filter(|u| !u.is_null()) {
             self.completion_tokens = usage.get("completion_tokens").and_then(Value::as_u64);
@@ -364,6 +385,9 @@ fn stream(
     outcome.output_tokens = tally.completion_tokens.unwrap_or(tally.token_chunks);
     outcome.cached_tokens = tally.cached_tokens;
     outcome.engine_ttft_model_ms = tally.engine_ttft_s.map(|s| s * 1000.0);
+    outcome.engine_queue_model_ms = tally.engine_queue_s.map(|s| s * 1000.0);
+    outcome.engine_prefill_model_ms = tally.engine_prefill_s.map(|s| s * 1000.0);
+    outcome.replica_port = tally.replica_port;
     outcome.ttft_wall_ms = tally.first.map(|s| s * 1000.0);
     if let (Some(first), Some(last)) = (tally.first, tally.last) {
         if tally.token_chunks >= 2 {
@@ -396,7 +420,7 @@ mod tests {
             r#"{"id":"c","object":"text_completion","choices":[{"index":0,"text":"a","logprobs":null,"finish_reason":null}]}"#,
             r#"{"id":"c","object":"text_completion","choices":[{"index":0,"text":"","logprobs":null,"finish_reason":null}]}"#,
             r#"{"id":"c","object":"text_completion","choices":[{"index":0,"text":"b","logprobs":null,"finish_reason":null}]}"#,
-            r#"{"id":"c","choices":[{"index":0,"text":"","finish_reason":"length"}],"kvroute_sim":{"ttft_s":0.25,"e2e_s":1.0}}"#,
+            r#"{"id":"c","choices":[{"index":0,"text":"","finish_reason":"length"}],"kvroute_sim":{"ttft_s":0.25,"e2e_s":1.0,"queue_s":0.05,"prefill_s":0.2,"port":8001}}"#,
             r#"{"id":"c","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":32}}}"#,
             "[DONE]",
         ];
@@ -408,6 +432,9 @@ mod tests {
         assert_eq!(t.completion_tokens, Some(3));
         assert_eq!(t.cached_tokens, Some(32));
         assert_eq!(t.engine_ttft_s, Some(0.25));
+        assert_eq!(t.engine_queue_s, Some(0.05));
+        assert_eq!(t.engine_prefill_s, Some(0.2));
+        assert_eq!(t.replica_port, Some(8001));
         assert_eq!(t.engine_e2e_s, Some(1.0));
         assert!(t.done);
         assert!(StreamTally::default().feed("{not json", 0.0).is_err());

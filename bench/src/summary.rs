@@ -79,6 +79,10 @@ pub struct RunSummary {
     /// ([`super::policies::fleet_cache_hits`]): what no router beats on this fleet.
     #[serde(default)]
     pub ideal_fleet_kv: Option<super::ideal::IdealBound>,
+    /// The greedy oracle's TTFTs on the fleet's separate caches ([`super::oracle`]; none with
+    /// a replica joining late).
+    #[serde(default)]
+    pub greedy_oracle: Option<super::ideal::IdealBound>,
     /// The late replica's uptake (`--scale-out-at`).
     pub scale_out: Option<super::scaleout::ScaleOut>,
     /// What `kvroute-indexer assess` reported over the run (the `shadow` line only).
@@ -200,6 +204,7 @@ impl RunSummary {
             replica_shares: None,
             ideal: None,
             ideal_fleet_kv: None,
+            greedy_oracle: None,
             scale_out: None,
             assess: None,
             gateways: None,

@@ -168,6 +168,7 @@ pub async fn run(cli: Cli) -> Result<(), AppError> {
         seed: cli.seed,
         kv_event_sources: Value::Object(sources),
         version: cli.vllm_version.clone(),
+        port: cli.port,
         start_unix_s: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs_f64())

@@ -90,6 +90,10 @@ pub struct FinishInfo {
     pub cached_tokens: usize,
     /// Time to first token, simulated seconds.
     pub ttft_s: f64,
+    /// Waiting before its first step (vLLM's queue time, last queued), simulated seconds.
+    pub queue_s: f64,
+    /// From its first step to its first token (vLLM's prefill time), simulated seconds.
+    pub prefill_s: f64,
     /// End-to-end latency, simulated seconds.
     pub e2e_s: f64,
     /// Times the request was preempted.
@@ -345,10 +349,12 @@ impl Loop {
             let ttft = (first_s - seq.arrival_s).max(0.0);
             let e2e = (end_s - seq.arrival_s).max(0.0);
             let cached_tokens = seq.cached_tokens.unwrap_or(0);
+            let queued_s = (scheduled_s - seq.queued_s).max(0.0);
+            let prefill_s = (first_s - scheduled_s).max(0.0);
             finished.push(FinishedRequest {
                 e2e_s: e2e,
-                queued_s: (scheduled_s - seq.queued_s).max(0.0),
-                prefill_s: (first_s - scheduled_s).max(0.0),
+                queued_s,
+                prefill_s,
                 decode_s: (last_s - first_s).max(0.0),
                 inference_s: (last_s - scheduled_s).max(0.0),
                 prompt_tokens: seq.num_prompt_tokens,
@@ -363,6 +369,8 @@ impl Loop {
                     completion_tokens: seq.num_output_tokens(),
                     cached_tokens,
                     ttft_s: ttft,
+                    queue_s: queued_s,
+                    prefill_s,
                     e2e_s: e2e,
                     preemptions: seq.num_preemptions,
                     engine: self.cfg.rank,

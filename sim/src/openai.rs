@@ -219,11 +219,14 @@ pub fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
     })
 }
 
-/// Simulator-only timings (unscaled seconds), added as `kvroute_sim` to final responses; OpenAI
-/// clients ignore unknown fields.
-pub fn sim_info(f: &FinishInfo) -> Value {
+/// Simulator-only timings (unscaled seconds) and the serving replica's HTTP port, added as
+/// `kvroute_sim` to final responses; OpenAI clients ignore unknown fields.
+pub fn sim_info(f: &FinishInfo, port: u16) -> Value {
     json!({
         "ttft_s": f.ttft_s,
+        "queue_s": f.queue_s,
+        "prefill_s": f.prefill_s,
+        "port": port,
         "e2e_s": f.e2e_s,
         "engine": f.engine,
         "preemptions": f.preemptions,

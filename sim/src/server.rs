@@ -59,6 +59,8 @@ pub struct AppState {
     pub kv_event_sources: Value,
     /// `/version` value.
     pub version: String,
+    /// The HTTP port it listens on (`--port`), reported with each finished request.
+    pub port: u16,
     /// Unix time the process started.
     pub start_unix_s: f64,
     /// Request counter (ids).
@@ -361,7 +363,7 @@ async fn collect_response(
         prompt += f.prompt_tokens;
         completion += f.completion_tokens;
         cached += f.cached_tokens;
-        infos.push(openai::sim_info(&f));
+        infos.push(openai::sim_info(&f, s.port));
     }
     let mut body = json!({
         "id": id,
@@ -470,7 +472,7 @@ fn stream_response(
                     } else {
                         openai::completion_chunk(&id, created, &model, i, "", true)
                     };
-                    last["kvroute_sim"] = openai::sim_info(&f);
+                    last["kvroute_sim"] = openai::sim_info(&f, s.port);
                     evs.push(last);
                     finished.push(f);
                     if finished.len() == total && include_usage {
