@@ -162,7 +162,11 @@ pub fn route(
         // A shadowed request is not sent there: nothing to predict or remember.
         policy.record(&lookup, &chosen, &decision.matched);
         if let Some(last) = lookup.usable().last() {
-            lock(&lookup.keys.model.continuations).place(*last, &chosen.name);
+            lock(&lookup.keys.model.continuations).place(
+                *last,
+                &chosen.name,
+                decision.matched.on_gpu(),
+            );
         }
     }
     let explain = req.explain.then(|| explain(&lookup, &cands, &decision));

@@ -61,7 +61,7 @@ pub struct Continuations {
     /// Replica names to their slot in `resident` ([`End::replica`]). A slot with no resident
     /// session is freed when the map reaches [`MAX_REPLICA_SLOTS`] (replicas come and go by name).
     replicas: HashMap<String, u32>,
-    /// Per slot: resident sessions and their prompts' blocks.
+    /// Per slot: resident sessions and their own blocks ([`End::own`]).
     resident: Vec<Resident>,
     /// The deepest request seen in a chain (requests before it).
     deepest: u32,
@@ -74,6 +74,12 @@ struct End {
     /// Requests before it in its chain (0 for a chain's first).
     depth: u32,
     blocks: u32,
+    /// Leading blocks its replica held for others before its session came (a shared system
+    /// prompt): counted once there, not once per session.
+    shared: u32,
+    /// The replica slot and `shared` of the prompt it continues, which it inherits when placed
+    /// on the same replica.
+    inherited: Option<(u32, u32)>,
     /// Index into [`Continuations::replicas`] once placed.
     replica: Option<u32>,
     continued: bool,
@@ -84,6 +90,11 @@ impl End {
     /// Counted among its replica's resident sessions.
     fn resident(&self) -> Option<u32> {
         self.replica.filter(|_| !self.continued && !self.judged)
+    }
+
+    /// The blocks its session holds at its replica beyond what it shares with others there.
+    fn own(&self) -> u32 {
+        self.blocks.saturating_sub(self.shared)
     }
 }
 
@@ -162,6 +173,9 @@ impl Continuations {
 
     /// Remembers the prompt ending in `last` (`blocks` long, continuing `continues`).
     fn remember(&mut self, last: u64, blocks: usize, continues: Option<u64>, now: Instant) {
+        let inherited = continues
+            .and_then(|key| self.ends.get(&key))
+            .and_then(|end| end.replica.map(|slot| (slot, end.shared)));
         let depth = continues.map_or(0, |key| {
             self.continue_end(key, blocks, now).saturating_add(1)
         });
@@ -171,6 +185,8 @@ impl Continuations {
                 at: now,
                 depth,
                 blocks: u32::try_from(blocks).unwrap_or(u32::MAX),
+                shared: 0,
+                inherited,
                 replica: None,
                 continued: false,
                 judged: false,
@@ -198,13 +214,13 @@ impl Continuations {
         }
         let resident = end.resident();
         end.continued = true;
-        let (at, was, judged) = (end.at, end.blocks, end.judged);
+        let (at, was, own, judged) = (end.at, end.blocks, end.own(), end.judged);
         if judged {
             // Judged ended too early (its gap was longer than the judging age): counted now, so
             // that long gaps do not bias `p` down.
             self.continued.add(now, tau, 1.0);
         }
-        self.leave(resident, was);
+        self.leave(resident, own);
         self.gap_s
             .add(now, tau, now.saturating_duration_since(at).as_secs_f64());
         self.gaps.add(now, tau, 1.0);
@@ -214,7 +230,7 @@ impl Continuations {
         depth
     }
 
-    /// Counts `replica`'s resident session of `blocks` blocks as gone.
+    /// Counts `replica`'s resident session of `blocks` own blocks as gone.
     fn leave(&mut self, replica: Option<u32>, blocks: u32) {
         if let Some(r) = replica.and_then(|r| self.resident.get_mut(r as usize)) {
             r.sessions = r.sessions.saturating_sub(1);
@@ -225,7 +241,7 @@ impl Continuations {
     /// Forgets a prompt (the memory bound): judged now if it was not.
     fn forget(&mut self, key: u64) {
         if let Some(end) = self.ends.remove(&key) {
-            self.leave(end.resident(), end.blocks);
+            self.leave(end.resident(), end.own());
         }
     }
 
@@ -256,8 +272,8 @@ impl Continuations {
             }
             let resident = end.resident();
             end.judged = true;
-            let (continued, blocks) = (end.continued, end.blocks);
-            self.leave(resident, blocks);
+            let (continued, own) = (end.continued, end.own());
+            self.leave(resident, own);
             self.judged.add(now, tau, 1.0);
             if continued {
                 self.continued.add(now, tau, 1.0);
@@ -265,9 +281,13 @@ impl Continuations {
         }
     }
 
-    /// Records that the request whose last usable key is `key` went to `replica`: until it is
-    /// continued or judged, it is one of that replica's resident sessions.
-    pub fn place(&mut self, key: RouterKey, replica: &str) {
+    /// Records that the request whose last usable key is `key` went to `replica`, which held its
+    /// first `cached` blocks: until it is continued or judged, it is one of that replica's
+    /// resident sessions. Its footprint there is what it does not share with others: a chain's
+    /// first request shares what was cached (a system prompt other sessions brought); a later
+    /// one on the same replica shares what its chain's first did, and its own earlier turns
+    /// stay its own.
+    pub fn place(&mut self, key: RouterKey, replica: &str, cached: u32) {
         let Some(slot) = self.slot(replica) else {
             return;
         };
@@ -278,10 +298,15 @@ impl Continuations {
             return;
         }
         end.replica = Some(slot);
-        let blocks = u64::from(end.blocks);
+        end.shared = match end.inherited {
+            Some((from, shared)) if from == slot => shared,
+            _ => cached,
+        }
+        .min(end.blocks);
+        let own = u64::from(end.own());
         if let Some(r) = self.resident.get_mut(slot as usize) {
             r.sessions += 1;
-            r.blocks += blocks;
+            r.blocks += own;
         }
     }
 
@@ -306,7 +331,8 @@ impl Continuations {
         self.outlook(now).successors
     }
 
-    /// `replica`'s resident sessions and the blocks of their prompts.
+    /// `replica`'s resident sessions and their own blocks (their prompts beyond what they share
+    /// with the sessions there before them).
     pub fn resident(&self, replica: &str) -> (u64, u64) {
         self.replicas
             .get(replica)
@@ -530,7 +556,7 @@ mod tests {
         for m in 0..20u64 {
             let now = t0 + Duration::from_secs(m);
             assert!(c.observe(&keys(&[1, 2, 100 + m]), now).is_none());
-            c.place(RouterKey(100 + m), "a");
+            c.place(RouterKey(100 + m), "a", 0);
         }
         let later = judge_all(&mut c, t0 + Duration::from_secs(20));
         assert_eq!(c.expected_successors(later), 0.0);
@@ -544,6 +570,36 @@ mod tests {
     }
 
     #[test]
+    fn sessions_sharing_a_system_prompt_count_it_once() {
+        let mut c = Continuations::new(1_000, 1e9);
+        let t0 = Instant::now();
+        let system: Vec<u64> = (1..=6).collect();
+        let with = |own: &[u64]| -> Vec<u64> { system.iter().chain(own).copied().collect() };
+        // The first session brings the system prompt (6 blocks) and 4 of its own: 10 there.
+        c.observe(&keys(&with(&[7, 8, 9, 10])), t0);
+        c.place(RouterKey(10), "a", 0);
+        assert_eq!(c.resident("a"), (1, 10));
+        // The second finds the system prompt cached there: only its 3 own blocks count.
+        c.observe(&keys(&with(&[20, 21, 22])), t0);
+        c.place(RouterKey(22), "a", 6);
+        assert_eq!(c.resident("a"), (2, 13));
+        // Its next turn there hits its own earlier turn too (9 cached), yet still shares only the
+        // system prompt: its footprint is its 5 own blocks.
+        let t1 = t0 + Duration::from_secs(1);
+        assert!(c.observe(&keys(&with(&[20, 21, 22, 23, 24])), t1).is_some());
+        c.place(RouterKey(24), "a", 9);
+        assert_eq!(c.resident("a"), (2, 15));
+        // Moved to a replica holding nothing of it, the session's whole prompt is its own.
+        let t2 = t1 + Duration::from_secs(1);
+        assert!(c
+            .observe(&keys(&with(&[20, 21, 22, 23, 24, 25, 26])), t2)
+            .is_some());
+        c.place(RouterKey(26), "b", 0);
+        assert_eq!(c.resident("a"), (1, 10));
+        assert_eq!(c.resident("b"), (1, 13));
+    }
+
+    #[test]
     fn resident_sessions_follow_their_last_turn_until_judged() {
         let mut c = Continuations::new(1_000, 1e9);
         let t0 = Instant::now();
@@ -552,7 +608,7 @@ mod tests {
             let i = i as u64;
             let prompt: Vec<u64> = (0..3 + i).map(|k| 100 * (i + 1) + k).collect();
             assert!(c.observe(&keys(&prompt), t0).is_none());
-            c.place(RouterKey(*prompt.last().expect("keys")), r);
+            c.place(RouterKey(*prompt.last().expect("keys")), r, 0);
         }
         assert_eq!(c.resident("a"), (3, 12));
         assert_eq!(c.resident("b"), (1, 6));
@@ -560,11 +616,11 @@ mod tests {
         // The first session's next turn (two more blocks) goes to "b": it leaves "a".
         let t1 = t0 + Duration::from_secs(1);
         assert!(c.observe(&keys(&[100, 101, 102, 103, 104]), t1).is_some());
-        c.place(RouterKey(104), "b");
+        c.place(RouterKey(104), "b", 0);
         assert_eq!(c.resident("a"), (2, 9));
         assert_eq!(c.resident("b"), (2, 11));
         // Placing twice counts once.
-        c.place(RouterKey(104), "a");
+        c.place(RouterKey(104), "a", 0);
         assert_eq!(c.resident("b"), (2, 11));
         // A gap of 1 s was seen: four gaps later every prompt is judged, none stays resident.
         c.observe(&[], t1 + Duration::from_secs(5));
@@ -582,14 +638,14 @@ mod tests {
             continues: None,
         };
         c.observe_peer(&first, t0);
-        c.place(RouterKey(first.last_key), "a");
+        c.place(RouterKey(first.last_key), "a", 0);
         assert_eq!(c.resident("a"), (1, 4));
         // Its next turn reaches this gateway: a continuation of the peer's prompt, not a chain's
         // first; the session leaves "a" for wherever this turn goes.
         let t1 = t0 + Duration::from_secs(1);
         let turn = keys(&[0, 1, 2, 3, 4, 5]);
         assert_eq!(c.observe(&turn, t1), Some(RouterKey(3)));
-        c.place(RouterKey(5), "b");
+        c.place(RouterKey(5), "b", 0);
         assert_eq!((c.resident("a"), c.resident("b")), ((0, 0), (1, 6)));
         // The peer routes the turn after (it found this gateway's prompt, key 5): "b" is left.
         let third = SharedPrompt {
@@ -598,7 +654,7 @@ mod tests {
             continues: Some(5),
         };
         c.observe_peer(&third, t1 + Duration::from_secs(1));
-        c.place(RouterKey(7), "c");
+        c.place(RouterKey(7), "c", 0);
         assert_eq!((c.resident("b"), c.resident("c")), ((0, 0), (1, 8)));
         // A peer's continuation of a prompt not remembered here starts a chain here.
         let orphan = SharedPrompt {
@@ -607,7 +663,7 @@ mod tests {
             continues: Some(98),
         };
         c.observe_peer(&orphan, t1 + Duration::from_secs(1));
-        c.place(RouterKey(99), "a");
+        c.place(RouterKey(99), "a", 0);
         assert_eq!(c.resident("a"), (1, 2));
         // Two continuations in a chain of three were seen: the deepest request had two before it.
         assert_eq!(c.deepest, 2);
@@ -618,13 +674,13 @@ mod tests {
         let mut c = Continuations::new(100_000, 1e9);
         let t0 = Instant::now();
         c.observe(&keys(&[1]), t0);
-        c.place(RouterKey(1), "kept");
+        c.place(RouterKey(1), "kept", 0);
         // Thousands of replicas come and go by name; each session there is continued a second
         // later (so nothing is judged yet: the mean gap is 1 s).
         for i in 0..(MAX_REPLICA_SLOTS as u64 + 1_000) {
             let k = 10 + 2 * i;
             c.observe(&keys(&[k]), t0);
-            c.place(RouterKey(k), &format!("r{i}"));
+            c.place(RouterKey(k), &format!("r{i}"), 0);
             c.observe(&keys(&[k, k + 1]), t0 + Duration::from_secs(1));
         }
         assert!(
@@ -646,7 +702,7 @@ mod tests {
         let now = Instant::now();
         for k in 0..10u64 {
             c.observe(&keys(&[k]), now);
-            c.place(RouterKey(k), "a");
+            c.place(RouterKey(k), "a", 0);
         }
         assert_eq!((c.order.len(), c.ends.len()), (3, 3));
         assert!(c.unjudged.len() <= 4, "{}", c.unjudged.len());

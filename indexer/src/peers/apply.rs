@@ -110,7 +110,7 @@ fn routed(
         // A session the peer placed: its turns and footprint count here as if placed here.
         let mut continuations = lock(&model.continuations);
         continuations.observe_peer(prompt, now);
-        continuations.place(RouterKey(prompt.last_key), &replica.name);
+        continuations.place(RouterKey(prompt.last_key), &replica.name, d.skip);
     }
     replica.count_routed_prefill(
         state.config.inflight.recent_work_window_s,
