@@ -123,6 +123,22 @@ impl SimLatency {
     }
 }
 
+#[cfg(test)]
+impl SimLatency {
+    /// A model for tests: 1,000 tokens/s and 5 ms per 100-token chunk, so that
+    /// `idle_ttft_ms(x) = 5 * ceil(x / 100) + x`.
+    pub(crate) fn round_numbers() -> Self {
+        SimLatency {
+            prefill_tokens_per_s: 1_000.0,
+            decode_step_ms: 5.0,
+            decode_ms_per_seq: 0.0,
+            max_num_batched_tokens: 100,
+            source: "test".into(),
+            from_replica: false,
+        }
+    }
+}
+
 /// The ideal TTFT percentiles of a workload, model ms.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct IdealBound {
@@ -136,16 +152,25 @@ pub struct IdealBound {
     pub source: String,
 }
 
+impl IdealBound {
+    /// The percentiles of `ttfts` (model ms, any order), priced with `model`; `None` when empty.
+    pub fn of(mut ttfts: Vec<f64>, model: &SimLatency) -> Option<Self> {
+        ttfts.sort_by(f64::total_cmp);
+        Some(IdealBound {
+            p50_ms: percentile(&ttfts, 50.0)?,
+            p90_ms: percentile(&ttfts, 90.0)?,
+            p99_ms: percentile(&ttfts, 99.0)?,
+            source: model.source.clone(),
+        })
+    }
+}
+
 /// The bound for requests that must compute `uncached` tokens each (one entry per request).
 pub fn bound(uncached: &[u64], model: &SimLatency) -> Option<IdealBound> {
-    let mut ttfts: Vec<f64> = uncached.iter().map(|&u| model.idle_ttft_ms(u)).collect();
-    ttfts.sort_by(f64::total_cmp);
-    Some(IdealBound {
-        p50_ms: percentile(&ttfts, 50.0)?,
-        p90_ms: percentile(&ttfts, 90.0)?,
-        p99_ms: percentile(&ttfts, 99.0)?,
-        source: model.source.clone(),
-    })
+    IdealBound::of(
+        uncached.iter().map(|&u| model.idle_ttft_ms(u)).collect(),
+        model,
+    )
 }
 
 #[cfg(test)]
@@ -237,14 +262,7 @@ mod tests {
             .map(|(r, h)| r.num_tokens() as u64 - h)
             .collect();
         assert_eq!(uncached, [48, 32, 160]);
-        let m = SimLatency {
-            prefill_tokens_per_s: 1_000.0,
-            decode_step_ms: 5.0,
-            decode_ms_per_seq: 0.0,
-            max_num_batched_tokens: 100,
-            source: "test".into(),
-            from_replica: false,
-        };
+        let m = SimLatency::round_numbers();
         // 48 -> 5 + 48 = 53; 32 -> 37; 160 -> two chunks: 10 + 160 = 170.
         let b = bound(&uncached, &m).expect("bound");
         // Sorted 37, 53, 170; percentiles interpolate between ranks.

@@ -13,7 +13,6 @@
 use super::ideal::{IdealBound, SimLatency};
 use super::policies::{block_keys, usable_blocks, LruBlocks};
 use super::workloads::Workload;
-use crate::stats::percentile;
 
 /// One replica of the oracle's fleet.
 struct Replica {
@@ -74,13 +73,7 @@ pub fn greedy_oracle(
         replica.cache.touch_all(&keys);
         ttfts.push(ttft);
     }
-    ttfts.sort_by(f64::total_cmp);
-    Some(IdealBound {
-        p50_ms: percentile(&ttfts, 50.0)?,
-        p90_ms: percentile(&ttfts, 90.0)?,
-        p99_ms: percentile(&ttfts, 99.0)?,
-        source: model.source.clone(),
-    })
+    IdealBound::of(ttfts, model)
 }
 
 #[cfg(test)]
@@ -88,16 +81,9 @@ mod tests {
     use super::super::workloads::{workload_of, Segment};
     use super::*;
 
-    /// 1,000 tokens/s, 5 ms per 100-token chunk: `idle_ttft(x) = 5 * ceil(x / 100) + x` ms.
+    /// `idle_ttft(x) = 5 * ceil(x / 100) + x` ms.
     fn model() -> SimLatency {
-        SimLatency {
-            prefill_tokens_per_s: 1_000.0,
-            decode_step_ms: 5.0,
-            decode_ms_per_seq: 0.0,
-            max_num_batched_tokens: 100,
-            source: "test".into(),
-            from_replica: false,
-        }
+        SimLatency::round_numbers()
     }
 
     /// A = 96 tokens (6 blocks) at 0 ms; A + 32 at 10 ms; A + another 32 at 20 ms.
