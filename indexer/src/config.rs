@@ -966,7 +966,7 @@ pub struct InflightConfig {
     #[serde(default = "default_recent_work_window_s")]
     pub recent_work_window_s: f64,
     /// Prompts remembered per model to recognise a request continuing one (default 65,536:
-    /// about 1.5 MiB).
+    /// about 7 MiB, ~110 bytes each with their map slot and queue entries).
     #[serde(default = "default_max_tracked_prompts")]
     pub max_tracked_prompts: usize,
 }

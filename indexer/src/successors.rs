@@ -570,6 +570,16 @@ mod tests {
     }
 
     #[test]
+    fn a_remembered_prompt_stays_within_its_documented_size() {
+        // `inflight.max_tracked_prompts` is documented at ~110 bytes a prompt: the entry, its
+        // hash-map slot (key and control byte at 7/8 load) and its places in the two queues.
+        let entry = std::mem::size_of::<(u64, End)>() + 1;
+        let per_prompt =
+            entry * 8 / 7 + std::mem::size_of::<u64>() + std::mem::size_of::<(u64, Instant)>();
+        assert!(per_prompt <= 110, "{per_prompt} bytes a prompt");
+    }
+
+    #[test]
     fn sessions_sharing_a_system_prompt_count_it_once() {
         let mut c = Continuations::new(1_000, 1e9);
         let t0 = Instant::now();
