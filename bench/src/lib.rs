@@ -1122,14 +1122,14 @@ fn print_line(s: &RunSummary) {
         s.wall_s
     );
     for (name, bound) in [
-        ("ideal", &s.ideal),
+        ("ideal", s.ideal.as_ref()),
         (
             "ideal with the fleet's KV as one LRU cache,",
-            &s.ideal_fleet_kv,
+            s.ideal_fleet_kv.as_ref(),
         ),
         (
             "greedy oracle on the fleet's separate caches,",
-            &s.greedy_oracle,
+            s.greedy_oracle.as_ref().map(|o| &o.ttft),
         ),
     ] {
         if let (Some(i), Some(p90), Some(p99)) = (bound, s.ttft_p90_ms, s.ttft_p99_ms) {
@@ -1157,6 +1157,18 @@ fn print_line(s: &RunSummary) {
             })
             .collect();
         println!("      speeds: {}", line.join("; "));
+        if let Some(o) = &s.greedy_oracle {
+            let shares: Vec<String> = o
+                .prefill_shares
+                .iter()
+                .enumerate()
+                .map(|(i, p)| format!("r{i} {:.0} %", p * 100.0))
+                .collect();
+            println!(
+                "      greedy oracle's prefill shares: {}",
+                shares.join(", ")
+            );
+        }
     }
     if let Some(so) = &s.scale_out {
         println!(

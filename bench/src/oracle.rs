@@ -10,9 +10,20 @@
 //! and takes [`SimLatency::idle_ttft_ms`] for what that replica has not cached, divided by the
 //! replica's speed. Ties go to the longer hit, then to the lower index.
 
+use serde::Serialize;
+
 use super::ideal::{IdealBound, SimLatency};
 use super::policies::{block_keys, usable_blocks, LruBlocks};
 use super::workloads::Workload;
+
+/// What the greedy oracle reached on a workload.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GreedyOracle {
+    /// Its TTFT percentiles.
+    pub ttft: IdealBound,
+    /// Each replica's share of the prompt tokens computed (the prefill work it placed there).
+    pub prefill_shares: Vec<f64>,
+}
 
 /// One replica of the oracle's fleet.
 struct Replica {
@@ -20,10 +31,12 @@ struct Replica {
     speed: f64,
     /// When its last placed prefill ends, model ms.
     free_at_ms: f64,
+    /// Prompt tokens it computed.
+    computed: u64,
 }
 
-/// The oracle's TTFT percentiles for `workload` on `speeds.len()` replicas of `blocks` KV
-/// blocks of `block_size` tokens each (`speeds` in the simulator's `--speed` sense); `None`
+/// The oracle's TTFTs and prefill shares for `workload` on `speeds.len()` replicas of `blocks`
+/// KV blocks of `block_size` tokens each (`speeds` in the simulator's `--speed` sense); `None`
 /// without requests or replicas.
 pub fn greedy_oracle(
     workload: &Workload,
@@ -31,7 +44,7 @@ pub fn greedy_oracle(
     blocks: usize,
     speeds: &[f64],
     model: &SimLatency,
-) -> Option<IdealBound> {
+) -> Option<GreedyOracle> {
     let mut fleet: Vec<Replica> = speeds
         .iter()
         .map(|&speed| Replica {
@@ -42,6 +55,7 @@ pub fn greedy_oracle(
                 1.0
             },
             free_at_ms: f64::NEG_INFINITY,
+            computed: 0,
         })
         .collect();
     if fleet.is_empty() {
@@ -53,27 +67,35 @@ pub fn greedy_oracle(
         let keys = block_keys(&request.tokens(), bs);
         let usable = usable_blocks(request, bs);
         let prompt = request.num_tokens() as u64;
-        // (ttft, hit blocks, index) of the best replica so far.
-        let mut best: Option<(f64, usize, usize)> = None;
+        // (ttft, hit blocks, index, uncached tokens) of the best replica so far.
+        let mut best: Option<(f64, usize, usize, u64)> = None;
         for (index, replica) in fleet.iter().enumerate() {
             let hit = replica.cache.cached_prefix(&keys, usable);
             let uncached = prompt.saturating_sub((hit * bs) as u64);
             let wait = (replica.free_at_ms - request.at_ms).max(0.0);
             let ttft = wait + model.idle_ttft_ms(uncached) / replica.speed;
-            let better = best.is_none_or(|(t, h, _)| {
+            let better = best.is_none_or(|(t, h, _, _)| {
                 ttft.total_cmp(&t).then(h.cmp(&hit)) == std::cmp::Ordering::Less
             });
             if better {
-                best = Some((ttft, hit, index));
+                best = Some((ttft, hit, index, uncached));
             }
         }
-        let (ttft, _, index) = best?;
+        let (ttft, _, index, uncached) = best?;
         let replica = &mut fleet[index];
         replica.free_at_ms = request.at_ms + ttft;
+        replica.computed += uncached;
         replica.cache.touch_all(&keys);
         ttfts.push(ttft);
     }
-    IdealBound::of(ttfts, model)
+    let computed: u64 = fleet.iter().map(|r| r.computed).sum();
+    Some(GreedyOracle {
+        ttft: IdealBound::of(ttfts, model)?,
+        prefill_shares: fleet
+            .iter()
+            .map(|r| r.computed as f64 / computed.max(1) as f64)
+            .collect(),
+    })
 }
 
 #[cfg(test)]
@@ -109,16 +131,22 @@ mod tests {
         // r0 takes A (101 ms, free at 101). The second finds A's 6 blocks there: wait 91 +
         // 37 = 128 against 138 cold on r1, so r0 (free at 138). The third would wait 118 + 37 on
         // r0 and takes r1 cold: 138. TTFTs 101, 128, 138.
-        let b = greedy_oracle(&workload(), 16, 1_000, &[1.0, 1.0], &model()).expect("oracle");
+        let o = greedy_oracle(&workload(), 16, 1_000, &[1.0, 1.0], &model()).expect("oracle");
+        let b = &o.ttft;
         assert_eq!(b.p50_ms, 128.0);
         assert!((b.p90_ms - (0.2 * 128.0 + 0.8 * 138.0)).abs() < 1e-9);
+        // r0 computed 96 + 32 tokens, r1 all 128 of the third.
+        assert_eq!(o.prefill_shares, [0.5, 0.5]);
     }
 
     #[test]
     fn a_slow_replica_prefills_at_its_speed() {
         // r1 at half speed: the third request's cold 138 ms become 276, so it waits on r0 (155).
-        let b = greedy_oracle(&workload(), 16, 1_000, &[1.0, 0.5], &model()).expect("oracle");
-        assert_eq!(p50_p90(&b).0, 128.0);
+        let o = greedy_oracle(&workload(), 16, 1_000, &[1.0, 0.5], &model()).expect("oracle");
+        let b = &o.ttft;
+        assert_eq!(p50_p90(b).0, 128.0);
+        // Everything on r0: 96 + 32 + 32 tokens.
+        assert_eq!(o.prefill_shares, [1.0, 0.0]);
         assert!((b.p99_ms - (0.02 * 128.0 + 0.98 * 155.0)).abs() < 1e-9);
     }
 
@@ -127,8 +155,8 @@ mod tests {
         // Four blocks per replica: r0 keeps A's last four, so A's first block is gone and the
         // second request is cold everywhere: r1 at once (138 ms, free at 148); the third is cold
         // everywhere too: 81 + 138 on r0 against 128 + 138 on r1, so 219. TTFTs 101, 138, 219.
-        let b = greedy_oracle(&workload(), 16, 4, &[1.0, 1.0], &model()).expect("oracle");
-        assert_eq!(p50_p90(&b), (138.0, 0.2 * 138.0 + 0.8 * 219.0));
+        let o = greedy_oracle(&workload(), 16, 4, &[1.0, 1.0], &model()).expect("oracle");
+        assert_eq!(p50_p90(&o.ttft), (138.0, 0.2 * 138.0 + 0.8 * 219.0));
         assert!(greedy_oracle(&workload(), 16, 4, &[], &model()).is_none());
     }
 }

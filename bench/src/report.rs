@@ -357,7 +357,7 @@ pub fn ideal_table(w: &WorkloadResults) -> Option<String> {
     for r in &w.runs {
         let Some(i) = &r.ideal else { continue };
         let fleet = r.ideal_fleet_kv.as_ref();
-        let oracle = r.greedy_oracle.as_ref();
+        let oracle = r.greedy_oracle.as_ref().map(|o| &o.ttft);
         let _ = writeln!(
             out,
             "| {} | {} | {} | {} | {} | {} / {} | {} | {} / {} | {} |",
@@ -386,7 +386,7 @@ pub fn shares_table(w: &WorkloadResults) -> Option<String> {
     let mut out = String::new();
     table_start(
         &mut out,
-        "Replica speeds (`--replica-speeds`): each replica's share of the finished requests and of the prefill work (prompt tokens it computed: queried minus hit) against its share of the capacity (speed / total speed).",
+        "Replica speeds (`--replica-speeds`): each replica's share of the finished requests and of the prefill work (prompt tokens it computed: queried minus hit) against its share of the capacity (speed / total speed), and the prefill share the greedy oracle gave it on the same workload.",
         &[
             "fleet",
             "load",
@@ -396,13 +396,19 @@ pub fn shares_table(w: &WorkloadResults) -> Option<String> {
             "capacity share",
             "request share",
             "prefill share",
+            "greedy oracle's prefill share",
         ],
     );
     for r in &w.runs {
         for (i, s) in r.replica_shares.iter().flatten().enumerate() {
+            let oracle = r
+                .greedy_oracle
+                .as_ref()
+                .and_then(|o| o.prefill_shares.get(i))
+                .map_or_else(|| "-".to_string(), |&p| pct(p));
             let _ = writeln!(
                 out,
-                "| {} | r{i} | {} | {} | {} | {} |",
+                "| {} | r{i} | {} | {} | {} | {} | {oracle} |",
                 run_cells(r),
                 s.speed,
                 pct(s.capacity_share),

@@ -82,7 +82,7 @@ pub struct RunSummary {
     /// The greedy oracle's TTFTs on the fleet's separate caches ([`super::oracle`]; none with
     /// a replica joining late).
     #[serde(default)]
-    pub greedy_oracle: Option<super::ideal::IdealBound>,
+    pub greedy_oracle: Option<super::oracle::GreedyOracle>,
     /// The late replica's uptake (`--scale-out-at`).
     pub scale_out: Option<super::scaleout::ScaleOut>,
     /// What `kvroute-indexer assess` reported over the run (the `shadow` line only).
