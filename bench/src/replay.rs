@@ -300,13 +300,9 @@ impl StreamTally {
                 self.last = Some(at);
             }
         }
-        if let Some(ttft) = chunk.pointer("/kvroute_sim/ttft_s").and_then(Value::as_f64) {
-            self.engine_ttft_s = Some(ttft);
-        }
-        if let Some(e2e) = chunk.pointer("/kvroute_sim/e2e_s").and_then(Value::as_f64) {
-            self.engine_e2e_s = Some(e2e);
-        }
         if let Some(sim) = chunk.get("kvroute_sim") {
+            self.engine_ttft_s = sim.get("ttft_s").and_then(Value::as_f64);
+            self.engine_e2e_s = sim.get("e2e_s").and_then(Value::as_f64);
             self.engine_queue_s = sim.get("queue_s").and_then(Value::as_f64);
             self.engine_prefill_s = sim.get("prefill_s").and_then(Value::as_f64);
             self.replica_port = sim
